@@ -1,0 +1,126 @@
+"""Registry of input distributions for Q, K, V.
+
+Exposed: ``AttnShape``, ``register``, ``get``, ``available``, ``generate``.
+
+A distribution is a function ``fn(shape, seed, **params) -> (q, k, v)`` returning float64
+tensors laid out (batch, heads, seqlen, head_dim) for Q and (batch, kv_heads, seqlen,
+head_dim) for K and V. It draws from an explicit ``torch.Generator`` seeded with ``seed``
+so that a (distribution, params, seed) triple always gives the same tensors on every
+machine (generation happens on the CPU in float64; callers move the result).
+
+Add a family as one module in this package that calls ``register``; the modules listed in
+``_BUILTIN`` are imported on first use. Third-party families can register from anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable, Protocol
+
+import torch
+
+from ..errors import UsageError, require
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnShape:
+    """Shape of one attention problem. K and V have ``kv_heads`` heads (GQA when fewer)."""
+
+    batch: int
+    heads: int
+    seqlen: int
+    head_dim: int
+    kv_heads: int | None = None
+    seqlen_k: int | None = None
+
+    def __post_init__(self):
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.seqlen_k is None:
+            object.__setattr__(self, "seqlen_k", self.seqlen)
+        for f in ("batch", "heads", "seqlen", "head_dim", "kv_heads", "seqlen_k"):
+            require(getattr(self, f) >= 1, f"{f} must be a positive integer, got {getattr(self, f)}")
+        require(
+            self.heads % self.kv_heads == 0,
+            f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads}) for GQA",
+        )
+
+    @property
+    def q_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.heads, self.seqlen, self.head_dim)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.kv_heads, self.seqlen_k, self.head_dim)
+
+
+class Distribution(Protocol):
+    def __call__(self, shape: AttnShape, seed: int, **params) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    name: str
+    fn: Distribution
+    description: str
+    # name -> (default, help); the CLI and dataset coordinates read these.
+    params: dict[str, tuple[float, str]]
+    validate: Callable[[dict], None] | None = None
+
+
+_REGISTRY: dict[str, Entry] = {}
+_BUILTIN = ("paper",)
+_loaded = False
+
+
+def register(name: str, *, description: str, params: dict[str, tuple[float, str]] | None = None,
+             validate: Callable[[dict], None] | None = None):
+    """Decorator: register ``fn`` under ``name`` with its parameters' defaults and help."""
+
+    def deco(fn):
+        _REGISTRY[name] = Entry(name, fn, description, dict(params or {}), validate)
+        return fn
+
+    return deco
+
+
+def _load_builtin():
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for mod in _BUILTIN:
+            importlib.import_module(f"{__name__}.{mod}")
+
+
+def available() -> dict[str, Entry]:
+    _load_builtin()
+    return dict(_REGISTRY)
+
+
+def get(name: str) -> Entry:
+    _load_builtin()
+    # "captured:FILE" style names: the prefix selects the family, the rest is its argument.
+    key = name.split(":", 1)[0] + ":" if ":" in name else name
+    if key in _REGISTRY:
+        return _REGISTRY[key]
+    raise UsageError(f"unknown distribution {name!r}; choose one of: {', '.join(sorted(_REGISTRY))}")
+
+
+def generate(name: str, shape: AttnShape, seed: int, **params) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw (q, k, v) in float64 on the CPU. Unknown parameters are refused."""
+    entry = get(name)
+    unknown = set(params) - set(entry.params)
+    require(not unknown, f"distribution {entry.name!r} takes no parameter {sorted(unknown)}; it takes {sorted(entry.params)}")
+    full = {k: v[0] for k, v in entry.params.items()} | params
+    if entry.validate is not None:
+        entry.validate(full)
+    if ":" in name:
+        full["arg"] = name.split(":", 1)[1]
+    return entry.fn(shape, seed, **full)
+
+
+def generator(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(int(seed))
+    return g

@@ -1,0 +1,41 @@
+"""The FA3 paper's outlier distribution: every entry is N(0,1) + N(0, sigma^2) * Bernoulli(p).
+
+Section 4.3 of Shah et al. (2024) uses p = 0.001 and sigma = 10 for Q, K and V alike.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import AttnShape, generator, register
+from ..errors import require
+
+
+def _validate(params: dict) -> None:
+    p, sigma = params["p"], params["sigma"]
+    require(0.0 <= p <= 1.0 and math.isfinite(p), f"--p must lie in [0, 1] (a probability), got {p}")
+    require(sigma >= 0.0 and math.isfinite(sigma), f"--sigma must be a finite number >= 0, got {sigma}")
+
+
+def outliers_like(shape: tuple[int, ...], g: torch.Generator, p: float, sigma: float) -> torch.Tensor:
+    base = torch.randn(shape, generator=g, dtype=torch.float64)
+    spike = torch.randn(shape, generator=g, dtype=torch.float64) * sigma
+    mask = torch.rand(shape, generator=g, dtype=torch.float64) < p
+    return base + spike * mask
+
+
+@register(
+    "outliers",
+    description="N(0,1) + N(0, sigma^2) * Bernoulli(p) on every entry of Q, K and V (FA3 paper, sec. 4.3)",
+    params={"p": (0.001, "probability that an entry carries an outlier term"),
+            "sigma": (10.0, "standard deviation of the outlier term")},
+    validate=_validate,
+)
+def paper_outliers(shape: AttnShape, seed: int, *, p: float, sigma: float):
+    g = generator(seed)
+    q = outliers_like(shape.q_shape, g, p, sigma)
+    k = outliers_like(shape.kv_shape, g, p, sigma)
+    v = outliers_like(shape.kv_shape, g, p, sigma)
+    return q, k, v

@@ -1,0 +1,222 @@
+"""Kernel-faithful emulation of FP8 (and FP16) attention forward passes.
+
+Exposed: ``emulate``, ``Prepared``, ``prepare``.
+
+``prepare`` rotates and quantizes full Q, K, V (so that per-tensor and per-block scales see
+every row, exactly as a caller of the kernel computes them); ``emulate`` then runs the
+chosen algorithm for a subset of query rows. Every query row of attention is independent
+given the quantized K and V, so evaluating a random subset of rows gives the exact outputs
+of those rows at a fraction of the cost.
+
+The ``flash`` algorithm follows the FA3 FP8 forward kernel (Dao-AILab/flash-attention,
+hopper/; BRIEF section 3): KV tiles of kBlockN keys visited last to first; the running max
+is updated with the current tile before exponentiating; P~ = exp2(S * scale_log2 -
+(m * scale_log2 - offset)) computed as one fused multiply-add, so P~ lies in [0, 2^offset];
+the row sum is taken over FP32 P~ before P~ is cast (round to nearest even, saturating);
+O is rescaled in FP32 between tiles; q and k descales fold into scale_log2 and the v
+descale multiplies O once at the end; the output is rounded to BF16 (FP8 in) or FP16.
+
+The ``standard`` algorithm materialises S and P as plain PyTorch attention does, in the
+recipe's S and softmax formats (the Table 3 baselines).
+
+All matmuls are float32 with TF32 off; where the kernel fuses a multiply and an add the
+emulator evaluates it in float64 and rounds once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .accumulators import get_accumulator
+from .formats import get_format, quantize_dequantize
+from .granularity import PerHead
+from .quant import Quantized, quantize
+from .recipe import Recipe
+from .reference import causal_mask, expand_kv
+from .rotation import make_rotation
+
+LOG2E = math.log2(math.e)
+# Elements of one materialised S chunk in the standard algorithm; bounds its memory.
+_STD_CHUNK_ELEMS = 1 << 22
+
+
+def _no_tf32():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+
+@dataclasses.dataclass
+class Prepared:
+    """Q, K, V after rotation and quantization, with their descales; K/V already GQA-expanded."""
+
+    q: Quantized
+    k: Quantized
+    v: Quantized
+    heads: int
+    seqlen_q: int
+    seqlen_k: int
+    block_m: int
+    block_n: int
+
+
+def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_index: torch.Tensor,
+            rotation_seed: int = 0, causal: bool = False, cache: dict | None = None) -> Prepared:
+    """Rotate and quantize. Scales see every row of Q; only the rows in ``q_index`` are kept.
+
+    ``cache`` (a dict the caller keeps for one set of inputs) shares rotated and quantized
+    tensors between recipes that agree on them, e.g. V between all FP8 recipes.
+    """
+    cache = {} if cache is None else cache
+    b, h, n, d = q.shape
+    hkv = k.shape[1]
+    bm, bn = recipe.tiles(d, causal)
+    g = recipe.gran
+
+    def memo(key, fn):
+        if key not in cache:
+            cache[key] = fn()
+        return cache[key]
+
+    rot = make_rotation(recipe.rot, d, rotation_seed)
+    rq = lambda: memo(("rot", "q", recipe.rot, rotation_seed), lambda: rot.apply(q.to(torch.float64)))  # noqa: E731
+    rk = lambda: memo(("rot", "k", recipe.rot, rotation_seed), lambda: rot.apply(k.to(torch.float64)))  # noqa: E731
+    # One Q descale per (batch, kv-head) group: the shape the kernel's q_descale takes.
+    group = h // hkv if isinstance(g, PerHead) else 1
+
+    def expand(t: Quantized) -> Quantized:
+        # Values go to float32 once here (exact for every narrow format) rather than per tile.
+        ex = lambda x: expand_kv(x, h) if x.shape[1] not in (1, h) else x  # noqa: E731
+        return Quantized(ex(t.values.to(torch.float32)), ex(t.descale), t.fmt)
+
+    qkey = (recipe.rot, rotation_seed, recipe.qk, g, recipe.pow2, bm, group, q_index.numel())
+    qq = memo(("q",) + qkey, lambda: quantize(rq(), recipe.qk, g, block_rows=bm, group=group,
+                                                 pow2=recipe.pow2, rows=q_index))
+    kq = memo(("k", recipe.rot, rotation_seed, recipe.qk, g, recipe.pow2, bn),
+              lambda: expand(quantize(rk(), recipe.qk, g, block_rows=bn, pow2=recipe.pow2)))
+    vq = memo(("v", recipe.v, g, recipe.pow2, bn),
+              lambda: expand(quantize(v, recipe.v, g, block_rows=bn, pow2=recipe.pow2)))
+    return Prepared(qq, kq, vq, h, n, k.shape[2], bm, bn)
+
+
+def emulate(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+            softmax_scale: float | None = None, q_index: torch.Tensor | None = None, rotation_seed: int = 0,
+            cache: dict | None = None) -> torch.Tensor:
+    """Attention output for the query rows ``q_index``: [B, H, R, Dv], float64 holding values
+    of the output format. Pass the same ``cache`` for several recipes on the same inputs."""
+    _no_tf32()
+    d = q.shape[-1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    if q_index is None:
+        q_index = torch.arange(q.shape[2], device=q.device)
+    pre = prepare(recipe, q, k, v, q_index=q_index, rotation_seed=rotation_seed, causal=causal, cache=cache)
+    if recipe.algo == "flash":
+        return _flash(recipe, pre, q_index, causal, scale)
+    return _standard(recipe, pre, q_index, causal, scale)
+
+
+def _uniform_per_head(t: torch.Tensor) -> bool:
+    return t.shape[2] == 1
+
+
+def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    dev = pre.q.values.device
+    qv = pre.q.values.to(torch.float32)
+    qd = pre.q.descale
+    kv, kd = pre.k.values, pre.k.descale
+    vv, vd = pre.v.values, pre.v.descale
+    b, h, r, _ = qv.shape
+    nk = pre.seqlen_k
+    accumulate = get_accumulator(recipe.acc)
+    p_fmt = get_format(recipe.p)
+    offset = float(recipe.p_offset)
+    # Per-(batch, head) descales fold into scale_log2 as the kernel does; per-row or
+    # per-key descales (block, token) multiply S element-wise before the max.
+    fold = _uniform_per_head(qd) and _uniform_per_head(kd)
+    scale_log2 = torch.tensor(scale * LOG2E, dtype=torch.float32, device=dev)
+    if fold:
+        scale_log2 = (scale_log2 * qd * kd).to(torch.float32)  # [B|1, H|1, 1, 1]
+    v_end = vd if _uniform_per_head(vd) else None
+
+    m = torch.full((b, h, r, 1), -math.inf, dtype=torch.float32, device=dev)
+    row_sum = torch.zeros((b, h, r, 1), dtype=torch.float32, device=dev)
+    acc = torch.zeros((b, h, r, vv.shape[-1]), dtype=torch.float32, device=dev)
+    n_tiles = -(-nk // pre.block_n)
+    tiles = range(n_tiles - 1, -1, -1) if recipe.order == "reverse" else range(n_tiles)
+    for t in tiles:
+        s0, s1 = t * pre.block_n, min(nk, (t + 1) * pre.block_n)
+        k_t = kv[:, :, s0:s1].to(torch.float32)
+        s = torch.matmul(qv, k_t.transpose(-1, -2))
+        if not fold:
+            s = s * (qd * _rows_k(kd, s0, s1).transpose(-1, -2) * scale_log2).to(torch.float32)
+        if causal:
+            vis = causal_mask(q_index, s0, s1, pre.seqlen_q, nk)
+            s = s.masked_fill(~vis, -math.inf)
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        mult = scale_log2 if fold else torch.ones((), dtype=torch.float32, device=dev)
+        # The kernel uses 0 in place of a -inf max so fully masked rows give exp2(-inf) = 0.
+        finite = torch.isfinite(m_new)
+        max_scaled = torch.where(finite, m_new * mult - offset, torch.zeros_like(m_new)).to(torch.float32)
+        p = torch.exp2(torch.addcmul(-max_scaled.double(), s.double(), mult.double()).to(torch.float32))
+        rescale = torch.where(torch.isfinite(m), torch.exp2((m - m_new) * mult), torch.zeros_like(m))
+        rescale = torch.where(finite, rescale, torch.ones_like(rescale))
+        row_sum = row_sum * rescale + p.sum(dim=-1, keepdim=True)
+        p8 = quantize_dequantize(p, p_fmt)
+        v_t = vv[:, :, s0:s1].to(torch.float32)
+        if v_end is None:
+            v_t = v_t * _rows_k(vd, s0, s1)
+        acc = accumulate(acc, rescale, p8, v_t)
+        m = m_new
+    inv = torch.where(row_sum > 0, 1.0 / row_sum, torch.zeros_like(row_sum))
+    o = acc * inv
+    if v_end is not None:
+        o = o * v_end
+    return quantize_dequantize(o, recipe.out, torch.float64)
+
+
+def _rows_k(d: torch.Tensor, s0: int, s1: int) -> torch.Tensor:
+    return d[:, :, s0:s1] if d.shape[2] > 1 else d
+
+
+def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    dev = pre.q.values.device
+    s_fmt, sm_fmt, p_fmt = get_format(recipe.s), get_format(recipe.softmax), get_format(recipe.p)
+    kv = pre.k.values.to(torch.float32)
+    vv = pre.v.values.to(torch.float32)
+    kd, vd = pre.k.descale, pre.v.descale
+    b, h = kv.shape[:2]
+    nk = pre.seqlen_k
+    r = q_index.numel()
+    chunk = max(1, _STD_CHUNK_ELEMS // max(1, b * h * nk))
+    narrow_s = s_fmt.mbits < 23
+
+    def softmax_rows(c: int) -> torch.Tensor:
+        idx = q_index[c:c + chunk]
+        qv = pre.q.values[:, :, c:c + chunk].to(torch.float32)
+        qd = _rows_k(pre.q.descale, c, c + chunk)
+        s = torch.matmul(qv, kv.transpose(-1, -2)) * (qd * kd.transpose(-1, -2))
+        s = quantize_dequantize(s, s_fmt)
+        # A narrow S is scaled after the matmul, in its own format (a second rounding).
+        s = quantize_dequantize(s * scale, s_fmt) if narrow_s else s * scale
+        if causal:
+            s = s.masked_fill(~causal_mask(idx, 0, nk, pre.seqlen_q, nk), -math.inf)
+        return quantize_dequantize(torch.softmax(s, dim=-1), sm_fmt)
+
+    p_mult = 1.0
+    if recipe.p_scale == "tensor" and p_fmt.saturate:
+        # Per-tensor P scale needs the amax of P over every evaluated row first.
+        p_amax = max(softmax_rows(c).amax().item() for c in range(0, r, chunk))
+        p_mult = p_fmt.max / p_amax if p_amax > 0 else 1.0
+    elif recipe.p_scale == "offset":
+        p_mult = 2.0 ** recipe.p_offset if p_fmt.saturate else 1.0
+    out = torch.empty((b, h, r, vv.shape[-1]), dtype=torch.float64, device=dev)
+    v_deq = vv * vd
+    for c in range(0, r, chunk):
+        p = softmax_rows(c)
+        p8 = quantize_dequantize(p * p_mult, p_fmt)
+        o = torch.matmul(p8, v_deq) / p_mult
+        out[:, :, c:c + chunk] = quantize_dequantize(o, recipe.out, torch.float64)
+    return out

@@ -1,0 +1,64 @@
+"""Scaled quantization of Q, K, V into a narrow format.
+
+Exposed: ``Quantized``, ``amax_to_scale``, ``quantize``.
+
+Layering: ``formats`` rounds elements; ``granularity`` decides which elements share a
+scale; this module joins the two. The scale is computed in float64 (as torchao's
+``amax_to_scale`` does) and then rounded to float32, because the FA3 kernel receives its
+descales as float32 and the quantized values must be the ones that descale reproduces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .formats import Format, cast, get_format
+from .granularity import Granularity, amax
+
+
+@dataclasses.dataclass
+class Quantized:
+    """``values`` in the format's storage dtype; ``descale`` (float32) broadcasts against it,
+    so that ``values * descale`` approximates the original tensor."""
+
+    values: torch.Tensor
+    descale: torch.Tensor
+    fmt: Format
+
+    def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        return self.values.to(dtype) * self.descale.to(dtype)
+
+
+def amax_to_scale(a: torch.Tensor, fmt: Format, *, pow2: bool = False) -> torch.Tensor:
+    """descale = amax / fmt.max (float64 in, float32 out); 1 where amax is 0 or not finite.
+
+    With ``pow2`` the descale is rounded up to a power of two, so the scaling is exact and
+    no value exceeds the format's range.
+    """
+    a = a.to(torch.float64)
+    s = a / fmt.max
+    ok = torch.isfinite(s) & (s > 0)
+    s = torch.where(ok, s, torch.ones_like(s))
+    if pow2:
+        s = torch.exp2(torch.ceil(torch.log2(s)))
+    return s.to(torch.float32)
+
+
+def quantize(x: torch.Tensor, fmt: str | Format, gran: Granularity, *, block_rows: int | None = None,
+             group: int = 1, pow2: bool = False, rows: torch.Tensor | None = None) -> Quantized:
+    """Scale ``x`` (float64, [B, H, N, D]) into ``fmt`` at granularity ``gran``, saturating.
+
+    With ``rows`` (indices along N) the scales are computed from all of ``x`` but only
+    those rows are quantized and returned: evaluating a sample of query rows then costs
+    no more than the sample.
+    """
+    f = get_format(fmt)
+    pick = (lambda t: t.index_select(2, rows) if t.shape[2] > 1 else t) if rows is not None else (lambda t: t)
+    if f.dtype is None or f.name == "fp32" or not f.saturate:
+        # Wide formats (FP16/BF16/FP32) are used unscaled, as the kernels use them.
+        one = torch.ones((1, 1, 1, 1), dtype=torch.float32, device=x.device)
+        return Quantized(cast(pick(x), f) if f.dtype is not None else pick(x), one, f)
+    d = pick(amax_to_scale(amax(x, gran, block_rows=block_rows, group=group), f, pow2=pow2))
+    return Quantized(cast(pick(x).to(torch.float64) / d.to(torch.float64), f), d, f)

@@ -1,0 +1,33 @@
+"""Tile sizes (kBlockM x kBlockN) of the FA3 Hopper forward kernel, per head dim and dtype.
+
+Exposed: ``SUPPORTED_HEAD_DIMS``, ``fa3_tiles``.
+
+Facts from Dao-AILab/flash-attention hopper/tile_size.h (``tile_size_fwd_sm90``), for the
+plain case (no paged KV, no local window, no softcap, two MMA warpgroups). The tile size
+matters for the emulator twice: block quantization is aligned to it, and the order in
+which the online softmax meets the KV tiles changes the rounding.
+"""
+
+from __future__ import annotations
+
+from .errors import UsageError
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+
+# head_dim -> (kBlockM, kBlockN) for 1-byte (FP8) inputs.
+_FP8 = {64: (192, 160), 96: (192, 128), 128: (128, 224), 192: (128, 160), 256: (128, 128)}
+# head_dim -> (kBlockM, kBlockN non-causal, kBlockN causal) for 2-byte (FP16/BF16) inputs.
+_FP16 = {64: (192, 192, 128), 96: (192, 144, 144), 128: (128, 176, 128), 192: (128, 112, 112), 256: (128, 80, 80)}
+
+
+def check_head_dim(d: int) -> None:
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise UsageError(f"head dim {d} is not supported by the FA3 kernel; use one of {', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+
+
+def fa3_tiles(head_dim: int, *, fp8: bool, causal: bool = False) -> tuple[int, int]:
+    check_head_dim(head_dim)
+    if fp8:
+        return _FP8[head_dim]
+    m, n, n_causal = _FP16[head_dim]
+    return m, (n_causal if causal else n)
