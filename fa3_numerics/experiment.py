@@ -40,6 +40,8 @@ from .tiles import check_head_dim
 
 # Shape parameters that may sweep, besides the distribution's own parameters.
 SHAPE_SWEEPABLE = ("seqlen", "head_dim", "causal")
+# Log-spaced bin edges for the histogram of |Q|, |K|, |V| entries kept in every dataset.
+HIST_EDGES = np.concatenate([[0.0], np.logspace(-3, 3, 61)])
 # How the query-row sample and the rotation derive from a seed (recorded in attrs).
 ROWS_SEED = "seed * 1000003 + 17"
 
@@ -179,6 +181,7 @@ def run_experiment(exp: Experiment, *, cache_dir: Path | None = None,
     cells = exp.cells()
     b, hkv = exp.batch, exp.kv_heads or exp.heads
     out = {m: np.full((len(cells), len(exp.recipes), len(exp.seeds), b, exp.heads), np.nan) for m in METRICS}
+    hist = np.zeros((len(cells), len(exp.seeds), 3, len(HIST_EDGES)), dtype=np.float64)
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
     total = len(cells) * len(exp.seeds)
@@ -190,7 +193,13 @@ def run_experiment(exp: Experiment, *, cache_dir: Path | None = None,
         for si, seed in enumerate(exp.seeds):
             keys = [_cell_key(exp, cell, seed, label, r.spec()) for label, r in exp.recipes]
             paths = [cache_dir / f"{k}.npz" if cache_dir else None for k in keys]
+            hpath = cache_dir / (_cell_key(exp, cell, seed, "inputs", "hist") + ".npz") if cache_dir else None
             todo = [i for i, p in enumerate(paths) if p is None or not p.is_file()]
+            if hpath is not None and hpath.is_file():
+                with np.load(hpath) as z:
+                    hist[ci, si] = z["hist"]
+            elif not todo:
+                todo = [0]  # inputs' histogram missing: recompute one variant to regenerate them
             for i, p in enumerate(paths):
                 if i not in todo:
                     with np.load(p) as z:
@@ -200,6 +209,9 @@ def run_experiment(exp: Experiment, *, cache_dir: Path | None = None,
             if todo:
                 shape = distributions.AttnShape(b, exp.heads, cell["seqlen"], cell["head_dim"], kv_heads=hkv)
                 q, k, v = distributions.generate(exp.dist, shape, seed, **dist_params)
+                hist[ci, si] = input_histogram(q, k, v)
+                if hpath is not None:
+                    _save_npz(hpath, {"hist": hist[ci, si]})
                 q, k, v = (t.to(exp.device) for t in (q, k, v))
                 n = cell["seqlen"]
                 if exp.rows and exp.rows < n:
@@ -226,10 +238,21 @@ def run_experiment(exp: Experiment, *, cache_dir: Path | None = None,
             progress(f"[{done}/{total}] {where}, seed {seed}: {len(todo)} computed, "
                      f"{len(exp.recipes) - len(todo)} from cache; {el:.1f} s elapsed, "
                      f"~{el / done * (total - done):.0f} s left")
-    return _assemble(exp, out, cells, dims_sw, time.perf_counter() - t0, reused)
+    return _assemble(exp, out, hist, cells, dims_sw, time.perf_counter() - t0, reused)
 
 
-def _assemble(exp: Experiment, out: dict, cells: list[dict], dims_sw: list[str], wall: float, reused: int):
+def input_histogram(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
+    """Counts of |x| per HIST_EDGES bin for Q, K, V -> [3, bins]; the last bin counts |x| >= 1000."""
+    edges = torch.tensor(HIST_EDGES, dtype=torch.float64)
+    rows = []
+    for t in (q, k, v):
+        idx = torch.bucketize(t.abs().flatten(), edges, right=True) - 1
+        rows.append(torch.bincount(idx, minlength=len(HIST_EDGES)).numpy().astype(np.float64))
+    return np.stack(rows)
+
+
+def _assemble(exp: Experiment, out: dict, hist: np.ndarray, cells: list[dict], dims_sw: list[str], wall: float,
+              reused: int):
     sw = exp.sweeps()
     # [cell, variant, seed, batch, head] -> [*swept, variant, seed, batch, head]
     shape_sw = [len(sw[d]) for d in dims_sw]
@@ -256,4 +279,8 @@ def _assemble(exp: Experiment, out: dict, cells: list[dict], dims_sw: list[str],
         "wall_seconds": round(wall, 3), "cells_reused": reused,
         "reference": "float64 attention, chunked over queries",
     })
-    return to_dataset(metrics, dims=dims, coords=coords, attrs=attrs)
+    ds = to_dataset(metrics, dims=dims, coords=coords, attrs=attrs)
+    ds["abs_hist"] = (dims_sw + ["seed", "tensor", "abs_bin"], hist.reshape(shape_sw + list(hist.shape[1:])),
+                      {"description": "count of entries with |x| in [abs_bin_lo, next abs_bin_lo) for Q, K, V"})
+    ds = ds.assign_coords(tensor=["Q", "K", "V"], abs_bin_lo=("abs_bin", HIST_EDGES))
+    return ds

@@ -8,14 +8,16 @@ head_dim) for K and V. It draws from an explicit ``torch.Generator`` seeded with
 so that a (distribution, params, seed) triple always gives the same tensors on every
 machine (generation happens on the CPU in float64; callers move the result).
 
-Add a family as one module in this package that calls ``register``; the modules listed in
-``_BUILTIN`` are imported on first use. Third-party families can register from anywhere.
+Add a family as one module in this package that calls ``register``: every module here is
+imported on first use, so no list needs editing. Third-party families can register from
+anywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import pkgutil
 from typing import Callable, Protocol
 
 import torch
@@ -70,7 +72,6 @@ class Entry:
 
 
 _REGISTRY: dict[str, Entry] = {}
-_BUILTIN = ("paper",)
 _loaded = False
 
 
@@ -89,8 +90,8 @@ def _load_builtin():
     global _loaded
     if not _loaded:
         _loaded = True
-        for mod in _BUILTIN:
-            importlib.import_module(f"{__name__}.{mod}")
+        for info in pkgutil.iter_modules(__path__):
+            importlib.import_module(f"{__name__}.{info.name}")
 
 
 def available() -> dict[str, Entry]:
