@@ -47,7 +47,7 @@ class Format:
 FORMATS: dict[str, Format] = {
     # e4m3fn: no infinities, one NaN pattern, so the top binade stops at 1.75 * 2^8.
     "e4m3": Format("e4m3", 4, 3, -6, float.fromhex("0x1.Cp8"), True, torch.float8_e4m3fn),  # 448
-    "e5m2": Format("e5m2", 5, 2, -14, float.fromhex("0x1.8p15"), True, torch.float8_e5m2),  # 57344
+    "e5m2": Format("e5m2", 5, 2, -14, float.fromhex("0x1.Cp15"), True, torch.float8_e5m2),  # 57344
     "fp16": Format("fp16", 5, 10, -14, float.fromhex("0x1.ffcp15"), False, torch.float16),  # 65504
     "bf16": Format("bf16", 8, 7, -126, float.fromhex("0x1.fep127"), False, torch.bfloat16),  # 3.39e38
     "fp32": Format("fp32", 8, 23, -126, float.fromhex("0x1.fffffep127"), False, torch.float32),

