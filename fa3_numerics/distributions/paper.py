@@ -20,10 +20,15 @@ def _validate(params: dict) -> None:
 
 
 def outliers_like(shape: tuple[int, ...], g: torch.Generator, p: float, sigma: float) -> torch.Tensor:
-    base = torch.randn(shape, generator=g, dtype=torch.float64)
-    spike = torch.randn(shape, generator=g, dtype=torch.float64) * sigma
+    """One tensor of the paper's distribution. The outlier term is drawn only where the
+    Bernoulli mask is set (in flattened order), which is the same distribution at a third of
+    the cost of drawing it everywhere."""
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
     mask = torch.rand(shape, generator=g, dtype=torch.float64) < p
-    return base + spike * mask
+    n = int(mask.sum())
+    if n:
+        x[mask] += torch.randn(n, generator=g, dtype=torch.float64) * sigma
+    return x
 
 
 @register(
