@@ -1,18 +1,22 @@
 """Models of the P.V accumulator of the flash algorithm.
 
-Exposed: ``ACCUMULATORS``, ``register_accumulator``, ``get_accumulator``, ``truncate_mantissa``.
+Exposed: ``ACCUMULATORS``, ``register_accumulator``, ``get_accumulator``, ``hopper_mma_on``,
+``truncate_mantissa``.
 
-An accumulator is ``fn(acc, rescale, p, v) -> acc``: ``acc`` [.., R, Dv] float32 holds the
-running output, ``rescale`` [.., R, 1] is the online-softmax correction for this KV tile,
-``p`` [.., R, bn] and ``v`` [.., bn, Dv] are the tile's P (already cast) and V, as float32.
+An accumulator is ``fn(acc, rescale, p, v, fmts) -> acc``: ``acc`` [.., R, Dv] float32 holds
+the running output, ``rescale`` [.., R, 1] is the online-softmax correction for this KV tile,
+``p`` [.., R, bn] and ``v`` [.., bn, Dv] are the tile's P (already cast) and V as float32,
+``fmts`` the (P, V) formats.
 
-- ``fp32``: acc * rescale + P V with an FP32 sum (an ideal tensor core).
-- ``fp22``: Hopper FP8 tensor cores are reported to keep about 13 mantissa bits while they
-  accumulate (SageAttention2, arXiv 2411.10958; DeepSeek-V3 "around 14 bits"). Modelled as:
-  the running accumulator is truncated to 13 mantissa bits after every k-step of 32 keys
-  (the K of one FP8 wgmma), the products of a step being summed exactly first.
-- ``two-level``: FP22 inside a KV tile starting from zero, then added into an FP32
-  accumulator across tiles (the fix proposed upstream and in vLLM's fork).
+- ``fp32``: acc * rescale + P V with a float32 sum (an ideal tensor core).
+- ``fp22``: Hopper's FP8 tensor core as fitted to the FA3 kernel (``fa3_numerics.mma``): the
+  O registers are the MMA accumulator, rescaled in float32 and then chained through every
+  k-step of 32 keys of every tile with 13-bit aligned, truncating accumulation. With this
+  model the S = Q K^T product is modelled the same way (see the emulator).
+- ``two-level``: the same MMA model inside a KV tile from a zero accumulator, then added into
+  a float32 accumulator across tiles (the fix proposed upstream and in vLLM's fork).
+
+The MMA model applies only to FP8 operands; with wider P or V it falls back to float32.
 """
 
 from __future__ import annotations
@@ -21,10 +25,10 @@ from typing import Callable
 
 import torch
 
-Accumulator = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+from .formats import Format
+from .mma import hopper_fp8_mma
 
-K_STEP = 32  # keys per FP8 wgmma instruction (m64nNk32)
-FP22_MANTISSA = 13
+Accumulator = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple], torch.Tensor]
 
 _REGISTRY: dict[str, tuple[Accumulator, str]] = {}
 
@@ -45,6 +49,11 @@ def get_accumulator(name: str) -> Accumulator:
     return _REGISTRY[name][0]
 
 
+def hopper_mma_on(acc: str, *fmts: Format) -> bool:
+    """True when the Hopper FP8 MMA model applies: an MMA-modelling accumulator and FP8 operands."""
+    return acc in ("fp22", "two-level") and all(f.saturate and f.mbits <= 3 for f in fmts)
+
+
 def truncate_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
     """Drop all but ``bits`` mantissa bits of float32 ``x`` (round toward zero)."""
     drop = 23 - bits
@@ -54,31 +63,28 @@ def truncate_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x.contiguous().view(torch.int32) & mask).view(torch.float32)
 
 
-def _steps(p: torch.Tensor, v: torch.Tensor):
-    n = p.shape[-1]
-    for s in range(0, n, K_STEP):
-        yield torch.matmul(p[..., s:s + K_STEP].double(), v[..., s:s + K_STEP, :].double())
+def _mma(p, v, c, fmts):
+    return hopper_fp8_mma(p, v, c, a_min_exp=fmts[0].emin, b_min_exp=fmts[1].emin)
 
 
-@register_accumulator("fp32", "FP32 accumulation (ideal tensor core)")
-def fp32(acc, rescale, p, v):
+@register_accumulator("fp32", "float32 accumulation (an ideal tensor core)")
+def fp32(acc, rescale, p, v, fmts):
     return acc * rescale + torch.matmul(p, v)
 
 
-@register_accumulator("fp22", "13-bit-mantissa accumulator, truncated per 32-key k-step, chained across tiles")
-def fp22(acc, rescale, p, v):
-    acc = acc * rescale
-    for part in _steps(p, v):
-        acc = truncate_mantissa((acc.double() + part).float(), FP22_MANTISSA)
-    return acc
+@register_accumulator("fp22", "Hopper FP8 MMA model: 13-bit aligned truncating accumulation per 32-key k-step, "
+                              "chained across tiles (matches the FA3 kernel)")
+def fp22(acc, rescale, p, v, fmts):
+    if not hopper_mma_on("fp22", *fmts):
+        return fp32(acc, rescale, p, v, fmts)
+    return _mma(p, v, acc * rescale, fmts)
 
 
-@register_accumulator("two-level", "FP22 within a KV tile, FP32 across tiles")
-def two_level(acc, rescale, p, v):
-    tile = torch.zeros_like(acc)
-    for part in _steps(p, v):
-        tile = truncate_mantissa((tile.double() + part).float(), FP22_MANTISSA)
-    return acc * rescale + tile
+@register_accumulator("two-level", "Hopper FP8 MMA model within a KV tile, float32 across tiles")
+def two_level(acc, rescale, p, v, fmts):
+    if not hopper_mma_on("two-level", *fmts):
+        return fp32(acc, rescale, p, v, fmts)
+    return acc * rescale + _mma(p, v, None, fmts)
 
 
 ACCUMULATORS = {name: desc for name, (_, desc) in _REGISTRY.items()}

@@ -30,8 +30,9 @@ import math
 
 import torch
 
-from .accumulators import get_accumulator
+from .accumulators import get_accumulator, hopper_mma_on
 from .formats import get_format, quantize_dequantize
+from .mma import hopper_fp8_mma
 from .granularity import PerHead
 from .quant import Quantized, quantize
 from .recipe import Recipe
@@ -122,6 +123,21 @@ def _uniform_per_head(t: torch.Tensor) -> bool:
     return t.shape[2] == 1
 
 
+def exp2_rz(x: torch.Tensor) -> torch.Tensor:
+    """float32 exp2 rounded toward zero: the closest fit found to the kernel's approximate
+    ``ex2.approx.ftz.f32`` (which rounds low more often than round-to-nearest does)."""
+    r = torch.exp2(x.double())
+    y = r.to(torch.float32)
+    over = y.double().abs() > r.abs()
+    return torch.where(over, torch.nextafter(y, torch.zeros_like(y)), y)
+
+
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | float) -> torch.Tensor:
+    """float32 a * b + c with one rounding, as the kernel's FFMA."""
+    c64 = c.double() if isinstance(c, torch.Tensor) else c
+    return torch.addcmul(torch.as_tensor(c64, dtype=torch.float64, device=a.device), a.double(), b.double()).to(torch.float32)
+
+
 def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
     dev = pre.q.values.device
     qv = pre.q.values.to(torch.float32)
@@ -131,14 +147,15 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
     b, h, r, _ = qv.shape
     nk = pre.seqlen_k
     accumulate = get_accumulator(recipe.acc)
-    p_fmt = get_format(recipe.p)
+    qk_fmt, p_fmt, v_fmt = get_format(recipe.qk), get_format(recipe.p), get_format(recipe.v)
+    mma_s = hopper_mma_on(recipe.acc, qk_fmt)
     offset = float(recipe.p_offset)
-    # Per-(batch, head) descales fold into scale_log2 as the kernel does; per-row or
-    # per-key descales (block, token) multiply S element-wise before the max.
+    # Per-(batch, head) descales fold into scale_log2 as the kernel does: the host rounds
+    # softmax_scale * log2(e) to float32, the device multiplies it by (q_descale * k_descale).
+    # Per-row or per-key descales (block, token) multiply S element-wise before the max.
     fold = _uniform_per_head(qd) and _uniform_per_head(kd)
-    scale_log2 = torch.tensor(scale * LOG2E, dtype=torch.float32, device=dev)
-    if fold:
-        scale_log2 = (scale_log2 * qd * kd).to(torch.float32)  # [B|1, H|1, 1, 1]
+    base = torch.tensor(float(torch.tensor(scale, dtype=torch.float32)) * LOG2E, dtype=torch.float32, device=dev)
+    sl2 = (base * (qd * kd).to(torch.float32)).to(torch.float32) if fold else torch.ones((), device=dev)
     v_end = vd if _uniform_per_head(vd) else None
 
     m = torch.full((b, h, r, 1), -math.inf, dtype=torch.float32, device=dev)
@@ -148,32 +165,29 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
     tiles = range(n_tiles - 1, -1, -1) if recipe.order == "reverse" else range(n_tiles)
     for t in tiles:
         s0, s1 = t * pre.block_n, min(nk, (t + 1) * pre.block_n)
-        k_t = kv[:, :, s0:s1].to(torch.float32)
-        s = torch.matmul(qv, k_t.transpose(-1, -2))
+        k_t = kv[:, :, s0:s1].transpose(-1, -2)
+        s = hopper_fp8_mma(qv, k_t, a_min_exp=qk_fmt.emin, b_min_exp=qk_fmt.emin) if mma_s else torch.matmul(qv, k_t)
         if not fold:
-            s = s * (qd * _rows_k(kd, s0, s1).transpose(-1, -2) * scale_log2).to(torch.float32)
+            s = s * (qd * _rows_k(kd, s0, s1).transpose(-1, -2) * base).to(torch.float32)
         if causal:
             vis = causal_mask(q_index, s0, s1, pre.seqlen_q, nk)
             s = s.masked_fill(~vis, -math.inf)
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-        mult = scale_log2 if fold else torch.ones((), dtype=torch.float32, device=dev)
-        # The kernel uses 0 in place of a -inf max so fully masked rows give exp2(-inf) = 0.
+        # The kernel uses 0 in place of a -inf max, so fully masked rows give exp2(-inf) = 0.
         finite = torch.isfinite(m_new)
-        max_scaled = torch.where(finite, m_new * mult - offset, torch.zeros_like(m_new)).to(torch.float32)
-        p = torch.exp2(torch.addcmul(-max_scaled.double(), s.double(), mult.double()).to(torch.float32))
-        rescale = torch.where(torch.isfinite(m), torch.exp2((m - m_new) * mult), torch.zeros_like(m))
-        rescale = torch.where(finite, rescale, torch.ones_like(rescale))
+        m_cur = torch.where(finite, m_new, torch.zeros_like(m_new))
+        rescale = exp2_rz(((m - m_cur) * sl2).to(torch.float32))
+        max_scaled = torch.where(finite, _fma32(m_cur, sl2, -offset), torch.zeros_like(m_cur))
+        p = exp2_rz(_fma32(s, sl2, -max_scaled))
         row_sum = row_sum * rescale + p.sum(dim=-1, keepdim=True)
         p8 = quantize_dequantize(p, p_fmt)
-        v_t = vv[:, :, s0:s1].to(torch.float32)
+        v_t = vv[:, :, s0:s1]
         if v_end is None:
             v_t = v_t * _rows_k(vd, s0, s1)
-        acc = accumulate(acc, rescale, p8, v_t)
+        acc = accumulate(acc, rescale, p8, v_t, (p_fmt, v_fmt))
         m = m_new
-    inv = torch.where(row_sum > 0, 1.0 / row_sum, torch.zeros_like(row_sum))
-    o = acc * inv
-    if v_end is not None:
-        o = o * v_end
+    inv = torch.where((row_sum > 0) & torch.isfinite(row_sum), 1.0 / row_sum, torch.zeros_like(row_sum))
+    o = acc * (inv * v_end).to(torch.float32) if v_end is not None else acc * inv
     return quantize_dequantize(o, recipe.out, torch.float64)
 
 

@@ -32,7 +32,7 @@ def test_no_quantization_equals_reference_to_float32_rounding(qkv, causal):
     rel = (out - ref).abs().max() / ref.abs().max()
     assert rel < 2e-6, rel
     # and the FP8 emulation is far from it, so the comparison can tell them apart
-    fp8 = emulate(PRESETS["fa3-fp8-kernel"].recipe, q, k, v, causal=causal)
+    fp8 = emulate(Recipe.from_str("fa3-fp8-kernel,acc=fp32"), q, k, v, causal=causal)
     assert (fp8 - ref).abs().max() / ref.abs().max() > 1e-3
 
 
@@ -48,8 +48,8 @@ def test_tile_size_and_order_do_not_change_exact_attention(qkv, bn):
 def test_query_subset_gives_same_rows(qkv):
     q, k, v = qkv
     idx = torch.tensor([0, 17, 300, 599])
-    for name in ("fa3-fp8", "baseline-fp8", "baseline-fp16", "fa3-fp8-kernel"):
-        r = PRESETS[name].recipe
+    for name in ("fa3-fp8", "baseline-fp8", "baseline-fp16", "fa3-fp8-kernel,acc=fp32"):
+        r = Recipe.from_str(name)
         full = emulate(r, q, k, v, causal=True)
         part = emulate(r, q, k, v, causal=True, q_index=idx)
         assert torch.allclose(part, full[:, :, idx], rtol=1e-2, atol=1e-3), name
@@ -73,7 +73,7 @@ def naive_fp8_per_head(q, k, v, scale):
 def test_fp8_emulation_close_to_independent_model(qkv):
     q, k, v = qkv
     ref = reference_attention(q, k, v)
-    emu = emulate(PRESETS["fa3-fp8-kernel"].recipe, q, k, v)
+    emu = emulate(Recipe.from_str("fa3-fp8-kernel,acc=fp32"), q, k, v)
     ind = naive_fp8_per_head(q, k, v, 1 / 8)
     err_emu = per_sample(emu, ref)["rmse"]
     err_ind = per_sample(ind, ref)["rmse"]
@@ -101,7 +101,7 @@ def test_hadamard_reduces_error_on_outliers():
     q, k, v = generate("outliers", AttnShape(1, 4, 1024, 128), 1, p=0.001, sigma=10.0)
     idx = torch.arange(0, 1024, 2)
     ref = reference_attention(q, k, v, q_index=idx)
-    e = {n: per_sample(emulate(PRESETS[n].recipe, q, k, v, q_index=idx), ref)["rmse"].mean()
+    e = {n: per_sample(emulate(Recipe.from_str(n + ",acc=fp32"), q, k, v, q_index=idx), ref)["rmse"].mean()
          for n in ("fa3-fp8-kernel", "fa3-fp8-kernel-hadamard")}
     assert e["fa3-fp8-kernel-hadamard"] < 0.8 * e["fa3-fp8-kernel"]
 
@@ -112,7 +112,7 @@ def test_fully_masked_rows_are_zero_not_nan():
     q = torch.randn(1, 1, 20, 64, generator=g, dtype=torch.float64)
     k = torch.randn(1, 1, 10, 64, generator=g, dtype=torch.float64)
     v = torch.randn(1, 1, 10, 64, generator=g, dtype=torch.float64)
-    for name in ("fa3-fp8-kernel", "exact"):
-        o = emulate(PRESETS[name].recipe, q, k, v, causal=True)
+    for name in ("fa3-fp8-kernel", "fa3-fp8-kernel,acc=fp32", "exact"):
+        o = emulate(Recipe.from_str(name), q, k, v, causal=True)
         assert torch.isfinite(o).all()
         assert torch.equal(o[0, 0, :10], torch.zeros_like(o[0, 0, :10]))
