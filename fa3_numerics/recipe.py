@@ -175,9 +175,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            "FA3 FP8 with one scale per tensor instead of per block (rotation kept)", 9.3e-3),
     Preset("fa3-fp8-no-incoherent", dataclasses.replace(_FA3_FP8, rot="none"),
            "FA3 FP8 with block quantization but no Hadamard rotation", 2.4e-2),
-    # The two presets below model the public FA3 FP8 kernel itself, so they use the Hopper MMA
-    # model (acc=fp22) that makes 99.99% of its outputs bit-identical; it is ~40x slower than
-    # acc=fp32 on a CPU. The Table 3 presets keep fp32: against float64 the two differ by
+    # For bit-level agreement with the kernel add acc=fp22 (the Hopper MMA model: 99.99% of
+    # outputs bit-identical, ~40x slower on a CPU). Against float64, fp32 and fp22 differ by
     # ~3% of the error in quadrature, i.e. ~0.05% of the RMSE.
     Preset("fa3-fp8-kernel", Recipe(gran=PerHead(), rot="none"),
            "what the public FA3 FP8 kernel computes: one descale per (batch, kv-head), no rotation, Hopper MMA model"),
