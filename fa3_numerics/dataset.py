@@ -34,6 +34,10 @@ def write(ds: xr.Dataset, path: str | Path) -> Path:
     os.close(fd)
     try:
         ds.to_netcdf(tmp, engine="h5netcdf")
+        # mkstemp makes the file private (0600); give it the mode a plain open() would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
