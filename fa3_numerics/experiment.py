@@ -1,19 +1,30 @@
 """Experiments: definitions as data (experiments/*.toml), cells, and the resumable runner.
 
 Exposed: ``Experiment``, ``load_experiment``, ``list_experiments``, ``run_experiment``,
-``SWEEPABLE``.
+``SWEEPABLE``, and the engine shared with other sweeps (``fa3_numerics.ablation``):
+``Task``, ``cache_key``, ``run_tasks``, ``compute_task``, ``input_histogram``
+(parallel execution lives in ``fa3_numerics.distributed``).
 
 An experiment is a distribution, its parameters, a shape, variants and seeds. Every
 parameter in ``SWEEPABLE`` is a list; the cells of a run are the product of those lists,
 and every cell uses the same seed stream, so differences between cells are not seed
 noise. Each finished (cell, seed, variant) is cached on disk keyed by everything that
 determines it, so an interrupted run resumes without recomputing finished work.
+
+Engine: a sweep is a list of ``Task``s, one per (cell, seed): the inputs are drawn once,
+the float64 reference is computed once, and every variant of the task runs on them.
+Tasks are independent, so ``run_tasks`` runs them in this process (``workers=0``) or on
+dask.distributed (a ``LocalCluster`` of ``workers`` single-threaded processes, or an
+existing cluster at ``scheduler``). Workers write each finished variant's cache file
+atomically (temp file + rename); the driver places every result at its fixed position,
+so the dataset does not depend on the number of workers or the order tasks finish in.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import importlib.resources
 import itertools
 import json
@@ -34,12 +45,13 @@ from .dataset import to_dataset
 from .errors import UsageError, require
 from .metrics import METRICS, per_sample
 from .provenance import provenance
-from .recipe import PRESETS, parse_recipes
+from .recipe import PRESETS, Recipe, parse_recipes
 from .reference import reference_attention
 from .tiles import check_head_dim
 
 # Shape parameters that may sweep, besides the distribution's own parameters.
 SHAPE_SWEEPABLE = ("seqlen", "head_dim", "causal")
+SWEEPABLE = SHAPE_SWEEPABLE
 # Log-spaced bin edges for the histogram of |Q|, |K|, |V| entries kept in every dataset.
 HIST_EDGES = np.concatenate([[0.0], np.logspace(-3, 3, 61)])
 # How the query-row sample and the rotation derive from a seed (recorded in attrs).
@@ -79,23 +91,10 @@ class Experiment:
         for values in itertools.product(*self.params.values()):
             if entry.validate:
                 entry.validate(dict(zip(self.params, values)))
-        for d in self.head_dim:
-            check_head_dim(d)
-        for n in self.seqlen:
-            require(n >= 1, f"--seqlen must be >= 1, got {n}")
-        require(self.batch >= 1 and self.heads >= 1, "--batch and --heads must be >= 1")
-        require(self.kv_heads >= 0 and (self.kv_heads == 0 or self.heads % self.kv_heads == 0),
-                f"--heads ({self.heads}) must be a multiple of --kv-heads ({self.kv_heads})")
-        require(self.rows >= 0, "--rows must be >= 0 (0 = every query row)")
-        require(len(self.seeds) > 0 and len(set(self.seeds)) == len(self.seeds), "--seeds must be distinct integers")
-        require(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), "--device must be cpu or cuda")
+        check_shape(self.seqlen, self.head_dim, self.batch, self.heads, self.kv_heads, self.rows, self.seeds,
+                    self.device)
         self.recipes = parse_recipes(";".join(self.variants))
-        backend = get_backend(self.backend)
-        why = backend.check(self.device)
-        require(why is None, f"backend {self.backend!r} cannot run: {why}")
-        for label, recipe in self.recipes:
-            why = backend.supports(recipe)
-            require(why is None, f"variant {label!r} cannot run on backend {self.backend!r}: {why}")
+        check_backend(self.backend, self.device, self.recipes)
 
     def sweeps(self) -> dict[str, list]:
         """Every sweepable parameter with its values (distribution params first)."""
@@ -109,21 +108,49 @@ class Experiment:
         return [dict(zip(sw, combo)) for combo in itertools.product(*sw.values())]
 
 
+def check_shape(seqlen, head_dim, batch, heads, kv_heads, rows, seeds, device) -> None:
+    """Refuse shapes and seeds no sweep can run, with the option to fix in the message."""
+    for d in head_dim:
+        check_head_dim(d)
+    for n in seqlen:
+        require(n >= 1, f"--seqlen must be >= 1, got {n}")
+    require(batch >= 1 and heads >= 1, "--batch and --heads must be >= 1")
+    require(kv_heads >= 0 and (kv_heads == 0 or heads % kv_heads == 0),
+            f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
+    require(rows >= 0, "--rows must be >= 0 (0 = every query row)")
+    require(len(seeds) > 0 and len(set(seeds)) == len(seeds), "--seeds must be distinct integers")
+    require(device in ("cpu", "cuda") or device.startswith("cuda:"), "--device must be cpu or cuda")
+
+
+def check_backend(name: str, device: str, recipes: list[tuple[str, Recipe]]) -> None:
+    backend = get_backend(name)
+    why = backend.check(device)
+    require(why is None, f"backend {name!r} cannot run: {why}")
+    for label, recipe in recipes:
+        why = backend.supports(recipe)
+        require(why is None, f"variant {label!r} cannot run on backend {name!r}: {why}")
+
+
 def list_experiments() -> dict[str, Path]:
     root = importlib.resources.files("fa3_numerics.experiments")
     return {Path(str(f)).stem: Path(str(f)) for f in root.iterdir() if str(f).endswith(".toml")}
 
 
-def load_experiment(name: str, overrides: dict | None = None) -> Experiment:
-    """Read experiments/NAME.toml (or a path to a .toml) and apply CLI overrides."""
+def read_toml(name: str) -> tuple[Path, dict]:
+    """experiments/NAME.toml (or a path to a .toml) -> (path, parsed dict); one-line errors."""
     known = list_experiments()
     path = Path(name) if name.endswith(".toml") else known.get(name)
     if path is None or not path.is_file():
         raise UsageError(f"unknown experiment {name!r}; choose one of: {', '.join(sorted(known))} or give a .toml path")
     try:
-        spec = tomllib.loads(path.read_text())
+        return path, tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path} is not valid TOML: {exc}") from None
+
+
+def load_experiment(name: str, overrides: dict | None = None) -> Experiment:
+    """Read experiments/NAME.toml (or a path to a .toml) and apply CLI overrides."""
+    path, spec = read_toml(name)
     shape = spec.get("shape", {})
     kw = dict(
         name=Path(name).stem, description=spec.get("description", ""), dist=spec.get("dist", "outliers"),
@@ -147,97 +174,206 @@ def _as_list(v) -> list:
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
-# -- running -----------------------------------------------------------------------------
+# -- the engine: tasks, cache, execution --------------------------------------------------
 
-def _cell_key(exp: Experiment, cell: dict, seed: int, label: str, spec: str) -> str:
-    payload = {"dist": exp.dist, "cell": cell, "seed": seed, "spec": spec, "batch": exp.batch, "heads": exp.heads,
-               "kv_heads": exp.kv_heads, "rows": exp.rows, "backend": exp.backend, "device": exp.device.split(":")[0],
-               "v": 1}
+def cache_key(dist: str, cell: dict, seed: int, spec: str, *, batch: int, heads: int, kv_heads: int, rows: int,
+              backend: str, device: str) -> str:
+    """Hash of everything that determines one (cell, seed, variant) result."""
+    payload = {"dist": dist, "cell": cell, "seed": seed, "spec": spec, "batch": batch, "heads": heads,
+               "kv_heads": kv_heads, "rows": rows, "backend": backend, "device": device.split(":")[0], "v": 1}
     return hashlib.sha1(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
+def _cell_key(exp: Experiment, cell: dict, seed: int, label: str, spec: str) -> str:
+    return cache_key(exp.dist, cell, seed, spec, batch=exp.batch, heads=exp.heads, kv_heads=exp.kv_heads,
+                     rows=exp.rows, backend=exp.backend, device=exp.device)
+
+
+@dataclasses.dataclass
+class Task:
+    """One (cell, seed): inputs drawn once, the reference once, then each recipe in ``recipes``.
+
+    ``recipes`` holds (slot, recipe, cache key); ``slot`` is where the caller files the
+    result, the key names the cache file ``<key>.npz``. ``hist_key`` names the file of the
+    inputs' |x| histogram.
+    """
+
+    dist: str
+    params: dict
+    seqlen: int
+    head_dim: int
+    causal: bool
+    seed: int
+    batch: int
+    heads: int
+    kv_heads: int
+    rows: int
+    backend: str
+    device: str
+    recipes: list[tuple[int, Recipe, str]]
+    hist_key: str
+    where: str = ""
+    modules: tuple[str, ...] = ()  # modules to import first (they register a distribution)
+
+
 def _save_npz(path: Path, arrays: dict) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".cell.", suffix=".npz", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=".cell.", suffix=".npz.tmp", dir=path.parent)
     os.close(fd)
     try:
-        np.savez(tmp, **arrays)
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
+def _load_npz(path: Path, names) -> dict | None:
+    """The arrays of a cache file, or None when it is missing or unreadable (then recomputed)."""
+    try:
+        with np.load(path) as z:
+            return {m: z[m] for m in names}
+    except (OSError, KeyError, ValueError, EOFError):
+        return None
+
+
+def compute_task(task: Task, cache_dir: str | None = None, threads: int = 0) -> tuple[dict[int, dict], np.ndarray]:
+    """Run every recipe of ``task``; write each result to the cache as it finishes.
+
+    Returns ({slot: {metric: [B, H] array}}, histogram [3, bins]). ``threads`` > 0 sets
+    torch's intra-op threads (workers that share the CPU use 1).
+    """
+    if threads > 0:
+        torch.set_num_threads(threads)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    for mod in task.modules:
+        importlib.import_module(mod)  # registers what the task's distribution needs
+    device = task.device
+    if device == "cuda":
+        from .distributed import worker_device
+
+        device = worker_device(device)
+    backend = get_backend(task.backend)
+    cdir = Path(cache_dir) if cache_dir else None
+    shape = distributions.AttnShape(task.batch, task.heads, task.seqlen, task.head_dim,
+                                    kv_heads=task.kv_heads or task.heads)
+    q, k, v = distributions.generate(task.dist, shape, task.seed, **task.params)
+    hist = input_histogram(q, k, v)
+    if cdir is not None and task.hist_key:
+        _save_npz(cdir / f"{task.hist_key}.npz", {"hist": hist})
+    q, k, v = (t.to(device) for t in (q, k, v))
+    n = task.seqlen
+    if task.rows and task.rows < n:
+        g = torch.Generator().manual_seed(_rows_seed(task.seed))
+        q_index = torch.randperm(n, generator=g)[: task.rows].sort().values
+    else:
+        q_index = torch.arange(n)
+    q_index = q_index.to(device)
+    ref = reference_attention(q, k, v, causal=task.causal, q_index=q_index)
+    cache: dict = {}
+    results = {}
+    for slot, recipe, key in task.recipes:
+        o = backend.attention(recipe, q, k, v, causal=task.causal, q_index=q_index, rotation_seed=task.seed,
+                              cache=cache)
+        vals = per_sample(o, ref)
+        results[slot] = vals
+        if cdir is not None:
+            _save_npz(cdir / f"{key}.npz", vals)
+    return results, hist
+
+
 def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_experiment(exp: Experiment, *, cache_dir: Path | None = None,
-                   progress: Callable[[str], None] = _progress) -> "xarray.Dataset":  # noqa: F821
-    """Run every (cell, seed, variant) not already cached and return the dataset."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    backend = get_backend(exp.backend)
-    dims_sw = exp.swept_dims()
-    cells = exp.cells()
-    b, hkv = exp.batch, exp.kv_heads or exp.heads
-    out = {m: np.full((len(cells), len(exp.recipes), len(exp.seeds), b, exp.heads), np.nan) for m in METRICS}
-    hist = np.zeros((len(cells), len(exp.seeds), 3, len(HIST_EDGES)), dtype=np.float64)
+def run_tasks(tasks: list[Task], *, cache_dir: Path | None = None, workers: int = 0, scheduler: str | None = None,
+              progress: Callable[[str], None] = _progress) -> tuple[list[dict[int, dict]], list[np.ndarray], int]:
+    """Results of every task, in task order: ([{slot: metrics}], [hist], variants reused).
+
+    Cached variants are read, not recomputed; a task whose every variant and histogram is
+    cached is not submitted at all. ``workers=0`` (and no ``scheduler``) computes in this
+    process; otherwise tasks go to dask.distributed.
+    """
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
-    total = len(cells) * len(exp.seeds)
+    results: list[dict[int, dict]] = [{} for _ in tasks]
+    hists: list[np.ndarray | None] = [None] * len(tasks)
+    todo: list[tuple[int, Task]] = []
+    reused = 0
+    for ti, task in enumerate(tasks):
+        missing = []
+        for slot, recipe, key in task.recipes:
+            got = _load_npz(cache_dir / f"{key}.npz", METRICS) if cache_dir is not None else None
+            if got is None:
+                missing.append((slot, recipe, key))
+            else:
+                results[ti][slot] = got
+                reused += 1
+        h = _load_npz(cache_dir / f"{task.hist_key}.npz", ["hist"]) if cache_dir is not None else None
+        if h is not None:
+            hists[ti] = h["hist"]
+        if missing or h is None:
+            # A missing histogram alone recomputes one variant to regenerate the inputs.
+            # A cached histogram is not rewritten (hist_key "" tells the task not to save it).
+            todo.append((ti, dataclasses.replace(task, recipes=missing or task.recipes[:1],
+                                                 hist_key=task.hist_key if h is None else "")))
+    total = len(tasks)
     t0 = time.perf_counter()
     done = 0
-    reused = 0
-    for ci, cell in enumerate(cells):
+
+    def finish(ti: int, sub: Task, res: dict, hist: np.ndarray) -> None:
+        nonlocal done
+        results[ti].update(res)
+        hists[ti] = hist
+        done += 1
+        el = time.perf_counter() - t0
+        progress(f"[{total - len(todo) + done}/{total}] {tasks[ti].where or 'single cell'}, seed {sub.seed}: "
+                 f"{len(sub.recipes)} computed, {len(tasks[ti].recipes) - len(sub.recipes)} from cache; "
+                 f"{el:.1f} s elapsed, ~{el / done * (len(todo) - done):.0f} s left")
+
+    if len(todo) < total:
+        progress(f"{total - len(todo)} of {total} task(s) fully cached; {reused} variant result(s) reused")
+    if todo and (workers or scheduler):
+        from .distributed import run_dask
+
+        run_dask(todo, compute_task, cache_dir=cache_dir, workers=workers, scheduler=scheduler, finish=finish,
+                 progress=progress)
+    else:
+        for ti, sub in todo:
+            res, hist = compute_task(sub, str(cache_dir) if cache_dir else None)
+            finish(ti, sub, res, hist)
+    return results, hists, reused
+
+
+# -- run outliers (and any single-distribution experiment) ---------------------------------
+
+def run_experiment(exp: Experiment, *, cache_dir: Path | None = None,
+                   progress: Callable[[str], None] = _progress, workers: int = 0,
+                   scheduler: str | None = None) -> "xarray.Dataset":  # noqa: F821
+    """Run every (cell, seed, variant) not already cached and return the dataset."""
+    dims_sw = exp.swept_dims()
+    cells = exp.cells()
+    tasks = []
+    for cell in cells:
         dist_params = {k: cell[k] for k in exp.params}
-        for si, seed in enumerate(exp.seeds):
-            keys = [_cell_key(exp, cell, seed, label, r.spec()) for label, r in exp.recipes]
-            paths = [cache_dir / f"{k}.npz" if cache_dir else None for k in keys]
-            hpath = cache_dir / (_cell_key(exp, cell, seed, "inputs", "hist") + ".npz") if cache_dir else None
-            todo = [i for i, p in enumerate(paths) if p is None or not p.is_file()]
-            if hpath is not None and hpath.is_file():
-                with np.load(hpath) as z:
-                    hist[ci, si] = z["hist"]
-            elif not todo:
-                todo = [0]  # inputs' histogram missing: recompute one variant to regenerate them
-            for i, p in enumerate(paths):
-                if i not in todo:
-                    with np.load(p) as z:
-                        for m in METRICS:
-                            out[m][ci, i, si] = z[m]
-                    reused += 1
-            if todo:
-                shape = distributions.AttnShape(b, exp.heads, cell["seqlen"], cell["head_dim"], kv_heads=hkv)
-                q, k, v = distributions.generate(exp.dist, shape, seed, **dist_params)
-                hist[ci, si] = input_histogram(q, k, v)
-                if hpath is not None:
-                    _save_npz(hpath, {"hist": hist[ci, si]})
-                q, k, v = (t.to(exp.device) for t in (q, k, v))
-                n = cell["seqlen"]
-                if exp.rows and exp.rows < n:
-                    g = torch.Generator().manual_seed(_rows_seed(seed))
-                    q_index = torch.randperm(n, generator=g)[: exp.rows].sort().values
-                else:
-                    q_index = torch.arange(n)
-                q_index = q_index.to(exp.device)
-                ref = reference_attention(q, k, v, causal=cell["causal"], q_index=q_index)
-                cache: dict = {}
-                for i in todo:
-                    label, recipe = exp.recipes[i]
-                    o = backend.attention(recipe, q, k, v, causal=cell["causal"], q_index=q_index,
-                                          rotation_seed=seed, cache=cache)
-                    vals = per_sample(o, ref)
-                    for m in METRICS:
-                        out[m][ci, i, si] = vals[m]
-                    if paths[i] is not None:
-                        _save_npz(paths[i], vals)
-                del q, k, v, ref, cache
-            done += 1
-            el = time.perf_counter() - t0
-            where = ", ".join(f"{k}={cell[k]}" for k in dims_sw) or "single cell"
-            progress(f"[{done}/{total}] {where}, seed {seed}: {len(todo)} computed, "
-                     f"{len(exp.recipes) - len(todo)} from cache; {el:.1f} s elapsed, "
-                     f"~{el / done * (total - done):.0f} s left")
+        where = ", ".join(f"{k}={cell[k]}" for k in dims_sw) or "single cell"
+        for seed in exp.seeds:
+            recipes = [(i, r, _cell_key(exp, cell, seed, label, r.spec())) for i, (label, r) in enumerate(exp.recipes)]
+            tasks.append(Task(exp.dist, dist_params, cell["seqlen"], cell["head_dim"], cell["causal"], seed,
+                              exp.batch, exp.heads, exp.kv_heads or exp.heads, exp.rows, exp.backend, exp.device,
+                              recipes, _cell_key(exp, cell, seed, "inputs", "hist"), where))
+    t0 = time.perf_counter()
+    results, hists, reused = run_tasks(tasks, cache_dir=cache_dir, workers=workers, scheduler=scheduler,
+                                       progress=progress)
+    b = exp.batch
+    out = {m: np.full((len(cells), len(exp.recipes), len(exp.seeds), b, exp.heads), np.nan) for m in METRICS}
+    hist = np.zeros((len(cells), len(exp.seeds), 3, len(HIST_EDGES)), dtype=np.float64)
+    for t, (ci, si) in enumerate(itertools.product(range(len(cells)), range(len(exp.seeds)))):
+        hist[ci, si] = hists[t]
+        for i, vals in results[t].items():
+            for m in METRICS:
+                out[m][ci, i, si] = vals[m]
     return _assemble(exp, out, hist, cells, dims_sw, time.perf_counter() - t0, reused)
 
 
@@ -246,11 +382,9 @@ def input_histogram(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> np.nda
     edges = torch.tensor(HIST_EDGES, dtype=torch.float64)
     rows = []
     for t in (q, k, v):
-        idx = torch.bucketize(t.abs().flatten(), edges, right=True) - 1
+        idx = torch.bucketize(t.abs().flatten().cpu(), edges, right=True) - 1
         rows.append(torch.bincount(idx, minlength=len(HIST_EDGES)).numpy().astype(np.float64))
     return np.stack(rows)
-
-
 def _assemble(exp: Experiment, out: dict, hist: np.ndarray, cells: list[dict], dims_sw: list[str], wall: float,
               reused: int):
     sw = exp.sweeps()

@@ -1,0 +1,96 @@
+"""Running a sweep's tasks on dask.distributed.
+
+Exposed: ``default_workers``, ``worker_device``, ``run_dask``.
+
+A sweep (``fa3_numerics.experiment.run_tasks``) is a list of independent tasks, one per
+(cell, seed). ``run_dask`` submits them to a ``LocalCluster`` of single-threaded worker
+processes (one per CPU core, or one per GPU with worker i on GPU i mod count) or to an
+existing cluster at a scheduler address. Workers write each finished variant's cache file
+atomically, so a sweep killed at any point resumes from what finished; results come back to
+the driver, which files each at its fixed position, so the dataset does not depend on the
+number of workers or the order in which tasks finish.
+
+dask is imported only here, inside functions: runs with ``workers=0`` never need it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .errors import UsageError
+
+
+def default_workers(device: str = "cpu") -> int:
+    """One worker per GPU on CUDA, else one per CPU core available to this process."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def worker_device(device: str) -> str:
+    """On a dask worker of a LocalCluster with several GPUs, worker i takes GPU i mod count."""
+    if device != "cuda" or not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return device
+    try:
+        from distributed import get_worker
+
+        name = get_worker().name
+    except (ImportError, ValueError):
+        return device
+    try:
+        return f"cuda:{int(name) % torch.cuda.device_count()}"
+    except (TypeError, ValueError):
+        return device
+
+
+def run_dask(todo: list, compute: Callable, *, cache_dir: Path | None, workers: int, scheduler: str | None,
+             finish: Callable, progress: Callable[[str], None]) -> None:
+    """Compute ``todo`` ([(index, task)]) with ``compute(task, cache_dir, threads)`` on dask;
+    call ``finish(index, task, results, hist)`` on the driver as each task completes."""
+    try:
+        from distributed import Client, LocalCluster, as_completed
+    except ImportError:
+        raise UsageError("parallel runs need dask.distributed: pip install 'dask[distributed]' "
+                         "(or run with --workers 0)") from None
+
+    cdir = str(cache_dir) if cache_dir else None
+    cluster = None
+    if scheduler:
+        try:
+            client = Client(scheduler, timeout="20s")
+        except (OSError, TimeoutError) as exc:
+            raise UsageError(f"cannot reach the dask scheduler at {scheduler}: {exc}") from None
+        threads = 0  # an existing cluster's workers keep their own thread settings
+        progress(f"dask: connected to {scheduler} ({len(client.scheduler_info()['workers'])} worker(s))")
+    else:
+        if workers < 1:
+            raise UsageError(f"--workers must be >= 0, got {workers}")
+        import dask
+
+        # dask's nanny sets MALLOC_TRIM_THRESHOLD_=65536 in workers, which switches off glibc's
+        # dynamic mmap threshold: every large temporary tensor is then a fresh mmap and the
+        # emulator spends more time in page faults than computing (measured 3.8 s of system
+        # time against 2.5 s of user time per task). Workers get the thread caps only.
+        with dask.config.set({"distributed.nanny.pre-spawn-environ": {
+                "OMP_NUM_THREADS": 1, "MKL_NUM_THREADS": 1, "OPENBLAS_NUM_THREADS": 1}}):
+            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
+                                   worker_dashboard_address=None, silence_logs=logging.ERROR)
+        client = Client(cluster)
+        threads = 1
+        progress(f"dask: LocalCluster with {workers} single-threaded worker process(es)")
+    try:
+        futures = {client.submit(compute, sub, cdir, threads, pure=False, key=f"fa3n-task-{ti}"): (ti, sub)
+                   for ti, sub in todo}
+        for fut in as_completed(futures):
+            ti, sub = futures[fut]
+            res, hist = fut.result()
+            finish(ti, sub, res, hist)
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()

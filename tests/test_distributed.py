@@ -1,0 +1,120 @@
+"""Distributed sweeps: dask with 1 and 2 workers give identical datasets, and a sweep killed
+midway resumes without recomputing any finished cell and ends with the same dataset."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+
+pytest.importorskip("distributed")
+
+from fa3_numerics.ablation import load_ablation, run_ablation, tasks  # noqa: E402
+
+TINY = """
+description = "distributed test"
+[[data]]
+dist = "outliers"
+params = { p = [0.001, 0.01], sigma = [10.0] }
+[shape]
+seqlen = [128, 256]
+head_dim = [64]
+heads = 2
+rows = 16
+[run]
+seeds = [0, 1]
+attribution = true
+[[design]]
+name = "core"
+gran = ["tensor", "head", "block"]
+rot = ["none", "hadamard"]
+"""
+# Provenance that legitimately differs between runs.
+VOLATILE = {"created_utc", "wall_seconds", "cells_reused", "workers", "command", "hostname", "device_name",
+            "loadavg_start", "loadavg_end"}
+
+
+def assert_same(a: xr.Dataset, b: xr.Dataset) -> None:
+    assert set(a.data_vars) == set(b.data_vars)
+    for m in a.data_vars:
+        np.testing.assert_array_equal(a[m].values, b[m].values, err_msg=m)
+    for c in a.coords:
+        np.testing.assert_array_equal(a[c].values, b[c].values, err_msg=c)
+    keep = lambda d: {k: v for k, v in d.items() if k not in VOLATILE}  # noqa: E731
+    assert keep(a.attrs) == keep(b.attrs)
+
+
+@pytest.fixture(scope="module")
+def toml(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dist") / "tiny.toml"
+    path.write_text(TINY)
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(toml, tmp_path_factory):
+    """The sweep on 1 dask worker and on 2, each into its own empty cache."""
+    out = {}
+    for w in (1, 2):
+        cache = tmp_path_factory.mktemp(f"w{w}")
+        out[w] = run_ablation(load_ablation(str(toml)), cache_dir=cache, workers=w, progress=lambda m: None)
+    return out
+
+
+def test_one_and_two_workers_give_identical_datasets(uninterrupted):
+    ds1, ds2 = uninterrupted[1], uninterrupted[2]
+    assert np.isfinite(ds1["rmse"].sel(variant=[v for v, s in zip(ds1["variant"].values, ds1["stage"].values)
+                                                 if s == "full"])).all()
+    assert_same(ds1, ds2)
+
+
+def test_killed_sweep_resumes_without_recomputing_and_matches(toml, tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    cells = out / ".cells"
+    cmd = [sys.executable, "-c", "from fa3_numerics.cli import main; main()", "run", "ablation", "--experiment",
+           str(toml), "--workers", "2", "--out", str(out), "--report", ""]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if len(list(cells.glob("*.npz"))) >= 30:  # a few tasks' variants are finished
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "the sweep finished before it could be killed; make it longer"
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and its dask workers, all at once
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not (out / "tiny.nc").exists()
+    for _ in range(500):  # wait until no process of the sweep's group is left (workers included)
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.02)
+    else:
+        pytest.fail("processes of the killed sweep survive")
+    finished = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in cells.glob("*.npz")}
+    assert finished
+    msgs = []
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # resumed in this process: also checks that in-process and dask results agree bit for bit
+        ds = run_ablation(load_ablation(str(toml)), cache_dir=cells, workers=0, progress=msgs.append)
+    finally:
+        torch.set_num_threads(n)
+    for p, stamp in finished.items():
+        assert (p.stat().st_ino, p.stat().st_mtime_ns) == stamp, f"{p.name} was rewritten"
+    ts, _ = tasks(load_ablation(str(toml)))
+    variant_keys = {key for t in ts for _, _, key in t.recipes}
+    done = {p.stem for p in finished} & variant_keys
+    assert 0 < len(done) < len(variant_keys)
+    computed = sum(int(m.split(": ")[1].split(" computed")[0]) for m in msgs if " computed, " in m)
+    assert computed == len(variant_keys) - len(done)  # exactly the unfinished variants ran
+    assert_same(ds, uninterrupted[1])
