@@ -23,6 +23,7 @@ so the dataset does not depend on the number of workers or the order tasks finis
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import importlib.resources
@@ -159,14 +160,22 @@ def load_experiment(name: str, overrides: dict | None = None) -> Experiment:
         causal=_as_list(shape.get("causal", False)), batch=shape.get("batch", 1), heads=shape.get("heads", 16),
         kv_heads=shape.get("kv_heads", 0), rows=shape.get("rows", 1024), seeds=_as_list(spec.get("run", {}).get("seeds", [0])),
     )
-    for k, v in (overrides or {}).items():
+    overrides = overrides or {}
+    entry = distributions.get(overrides.get("dist") or kw["dist"])
+    if entry.name != distributions.get(kw["dist"]).name:
+        # --dist picks another family: the TOML's parameters belong to its own family.
+        kw["params"] = {k: v for k, v in kw["params"].items() if k in entry.params}
+    fields = {f.name for f in dataclasses.fields(Experiment)}
+    for k, v in overrides.items():
         if v is None:
             continue
-        if k in kw["params"] or k in distributions.get(kw["dist"] if "dist" not in overrides or overrides["dist"] is None
-                                                       else overrides["dist"]).params:
+        if k in entry.params:
             kw["params"][k] = _as_list(v)
-        else:
+        elif k in fields and k != "params":
             kw[k] = v
+        else:
+            raise UsageError(f"--{k.replace('_', '-')} is not a parameter of distribution {entry.name!r}; "
+                             f"it takes {', '.join(sorted(entry.params)) or 'none'}")
     return Experiment(**kw)
 
 
@@ -176,11 +185,26 @@ def _as_list(v) -> list:
 
 # -- the engine: tasks, cache, execution --------------------------------------------------
 
+@functools.lru_cache(maxsize=1)
+def numerics_version() -> str:
+    """Hash of the source of every module that decides a number, so a cache made by other
+    numerics is never reused (editing a docstring also invalidates it, which is harmless)."""
+    root = Path(__file__).parent
+    files = sorted([*root.glob("*.py"), *(root / "distributions").glob("*.py"), *(root.parent / "kernels").glob("*.py")])
+    skip = {"summary.py", "analysis.py", "audit_report.py", "compare.py", "provenance.py"}
+    h = hashlib.sha1()
+    for f in files:
+        if f.name not in skip and f.is_file():
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def cache_key(dist: str, cell: dict, seed: int, spec: str, *, batch: int, heads: int, kv_heads: int, rows: int,
               backend: str, device: str) -> str:
     """Hash of everything that determines one (cell, seed, variant) result."""
     payload = {"dist": dist, "cell": cell, "seed": seed, "spec": spec, "batch": batch, "heads": heads,
-               "kv_heads": kv_heads, "rows": rows, "backend": backend, "device": device.split(":")[0], "v": 1}
+               "kv_heads": kv_heads, "rows": rows, "backend": backend, "device": device.split(":")[0], "v": 1,
+               "code": numerics_version()}
     return hashlib.sha1(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
@@ -217,6 +241,7 @@ class Task:
 
 
 def _save_npz(path: Path, arrays: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".cell.", suffix=".npz.tmp", dir=path.parent)
     os.close(fd)
     try:
@@ -295,8 +320,6 @@ def run_tasks(tasks: list[Task], *, cache_dir: Path | None = None, workers: int 
     cached is not submitted at all. ``workers=0`` (and no ``scheduler``) computes in this
     process; otherwise tasks go to dask.distributed.
     """
-    if cache_dir is not None:
-        cache_dir.mkdir(parents=True, exist_ok=True)
     results: list[dict[int, dict]] = [{} for _ in tasks]
     hists: list[np.ndarray | None] = [None] * len(tasks)
     todo: list[tuple[int, Task]] = []

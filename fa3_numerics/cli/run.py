@@ -28,6 +28,8 @@ HELP = {
     "backend": "emulate (default) or another registered backend (see `fa3-numerics backends`)",
     "out": "output folder for the dataset (.nc) and the summary (.md)",
     "fresh": "ignore cached cells from an earlier run into the same --out",
+    "workers": "dask worker processes (0 = run in this process)",
+    "scheduler": "address of an existing dask scheduler (e.g. tcp://host:8786)",
 }
 
 
@@ -50,7 +52,8 @@ def parse_list(text: Optional[str], kind: type, name: str) -> Optional[list]:
         raise UsageError(f"--{name.replace('_', '-')} expects {kind.__name__} values, got {text!r}") from None
 
 
-def run_and_write(name: str, overrides: dict, out: Path, fresh: bool) -> None:
+def run_and_write(name: str, overrides: dict, out: Path, fresh: bool, workers: int = 0,
+                  scheduler: Optional[str] = None) -> None:
     from ..dataset import write
     from ..experiment import load_experiment, run_experiment
     from ..summary import markdown_summary, text_table
@@ -62,7 +65,7 @@ def run_and_write(name: str, overrides: dict, out: Path, fresh: bool) -> None:
             f.unlink()
     typer.echo(f"{exp.name}: {len(exp.cells())} cell(s) x {len(exp.seeds)} seed(s) x {len(exp.recipes)} variant(s), "
                f"backend {exp.backend} on {exp.device}; writing to {out}", err=True)
-    ds = run_experiment(exp, cache_dir=cache)
+    ds = run_experiment(exp, cache_dir=cache, workers=workers, scheduler=scheduler)
     path = write(ds, out / f"{exp.name}.nc")
     md = out / "summary.md"
     tmp = md.with_suffix(".md.tmp")
@@ -97,6 +100,8 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         backend: str = typer.Option("emulate", help=HELP["backend"]),
         out: Path = typer.Option(Path("results/outliers"), help=HELP["out"]),
         fresh: bool = typer.Option(False, help=HELP["fresh"]),
+        workers: int = typer.Option(0, help=HELP["workers"]),
+        scheduler: Optional[str] = typer.Option(None, help=HELP["scheduler"]),
     ):
         """The FA3 paper's Table 3: FP8 and FP16 attention RMSE on Gaussian inputs with outliers."""
         overrides = {
@@ -106,7 +111,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             "batch": batch, "heads": heads, "kv_heads": kv_heads, "rows": rows, "dist": dist,
             "variants": None if variants is None else [variants], "device": device, "backend": backend,
         }
-        run_and_write("outliers", overrides, out, fresh)
+        run_and_write("outliers", overrides, out, fresh, workers, scheduler)
 
     @app.command("variants")
     def variants_cmd():

@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Benchmark: the default `fa3-numerics run outliers --p 0.001` against the FA3 paper's Table 3.
+
+Runs the default experiment into a temporary folder (or reads a saved dataset with
+--dataset), then prints the wall time, the 7 Table 3 rows with our RMSE, its 95% interval,
+the paper's value and ours/paper, and pass/fail against the acceptance criteria:
+
+  1. every row within 15% of the paper (|ours/paper - 1| <= 0.15);
+  2. fa3-fp8 at least 2.3x lower than baseline-fp8;
+  3. removing block quantization changes fa3-fp8 by less than 10%;
+  4. fa3-fp8-no-incoherent within 15% of baseline-fp8.
+
+It prints; it does not assert (exit code 0) unless --strict is given (exit 1 on a failure).
+
+    python benchmarks/bench_outliers.py                 # ~85 s on the 2-core CPU container
+    python benchmarks/bench_outliers.py --dataset reports/outliers/default/outliers.nc
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TABLE3 = ("baseline-fp16", "fa2-fp16", "fa3-fp16", "baseline-fp8", "fa3-fp8", "fa3-fp8-no-block-quant",
+          "fa3-fp8-no-incoherent")
+
+
+def _cmd() -> list[str]:
+    exe = shutil.which("fa3-numerics")
+    return [exe] if exe else [sys.executable, "-c", "from fa3_numerics.cli import main; main()"]
+
+
+def _e(x: float) -> str:
+    return "-" if not math.isfinite(x) else f"{x:.3e}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dataset", type=Path, help="evaluate this saved dataset instead of running")
+    ap.add_argument("--keep", type=Path, help="run into this folder and keep it (default: a temp folder)")
+    ap.add_argument("--strict", action="store_true", help="exit 1 when a criterion fails")
+    args = ap.parse_args()
+
+    from fa3_numerics.dataset import read, summary_table
+
+    wall = None
+    if args.dataset:
+        path = args.dataset
+        tmp = None
+    else:
+        tmp = None if args.keep else tempfile.TemporaryDirectory(prefix="bench_outliers.")
+        out = args.keep or Path(tmp.name)
+        cmd = _cmd() + ["run", "outliers", "--p", "0.001", "--out", str(out), "--fresh"]
+        print("running:", shlex.join(["fa3-numerics"] + cmd[-7:]), flush=True)
+        t0 = time.perf_counter()
+        res = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        wall = time.perf_counter() - t0
+        if res.returncode != 0:
+            print(res.stderr[-2000:], file=sys.stderr)
+            print(f"FAIL: the run exited with {res.returncode}")
+            return 1
+        path = out / "outliers.nc"
+    ds = read(path)
+    rows = {r["variant"]: r for r in summary_table(ds, "rmse")}
+    if tmp is not None:
+        tmp.cleanup()
+
+    print(f"\ndataset: {path if not tmp else '(temporary)'}")
+    print(f"device: {ds.attrs.get('device_name')} ({ds.attrs.get('device')}), backend {ds.attrs.get('backend')}, "
+          f"commit {ds.attrs.get('git_commit')}")
+    if wall is not None:
+        print(f"wall time: {wall:.1f} s (run + report; runner's own timing {ds.attrs.get('wall_seconds')} s)")
+    else:
+        print(f"wall time of that run: {ds.attrs.get('wall_seconds')} s (runner's timing)")
+    head = f"{'variant':<24} {'ours':>10} {'95% CI':>23} {'paper':>10} {'ours/paper':>10}  within 15%"
+    print("\n" + head + "\n" + "-" * len(head))
+    ok_rows = True
+    for v in TABLE3:
+        r = rows.get(v)
+        if r is None:
+            print(f"{v:<24} {'(missing)':>10}")
+            ok_rows = False
+            continue
+        within = math.isfinite(r["ratio"]) and abs(r["ratio"] - 1) <= 0.15
+        ok_rows &= within
+        print(f"{v:<24} {_e(r['value']):>10} {'[' + _e(r['lo']) + ', ' + _e(r['hi']) + ']':>23} {_e(r['paper']):>10} "
+              f"{r['ratio']:>10.3f}  {'yes' if within else 'NO'}")
+
+    def val(v: str) -> float:
+        return rows[v]["value"] if v in rows else math.nan
+
+    checks = []
+    checks.append(("every row within 15% of the paper", ok_rows, ""))
+    gain = val("baseline-fp8") / val("fa3-fp8")
+    checks.append(("fa3-fp8 >= 2.3x lower than baseline-fp8", math.isfinite(gain) and gain >= 2.3,
+                   f"baseline-fp8 / fa3-fp8 = {gain:.2f}x (paper {2.4e-2 / 9.1e-3:.2f}x)"))
+    blk = val("fa3-fp8-no-block-quant") / val("fa3-fp8")
+    checks.append(("no block quant changes fa3-fp8 by < 10%", math.isfinite(blk) and abs(blk - 1) < 0.10,
+                   f"no-block-quant / fa3-fp8 = {blk:.3f} (paper {9.3e-3 / 9.1e-3:.3f})"))
+    inc = val("fa3-fp8-no-incoherent") / val("baseline-fp8")
+    checks.append(("no-incoherent within 15% of baseline-fp8", math.isfinite(inc) and abs(inc - 1) <= 0.15,
+                   f"no-incoherent / baseline-fp8 = {inc:.3f} (paper {2.4e-2 / 2.4e-2:.3f})"))
+    print()
+    for name, ok, detail in checks:
+        print(f"{'PASS' if ok else 'FAIL'}  {name}" + (f": {detail}" if detail else ""))
+    all_ok = all(ok for _, ok, _ in checks)
+    print(f"\noverall: {'PASS' if all_ok else 'FAIL'} ({sum(ok for _, ok, _ in checks)} of {len(checks)} criteria)")
+    return 1 if (args.strict and not all_ok) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Tests of the report (figures, self-contained HTML, Markdown) and `fa3-numerics report`.
+
+One small 3 p x 3 sigma x 2 seqlen sweep is run once through the CLI (which renders the
+report as `run` does); tests then parse and re-render it. Shapes are tiny (seqlen 64/128,
+2 heads, 16 query rows, 2 variants), so the module takes seconds.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from fa3_numerics.cli import main
+from fa3_numerics.dataset import read
+from fa3_numerics.report import figure_plan, render_report
+
+TINY = ["--batch", "1", "--heads", "2", "--rows", "16", "--variants", "baseline-fp8,fa3-fp8"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def cli(capsys, *args) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return exc.value.code or 0, out, err
+
+
+def _run(out: Path, *extra) -> Path:
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "outliers", *TINY, *extra, "--out", str(out)])
+    assert (exc.value.code or 0) == 0
+    return out / "outliers.nc"
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sweep")
+    return _run(out, "--p", "0,0.001,0.01", "--sigma", "3,10,30", "--seqlen", "64,128")
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("single")
+    return _run(out, "--seqlen", "64")
+
+
+class _Audit(HTMLParser):
+    """Collects img sources and every URL-bearing attribute and tag of an HTML page."""
+
+    def __init__(self):
+        super().__init__()
+        self.imgs: list[str] = []
+        self.urls: list[tuple[str, str, str]] = []
+        self.tags: set[str] = set()
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.add(tag)
+        for k, v in attrs:
+            if tag == "img" and k == "src":
+                self.imgs.append(v or "")
+            if k in ("src", "href", "srcset", "action", "poster", "data", "formaction") and v is not None:
+                self.urls.append((tag, k, v))
+
+
+def _audit(path: Path) -> tuple[_Audit, str]:
+    text = path.read_text(encoding="utf-8")
+    a = _Audit()
+    a.feed(text)
+    return a, text
+
+
+def test_sweep_report_has_heatmaps_and_seqlen_trend(sweep):
+    ds = read(sweep)
+    plan = figure_plan(ds)
+    assert plan == ["variants", "seqlen", "heatmap_p_sigma", "inputs_hist"]
+    out = sweep.parent
+    assert (out / "report.html").is_file() and (out / "report.md").is_file()
+    for name in plan:
+        png = (out / "figures" / f"{name}.png").read_bytes()
+        assert png.startswith(PNG_MAGIC)
+
+
+def test_html_is_self_contained(sweep):
+    ds = read(sweep)
+    audit, text = _audit(sweep.parent / "report.html")
+    # every figure is an embedded PNG, one per planned figure
+    assert len(audit.imgs) == len(figure_plan(ds))
+    for src in audit.imgs:
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1], validate=True).startswith(PNG_MAGIC)
+    # nothing to fetch: only data: URLs, no scripts, stylesheets, frames or external links
+    assert all(v.startswith("data:") for _, _, v in audit.urls), audit.urls
+    assert not audit.tags & {"script", "link", "iframe", "object", "embed", "a", "base"}
+    assert not re.search(r"https?://|//cdn|url\(", text, flags=re.I)
+
+
+def test_report_says_where_and_how(sweep):
+    ds = read(sweep)
+    for name in ("report.md", "report.html"):
+        text = (sweep.parent / name).read_text(encoding="utf-8")
+        assert ds.attrs["device_name"] in text
+        assert "Where it ran" in text and "Command" in text
+        assert "0.001" in text and "seqlen" in text
+    md = (sweep.parent / "report.md").read_text()
+    assert ds.attrs["command"] in md
+    for name in figure_plan(ds):
+        assert f"(figures/{name}.png)" in md
+
+
+def test_report_command_remakes_the_run_report(sweep, tmp_path, capsys):
+    rc, out, err = cli(capsys, "report", sweep, "--out", tmp_path)
+    assert rc == 0, err
+    src = sweep.parent
+    for rel in ["report.md", "report.html"] + [f"figures/{n}.png" for n in figure_plan(read(sweep))]:
+        assert (tmp_path / rel).read_bytes() == (src / rel).read_bytes(), rel
+        assert f"wrote {tmp_path / rel}" in out
+
+
+def test_single_cell_figures_and_formats(single, tmp_path, capsys):
+    ds = read(single)
+    assert figure_plan(ds) == ["variants", "inputs_hist"]
+    rc, _, err = cli(capsys, "report", single, "--out", tmp_path / "h", "--format", "html")
+    assert rc == 0, err
+    assert sorted(p.name for p in (tmp_path / "h").iterdir()) == ["report.html"]
+    audit, _ = _audit(tmp_path / "h" / "report.html")
+    assert len(audit.imgs) == 2
+    rc, _, err = cli(capsys, "report", single, "--out", tmp_path / "m", "--format", "md")
+    assert rc == 0, err
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["figures", "report.md"]
+    assert sorted(p.name for p in (tmp_path / "m" / "figures").iterdir()) == ["inputs_hist.png", "variants.png"]
+
+
+def test_render_report_returns_written_files(single, tmp_path):
+    paths = render_report(read(single), tmp_path)
+    assert {p.relative_to(tmp_path).as_posix() for p in paths} == {
+        "report.md", "report.html", "figures/variants.png", "figures/inputs_hist.png"}
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+@pytest.mark.parametrize("case", ["missing", "text", "other_netcdf", "empty_format", "bad_format"])
+def test_report_bad_input_is_one_line_exit_2(case, single, tmp_path, capsys):
+    import xarray as xr
+
+    target = tmp_path / "x.nc"
+    extra = []
+    if case == "text":
+        target.write_text("not a dataset\n")
+    elif case == "other_netcdf":
+        xr.Dataset({"a": ("x", [1.0, 2.0])}).to_netcdf(target, engine="h5netcdf")
+    elif case in ("empty_format", "bad_format"):
+        target = single
+        extra = ["--format", "," if case == "empty_format" else "pdf"]
+    rc, out, err = cli(capsys, "report", target, "--out", tmp_path / "o", *extra)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="headless check needs chromium (apt-get install chromium)")
+def test_html_loads_every_figure_in_headless_chromium(sweep, tmp_path):
+    """Chromium loads the page offline; a copy with a probe script reports decoded images."""
+    html = (sweep.parent / "report.html").read_text(encoding="utf-8")
+    probe = ("<script>window.addEventListener('load', () => { const i = [...document.images]; "
+             "document.title = 'loaded ' + i.filter(x => x.complete && x.naturalWidth > 0).length + ' of ' + i.length; });"
+             "</script></body>")
+    page = tmp_path / "probe.html"
+    page.write_text(html.replace("</body>", probe), encoding="utf-8")
+    res = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
+                          "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+    n = len(figure_plan(read(sweep)))
+    assert f"<title>loaded {n} of {n}</title>" in res.stdout, res.stdout[:300] + res.stderr[-500:]
+
+
+def test_figure_plan_follows_the_dims(single):
+    """Which figures a dataset gets depends only on its swept dims (no rendering here)."""
+    import numpy as np
+
+    ds = read(single)
+    rmse = ds["rmse"]
+
+    def swept(**dims):
+        r = rmse
+        for d, vals in reversed(list(dims.items())):
+            r = r.drop_vars(d, errors="ignore").expand_dims({d: vals})
+        return ds.drop_vars(list(dims), errors="ignore").drop_vars("abs_hist").assign(rmse=r)
+
+    assert figure_plan(swept(seqlen=[64, 128])) == ["variants", "seqlen"]
+    assert figure_plan(swept(p=[0.0, 0.01])) == ["variants", "vs_p"]
+    assert figure_plan(swept(p=[0.0, 0.01], sigma=[3.0, 10.0])) == ["variants", "heatmap_p_sigma"]
+    assert figure_plan(swept(head_dim=[64, 128], causal=[True, False])) == ["variants", "vs_head_dim", "vs_causal"]
+    assert figure_plan(swept(sigma=np.array([3.0, 10.0]), seqlen=[64, 128])) == ["variants", "seqlen", "vs_sigma"]
