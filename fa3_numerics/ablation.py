@@ -6,7 +6,8 @@ Exposed: ``FACTORS``, ``DEFAULT_LEVEL``, ``DataItem``, ``Design``, ``Ablation``,
 
 Recipe factors and their levels (each level is a recipe fragment over the public FA3 FP8
 kernel's recipe ``fa3-fp8-kernel``: flash, e4m3, per-head scales, no rotation, P offset 8,
-FP32 accumulator, BF16 output):
+BF16 output; every variant sets every factor, so the accumulator is the ``acc`` level, fp32
+unless a design crosses it):
 
 - ``gran``: scale granularity of Q, K, V: tensor, head, block (the kernel's tiles), blockN
   (N-token tiles), token;

@@ -233,7 +233,7 @@ def test_cli_writes_dataset_and_report(small, tmp_path, capsys):
     path, _, _ = small
     out = tmp_path / "rep"
     code, stdout, stderr = _run_cli(["audit", str(path), "--rows", "64", "--budget", "0.05", "--out", str(out),
-                                     "--variants", "fa3-fp8,fa3-fp8-kernel", "--layers", "1"], capsys)
+                                     "--variants", "fa3-fp8,fa3-fp8-no-block-quant", "--layers", "1"], capsys)
     assert code == 0, stderr
     assert "riskiest (layer, head)" in stdout and "whole model:" in stdout
     assert "[layer 1: 1/1]" in stderr                       # progress per layer
@@ -241,7 +241,7 @@ def test_cli_writes_dataset_and_report(small, tmp_path, capsys):
               "channel_amax.png"):
         assert (out / f).is_file() and (out / f).stat().st_size > 0, f
     ds = xr.load_dataset(out / "audit.nc", engine="h5netcdf")
-    assert ds.attrs["kind"] == "audit" and list(ds["variant"].values) == ["fa3-fp8", "fa3-fp8-kernel"]
+    assert ds.attrs["kind"] == "audit" and list(ds["variant"].values) == ["fa3-fp8", "fa3-fp8-no-block-quant"]
     md = (out / "audit.md").read_text()
     for words in ("## Riskiest layers and heads", "## Recommendation per layer", "checked: in every layer",
                   "## Provenance", "rotate_half", "![channel amax](channel_amax.png)"):
