@@ -7,6 +7,20 @@ rows. ``emulate`` is the kernel-faithful emulator (CPU or CUDA, same code). Othe
 (the compiled FA3 kernel, PyTorch SDPA) register here by name with the optional module they
 need, as xarray's BACKEND_ENTRYPOINTS do; they are imported only when asked for, and
 ``available_backends`` says for each why it can or cannot run on this machine.
+
+Registered:
+
+- ``emulate``: the emulator (``fa3_numerics.emulator``), any recipe, CPU or CUDA.
+- ``fa3``: the compiled FA3 forward kernel (``fa3_fwd_interface`` from the ``fa3-fwd`` wheel,
+  or ``flash_attn_interface`` from an upstream build) on a Hopper GPU; FP8 with per-(batch,
+  kv-head) or per-tensor descales and BF16. The recipe's rotation and quantization are
+  applied before the call by the emulator's own ``prepare``, so both see identical inputs.
+- ``sdpa`` (PyTorch's choice), ``sdpa-flash``, ``sdpa-cudnn``, ``sdpa-efficient``,
+  ``sdpa-math``: ``torch.nn.functional.scaled_dot_product_attention`` pinned to one of
+  PyTorch's kernels, FP16/BF16 recipes only.
+
+A backend whose results come from hardware sets ``hardware = True``; recipes it cannot
+compute are refused by ``supports`` with the reason, never silently emulated.
 """
 
 from __future__ import annotations
@@ -56,8 +70,16 @@ class EmulateBackend(Backend):
 
 
 # name -> (module that must import, "module:Class"); add entries to register new backends.
+# The kernel backends need no module to be *constructed*: their ``check`` explains what is
+# missing (GPU, architecture, package) and how to get it, so ``supports`` works everywhere.
 BACKENDS: dict[str, tuple[str | None, str]] = {
     "emulate": (None, "fa3_numerics.backends:EmulateBackend"),
+    "fa3": (None, "fa3_numerics.kernels.fa3:Fa3Backend"),
+    "sdpa": (None, "fa3_numerics.kernels.sdpa:SdpaDefault"),
+    "sdpa-flash": (None, "fa3_numerics.kernels.sdpa:SdpaFlash"),
+    "sdpa-cudnn": (None, "fa3_numerics.kernels.sdpa:SdpaCudnn"),
+    "sdpa-efficient": (None, "fa3_numerics.kernels.sdpa:SdpaEfficient"),
+    "sdpa-math": (None, "fa3_numerics.kernels.sdpa:SdpaMath"),
 }
 
 
@@ -82,6 +104,21 @@ def available_backends(device: str) -> dict[str, str | None]:
     for name in BACKENDS:
         try:
             out[name] = get_backend(name).check(device)
-        except UsageError as exc:
-            out[name] = str(exc)
+        except (UsageError, ImportError) as exc:
+            out[name] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return out
+
+
+def backend_table(device: str) -> list[dict]:
+    """One row per registered backend: name, usable, reason/fix, hardware, description."""
+    rows = []
+    status = available_backends(device)
+    for name in BACKENDS:
+        try:
+            b = get_backend(name)
+            desc, hw = b.description, b.hardware
+        except (UsageError, ImportError):
+            desc, hw = "", False
+        rows.append({"name": name, "usable": status[name] is None, "why": status[name] or "",
+                     "hardware": hw, "description": desc})
+    return rows

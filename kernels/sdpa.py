@@ -1,0 +1,142 @@
+"""PyTorch's scaled_dot_product_attention kernels as backends (``--backend sdpa[-KIND]``).
+
+Exposed: ``SdpaBackend`` and its pinned variants ``SdpaDefault``, ``SdpaFlash``,
+``SdpaCudnn``, ``SdpaEfficient``, ``SdpaMath``.
+
+Each variant pins one kernel with ``torch.nn.attention.sdpa_kernel``: ``flash`` (PyTorch's
+FlashAttention-2), ``cudnn`` (cuDNN's fused attention), ``efficient`` (memory-efficient
+attention), ``math`` (S and P materialised by plain matmuls and softmax) or, for ``sdpa``,
+whichever PyTorch picks. FP16/BF16 only. ``math`` keeps S and the softmax in the input
+format when the recipe's ``softmax`` format is FP16/BF16 (PyTorch's
+``allow_fp16_bf16_reduction_math_sdp``), as the paper's "baseline FP16" does; otherwise it
+upcasts to FP32 inside, as PyTorch does by default. K and V are expanded for GQA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import ClassVar
+
+import torch
+
+from fa3_numerics.backends import Backend
+from fa3_numerics.errors import UsageError
+from fa3_numerics.recipe import Recipe
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _sdp_backend(kind: str):
+    from torch.nn.attention import SDPBackend
+
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[kind]
+
+
+class SdpaBackend(Backend):
+    kind: ClassVar[str] = ""  # "" = PyTorch's own choice
+    hardware = True
+
+    def check(self, device: str) -> str | None:
+        gpu_only = self.kind in ("flash", "cudnn", "efficient")
+        if device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                alt = "use --device cpu with sdpa-math, or --backend emulate" if gpu_only else "use --device cpu"
+                return f"no CUDA GPU is visible; {alt}"
+            cap = torch.cuda.get_device_capability(torch.device(device).index)
+            if self.kind in ("flash", "cudnn") and cap < (8, 0):
+                return f"SDPA {self.kind} needs an sm_80 or newer GPU, found sm_{cap[0]}{cap[1]}; use sdpa-efficient or sdpa-math"
+            if self.kind == "cudnn" and not torch.backends.cudnn.is_available():
+                return "cuDNN is not available to this PyTorch build; use sdpa-flash or sdpa-efficient"
+            return None
+        if gpu_only:
+            why = "no CUDA GPU is visible" if not torch.cuda.is_available() else f"--device {device}"
+            return (f"{why}: SDPA {self.kind} is a GPU kernel; run on a CUDA GPU with --device cuda, "
+                    "or use sdpa-math / --backend emulate here")
+        return None
+
+    def supports(self, recipe: Recipe) -> str | None:
+        fmts = {recipe.qk, recipe.v}
+        if len(fmts) != 1 or recipe.qk not in _DTYPES:
+            return (f"qk={recipe.qk}, v={recipe.v}: PyTorch SDPA runs FP16 or BF16 (Q, K, V alike); "
+                    "for FP8 use --backend fa3 or --backend emulate")
+        if recipe.out != recipe.qk:
+            return f"SDPA writes its input format ({recipe.qk}), not out={recipe.out}"
+        if self.kind == "math":
+            if recipe.algo != "standard":
+                return "sdpa-math materialises S and P (algo=standard); for algo=flash use sdpa-flash or sdpa-cudnn"
+            return None
+        if recipe.algo != "flash":
+            return (f"sdpa{'-' + self.kind if self.kind else ''} computes tile by tile (algo=flash); "
+                    "for materialised S and P (algo=standard) use sdpa-math")
+        if recipe.p != recipe.qk:
+            return f"the SDPA kernels cast P to the input format ({recipe.qk}), not p={recipe.p}"
+        return None
+
+    def attention(self, recipe, q, k, v, *, causal, q_index, rotation_seed, cache):
+        from fa3_numerics.emulator import prepare
+
+        why = self.supports(recipe)
+        if why is not None:
+            raise UsageError(f"recipe {recipe.short_str()} cannot run on backend {self.name!r}: {why}")
+        n, d = q.shape[2], q.shape[3]
+        rows = torch.arange(n, device=q.device) if causal else q_index
+        pre = prepare(recipe, q, k, v, q_index=rows, rotation_seed=rotation_seed, causal=causal, cache=cache)
+        dt = _DTYPES[recipe.qk]
+        qq, kk, vv = (t.values.to(dt) for t in (pre.q, pre.k, pre.v))
+        reduced = self.kind == "math" and recipe.softmax != "fp32"
+        with contextlib.ExitStack() as stack:
+            if self.kind:
+                from torch.nn.attention import sdpa_kernel
+
+                stack.enter_context(sdpa_kernel([_sdp_backend(self.kind)]))
+            if reduced and hasattr(torch.backends.cuda, "allow_fp16_bf16_reduction_math_sdp"):
+                prev = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+                torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+                stack.callback(torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp, prev)
+            o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=causal,
+                                                                 scale=1.0 / math.sqrt(d))
+        if causal and q_index.numel() != n:
+            o = o.index_select(2, q_index.to(o.device))
+        return o.to(torch.float64)
+
+
+class SdpaDefault(SdpaBackend):
+    name = "sdpa"
+    kind = ""
+    description = "torch.nn.functional.scaled_dot_product_attention, kernel chosen by PyTorch (FP16/BF16)"
+
+    def supports(self, recipe: Recipe) -> str | None:
+        fmts = {recipe.qk, recipe.v}
+        if len(fmts) != 1 or recipe.qk not in _DTYPES:
+            return (f"qk={recipe.qk}, v={recipe.v}: PyTorch SDPA runs FP16 or BF16 (Q, K, V alike); "
+                    "for FP8 use --backend fa3 or --backend emulate")
+        if recipe.out != recipe.qk:
+            return f"SDPA writes its input format ({recipe.qk}), not out={recipe.out}"
+        return None
+
+
+class SdpaFlash(SdpaBackend):
+    name = "sdpa-flash"
+    kind = "flash"
+    description = "PyTorch SDPA pinned to its FlashAttention-2 kernel (CUDA, FP16/BF16)"
+
+
+class SdpaCudnn(SdpaBackend):
+    name = "sdpa-cudnn"
+    kind = "cudnn"
+    description = "PyTorch SDPA pinned to cuDNN fused attention (CUDA, FP16/BF16)"
+
+
+class SdpaEfficient(SdpaBackend):
+    name = "sdpa-efficient"
+    kind = "efficient"
+    description = "PyTorch SDPA pinned to memory-efficient attention (CUDA, FP16/BF16)"
+
+
+class SdpaMath(SdpaBackend):
+    name = "sdpa-math"
+    kind = "math"
+    description = ("PyTorch SDPA math: S and P materialised (CPU or CUDA, FP16/BF16; softmax kept in the input "
+                   "format when the recipe's softmax is FP16/BF16)")
