@@ -213,14 +213,24 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
     chunk = max(1, _STD_CHUNK_ELEMS // max(1, b * h * nk))
     narrow_s = s_fmt.mbits < 23
 
+    split = recipe.sscale == "split"
+    if split:
+        # PyTorch's math SDPA: Q and K each times sqrt(scale), rounded to their format.
+        root = math.sqrt(scale)
+        qk_fmt = get_format(recipe.qk)
+        kv = quantize_dequantize(kv * root, qk_fmt)
+
     def softmax_rows(c: int) -> torch.Tensor:
         idx = q_index[c:c + chunk]
         qv = pre.q.values[:, :, c:c + chunk].to(torch.float32)
+        if split:
+            qv = quantize_dequantize(qv * root, qk_fmt)
         qd = _rows_k(pre.q.descale, c, c + chunk)
         s = torch.matmul(qv, kv.transpose(-1, -2)) * (qd * kd.transpose(-1, -2))
         s = quantize_dequantize(s, s_fmt)
-        # A narrow S is scaled after the matmul, in its own format (a second rounding).
-        s = quantize_dequantize(s * scale, s_fmt) if narrow_s else s * scale
+        if not split:
+            # A narrow S is scaled after the matmul, in its own format (a second rounding).
+            s = quantize_dequantize(s * scale, s_fmt) if narrow_s else s * scale
         if causal:
             s = s.masked_fill(~causal_mask(idx, 0, nk, pre.seqlen_q, nk), -math.inf)
         return quantize_dequantize(torch.softmax(s, dim=-1), sm_fmt)

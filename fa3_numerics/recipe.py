@@ -27,6 +27,7 @@ ALGOS = ("flash", "standard")
 ACCUMULATORS = ("fp32", "fp22", "two-level")
 P_SCALES = ("offset", "tensor")
 ORDERS = ("reverse", "forward")
+S_SCALES = ("after", "split")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,10 @@ class Recipe:
     p_scale: str = "offset"
     p_offset: float = 8.0
     s: str = "fp32"  # format S is held in (standard algo materialises it)
+    # Where the standard algo applies softmax_scale: "after" the Q K^T product, or "split" as
+    # sqrt(scale) on Q and on K before it (what PyTorch's math SDPA does, rounding each in
+    # the Q/K format).
+    sscale: str = "after"
     softmax: str = "fp32"  # format of softmax intermediates (standard algo)
     acc: str = "fp32"  # P.V accumulator model
     out: str = "bf16"  # output format
@@ -58,7 +63,8 @@ class Recipe:
         if isinstance(self.gran, str):
             object.__setattr__(self, "gran", parse_granularity(self.gran))
         checks = [(self.algo, ALGOS, "algo"), (self.acc, ACCUMULATORS, "acc"), (self.p_scale, P_SCALES, "p_scale"),
-                  (self.order, ORDERS, "order"), (self.rot, tuple(ROTATIONS), "rot")]
+                  (self.order, ORDERS, "order"), (self.rot, tuple(ROTATIONS), "rot"),
+                  (self.sscale, S_SCALES, "sscale")]
         for value, allowed, name in checks:
             if value not in allowed:
                 raise UsageError(f"recipe field {name}={value!r} is not one of {', '.join(allowed)}")
@@ -113,7 +119,7 @@ class Recipe:
 
 
 _KEY_OF = {"algo": "algo", "qk": "qk", "v": "v", "p": "p", "gran": "gran", "pow2": "pow2", "rot": "rot",
-           "p_scale": "pscale", "p_offset": "poff", "s": "s", "softmax": "softmax", "acc": "acc", "out": "out",
+           "p_scale": "pscale", "p_offset": "poff", "s": "s", "sscale": "sscale", "softmax": "softmax", "acc": "acc", "out": "out",
            "bm": "bm", "bn": "bn", "order": "order"}
 _FIELD_OF = {v: k for k, v in _KEY_OF.items()}
 
@@ -155,7 +161,8 @@ class Preset:
     paper_rmse: float | None = None  # FA3 paper, Table 3
 
 
-_FP16_STD = Recipe(algo="standard", qk="fp16", v="fp16", p="fp16", s="fp16", softmax="fp16", out="fp16")
+# Standard attention in FP16 as PyTorch's math SDPA computes it in half precision.
+_FP16_STD = Recipe(algo="standard", qk="fp16", v="fp16", p="fp16", s="fp16", softmax="fp16", out="fp16", sscale="split")
 _FLASH16 = Recipe(algo="flash", qk="fp16", v="fp16", p="fp16", out="fp16", p_offset=0.0)
 # The paper's FA3 FP8 recipes use power-of-two scales (shared exponents, as MX block formats
 # do). With them, block quantization alone changes nothing but subnormals and saturation, which
@@ -166,7 +173,7 @@ _FA3_FP8 = Recipe(algo="flash", qk="e4m3", v="e4m3", p="e4m3", gran=PerBlock(), 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("baseline-fp16", _FP16_STD,
-           "standard attention in FP16: S = QK^T and P = softmax(S) materialised in FP16", 3.2e-4),
+           "standard attention in FP16 (as PyTorch's math SDPA): S = QK^T and P = softmax(S) materialised in FP16", 3.2e-4),
     Preset("fa2-fp16", dataclasses.replace(_FLASH16, bm=128, bn=64),
            "FlashAttention-2 FP16: 128x64 tiles, online softmax in FP32, P cast to FP16, FP32 accumulator", 1.9e-4),
     Preset("fa3-fp16", _FLASH16,

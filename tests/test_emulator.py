@@ -116,3 +116,21 @@ def test_fully_masked_rows_are_zero_not_nan():
         o = emulate(Recipe.from_str(name), q, k, v, causal=True)
         assert torch.isfinite(o).all()
         assert torch.equal(o[0, 0, :10], torch.zeros_like(o[0, 0, :10]))
+
+
+def test_standard_fp16_matches_pytorch_math_sdpa():
+    """baseline-fp16 emulates PyTorch's math SDPA in half precision (sqrt(scale) on Q and K,
+    S and P in FP16): an independent implementation, run here on the CPU."""
+    from fa3_numerics.backends import get_backend
+
+    q, k, v = generate("outliers", AttnShape(1, 2, 512, 64), 5, p=0.01, sigma=10.0)
+    idx = torch.arange(0, 512, 3)
+    sdpa = get_backend("sdpa-math")
+    if sdpa.check("cpu") is not None:
+        pytest.skip(sdpa.check("cpu"))
+    recipe = PRESETS["baseline-fp16"].recipe
+    hw = sdpa.attention(recipe, q, k, v, causal=False, q_index=idx, rotation_seed=0, cache={})
+    same = (emulate(recipe, q, k, v, q_index=idx) == hw).double().mean().item()
+    assert same > 0.95, same
+    after = (emulate(Recipe.from_str("baseline-fp16,sscale=after"), q, k, v, q_index=idx) == hw).double().mean().item()
+    assert after < same
