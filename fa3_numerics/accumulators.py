@@ -1,7 +1,6 @@
 """Models of the P.V accumulator of the flash algorithm.
 
-Exposed: ``ACCUMULATORS``, ``register_accumulator``, ``get_accumulator``, ``hopper_mma_on``,
-``truncate_mantissa``.
+Exposed: ``ACCUMULATORS``, ``register_accumulator``, ``get_accumulator``, ``hopper_mma_on``.
 
 An accumulator is ``fn(acc, rescale, p, v, fmts) -> acc``: ``acc`` [.., R, Dv] float32 holds
 the running output, ``rescale`` [.., R, 1] is the online-softmax correction for this KV tile,
@@ -52,15 +51,6 @@ def get_accumulator(name: str) -> Accumulator:
 def hopper_mma_on(acc: str, *fmts: Format) -> bool:
     """True when the Hopper FP8 MMA model applies: an MMA-modelling accumulator and FP8 operands."""
     return acc in ("fp22", "two-level") and all(f.saturate and f.mbits <= 3 for f in fmts)
-
-
-def truncate_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Drop all but ``bits`` mantissa bits of float32 ``x`` (round toward zero)."""
-    drop = 23 - bits
-    if drop <= 0:
-        return x
-    mask = ~((1 << drop) - 1)
-    return (x.contiguous().view(torch.int32) & mask).view(torch.float32)
 
 
 def _mma(p, v, c, fmts):

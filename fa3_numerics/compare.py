@@ -21,7 +21,7 @@ import xarray as xr
 
 from .dataset import SAMPLE_DIMS
 from .errors import UsageError
-from .metrics import bootstrap_ci, pooled
+from .metrics import bootstrap_ci, bootstrap_stats, pooled
 
 N_BOOT = 2000
 
@@ -47,17 +47,7 @@ def _same(a, b) -> bool:
 
 
 def _boot(metric: str, values: np.ndarray, seed: int, n_boot: int = N_BOOT) -> np.ndarray:
-    """Bootstrap replicates of ``pooled`` (the same resampling as ``metrics.bootstrap_ci``)."""
-    v = np.asarray(values, dtype=np.float64).ravel()
-    v = v[np.isfinite(v)]
-    if v.size < 2:
-        return np.full(n_boot, math.nan)
-    idx = np.random.default_rng(seed).integers(0, v.size, size=(n_boot, v.size))
-    if metric == "rmse":
-        return np.sqrt(np.mean(v[idx] ** 2, axis=1))
-    if metric == "max_abs":
-        return np.max(v[idx], axis=1)
-    return np.mean(v[idx], axis=1)
+    return bootstrap_stats(metric, values, n_boot=n_boot, seed=seed)
 
 
 def compare(a: xr.Dataset, b: xr.Dataset, metric: str = "rmse", level: float = 0.95) -> dict:

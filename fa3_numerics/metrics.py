@@ -1,6 +1,6 @@
 """Error metrics of an attention output against the float64 reference.
 
-Exposed: ``METRICS``, ``per_sample``, ``pooled``, ``bootstrap_ci``.
+Exposed: ``METRICS``, ``per_sample``, ``pooled``, ``bootstrap_stats``, ``bootstrap_ci``.
 
 Every metric is computed per sample (one (batch, head) of one seed) over the evaluated
 query rows and head dim, so that each figure can carry a confidence interval over
@@ -65,20 +65,26 @@ def pooled(metric: str, values: np.ndarray) -> float:
     return float(np.mean(v))
 
 
-def bootstrap_ci(metric: str, values: np.ndarray, *, level: float = 0.95, n_boot: int = 2000,
-                 seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of ``pooled`` over samples (seeded, so reproducible)."""
+def bootstrap_stats(metric: str, values: np.ndarray, *, n_boot: int = 2000, seed: int = 0) -> np.ndarray:
+    """Bootstrap replicates of ``pooled`` over samples (seeded, so reproducible); NaN when
+    fewer than two finite samples."""
     v = np.asarray(values, dtype=np.float64).ravel()
     v = v[np.isfinite(v)]
     if v.size < 2:
-        return (math.nan, math.nan)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, v.size, size=(n_boot, v.size))
+        return np.full(n_boot, math.nan)
+    idx = np.random.default_rng(seed).integers(0, v.size, size=(n_boot, v.size))
     if metric == "rmse":
-        stats = np.sqrt(np.mean(v[idx] ** 2, axis=1))
-    elif metric == "max_abs":
-        stats = np.max(v[idx], axis=1)
-    else:
-        stats = np.mean(v[idx], axis=1)
+        return np.sqrt(np.mean(v[idx] ** 2, axis=1))
+    if metric == "max_abs":
+        return np.max(v[idx], axis=1)
+    return np.mean(v[idx], axis=1)
+
+
+def bootstrap_ci(metric: str, values: np.ndarray, *, level: float = 0.95, n_boot: int = 2000,
+                 seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of ``pooled`` over samples."""
+    stats = bootstrap_stats(metric, values, n_boot=n_boot, seed=seed)
+    if not np.isfinite(stats).all():
+        return (math.nan, math.nan)
     lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
     return float(lo), float(hi)

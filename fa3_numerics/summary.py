@@ -1,11 +1,10 @@
 """Plain-text and Markdown summaries of a run's dataset (tables only; figures live in report/).
 
-Exposed: ``text_table``, ``markdown_summary``.
+Exposed: ``text_table``, ``markdown_table``, ``markdown_summary``, ``provenance_block``.
 """
 
 from __future__ import annotations
 
-import json
 import math
 
 import xarray as xr
@@ -69,5 +68,3 @@ def markdown_summary(ds: xr.Dataset) -> str:
             f"{markdown_table(ds)}\n\n## Provenance\n\n{provenance_block(ds)}\n\n## Variants (full recipe specs)\n\n"
             f"{spec_lines}\n")
 
-
-__all__ = ["text_table", "markdown_table", "markdown_summary", "provenance_block", "json"]
