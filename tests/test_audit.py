@@ -18,6 +18,7 @@ from fa3_numerics import audit as au  # noqa: E402
 from fa3_numerics import capture as cap  # noqa: E402
 from fa3_numerics.errors import UsageError  # noqa: E402
 from fa3_numerics.recipe import PRESETS  # noqa: E402
+from fa3_numerics.testing import run_cli  # noqa: E402
 
 D = 64
 HEADS, KV = 4, 2
@@ -55,16 +56,6 @@ def small(tmp_path_factory):
     tensors = write_capture(path)
     ds = au.audit(path, rows=0, progress=lambda m: None)
     return path, tensors, ds
-
-
-def _run_cli(argv, capsys):
-    from fa3_numerics.cli import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    out = capsys.readouterr()
-    code = exc.value.code if isinstance(exc.value.code, int) else (0 if exc.value.code is None else 1)
-    return code, out.out, out.err
 
 
 # ------------------------------------------------------------------------------------------
@@ -232,7 +223,7 @@ def test_cli_writes_dataset_and_report(small, tmp_path, capsys):
 
     path, _, _ = small
     out = tmp_path / "rep"
-    code, stdout, stderr = _run_cli(["audit", str(path), "--rows", "64", "--budget", "0.05", "--out", str(out),
+    code, stdout, stderr = run_cli(["audit", str(path), "--rows", "64", "--budget", "0.05", "--out", str(out),
                                      "--variants", "fa3-fp8,fa3-fp8-no-block-quant", "--layers", "1"], capsys)
     assert code == 0, stderr
     assert "riskiest (layer, head)" in stdout and "whole model:" in stdout
@@ -263,7 +254,7 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, capsys, make, words):
         k.view(-1)[:2] = float("nan")
         k.view(-1)[2] = float("inf")
         write_capture(path, tokens=40, tensor_over={"layers.1.k": k})
-    code, stdout, stderr = _run_cli(["audit", str(path), "--out", str(tmp_path / "out")], capsys)
+    code, stdout, stderr = run_cli(["audit", str(path), "--out", str(tmp_path / "out")], capsys)
     assert code == 2
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], stderr
@@ -281,5 +272,5 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, capsys, make, words):
 ])
 def test_cli_bad_options(small, tmp_path, capsys, args, words):
     path, _, _ = small
-    code, _, stderr = _run_cli(["audit", str(path), "--out", str(tmp_path / "o")] + args, capsys)
+    code, _, stderr = run_cli(["audit", str(path), "--out", str(tmp_path / "o")] + args, capsys)
     assert code == 2 and len(stderr.strip().splitlines()) == 1 and words in stderr, stderr

@@ -18,6 +18,7 @@ pytest.importorskip("safetensors", reason="capture files need safetensors: pip i
 
 from fa3_numerics import capture as cap  # noqa: E402
 from fa3_numerics.errors import UsageError  # noqa: E402
+from fa3_numerics.testing import run_cli  # noqa: E402
 
 N_TOKENS = 64
 
@@ -47,17 +48,6 @@ def _synthetic(path: Path, layers=(0, 3), heads=4, kv_heads=2, tokens=8, dim=16,
     meta = {k: v for k, v in meta.items() if v is not None}
     cap.save_capture(path, tensors, meta)
     return tensors
-
-
-def _run_cli(argv, capsys):
-    """Run the CLI in-process; return (exit code, stdout, stderr)."""
-    from fa3_numerics.cli import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    out = capsys.readouterr()
-    code = exc.value.code if isinstance(exc.value.code, int) else (0 if exc.value.code is None else 1)
-    return code, out.out, out.err
 
 
 def _reference_attention(q, k, v, scale, causal):
@@ -202,7 +192,7 @@ def test_cli_input_errors_write_nothing(tmp_path, capsys):
     import re
 
     for extra, words in cases:
-        code, _, err = _run_cli(["capture", "--out", str(out), *extra], capsys)
+        code, _, err = run_cli(["capture", "--out", str(out), *extra], capsys)
         assert code == 2, (extra, err)
         assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
         assert re.search(words, err), (words, err)
@@ -305,7 +295,7 @@ def test_capture_leaves_logits_unchanged(smol, smol_pass):
 
 def test_cli_capture_round_trip(smol, smol_pass, tmp_path, capsys):
     out = tmp_path / "smol.safetensors"
-    code, stdout, err = _run_cli(
+    code, stdout, err = run_cli(
         ["capture", "--model", "smollm2", "--tokens", str(N_TOKENS), "--layers", "0,5", "--out", str(out)], capsys)
     assert code == 0, err
     assert "smollm2" in stdout and f"{N_TOKENS} tokens" in stdout and "layers 0,5" in stdout
@@ -345,7 +335,7 @@ def test_cli_model_errors_write_nothing(smol, tmp_path, capsys):
         (["--layers", "0,30"], "has 30 layers; use indices 0-29"),
         (["--tokens", "100000"], "exceeds the model's context"),
     ]:
-        code, _, err = _run_cli(["capture", "--out", str(out), *extra], capsys)
+        code, _, err = run_cli(["capture", "--out", str(out), *extra], capsys)
         assert code == 2 and words in err, (extra, err)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt"]
 
