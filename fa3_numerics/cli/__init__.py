@@ -38,12 +38,6 @@ def _discover() -> None:
 _discover()
 
 
-def fail(message: str, code: int = 2) -> "typer.Exit":
-    """Print a one-line error and return the Exit to raise."""
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code)
-
-
 def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, standalone_mode=True)
