@@ -105,8 +105,8 @@ def check_generator(capture: Path, out: Path, n: int) -> bool:
     """The captured: generator against the capture on the n riskiest layers of the audit."""
     import xarray as xr
 
-    from fa3_numerics.audit import rank
-    from fa3_numerics.distributions.captured import check_against_capture
+    from fa3_numerics.studies.audit import rank
+    from fa3_numerics.data.distributions.captured import check_against_capture
 
     ds = xr.load_dataset(out / "audit.nc", engine="h5netcdf")
     layers = []

@@ -48,7 +48,7 @@ def main() -> int:
     ap.add_argument("--strict", action="store_true", help="exit 1 when a criterion fails")
     args = ap.parse_args()
 
-    from fa3_numerics.dataset import read, summary_table
+    from fa3_numerics.engine.dataset import read, summary_table
 
     wall = None
     if args.dataset:

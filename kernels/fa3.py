@@ -20,10 +20,10 @@ import math
 
 import torch
 
-from fa3_numerics.backends import Backend
+from fa3_numerics.engine.backends import Backend
 from fa3_numerics.errors import UsageError
-from fa3_numerics.granularity import PerHead, PerTensor
-from fa3_numerics.recipe import Recipe
+from fa3_numerics.numerics.granularity import PerHead, PerTensor
+from fa3_numerics.numerics.recipe import Recipe
 
 # Module names the kernel imports as, in order of preference.
 KERNEL_MODULES = ("fa3_fwd_interface", "flash_attn_interface")
@@ -170,7 +170,7 @@ class Fa3Backend(Backend):
         return None
 
     def attention(self, recipe, q, k, v, *, causal, q_index, rotation_seed, cache):
-        from fa3_numerics.emulator import prepare
+        from fa3_numerics.numerics.emulator import prepare
 
         why = self.supports(recipe)
         if why is not None:
@@ -241,7 +241,7 @@ def fast_quantize(x: torch.Tensor, *, kv_heads: int, gran: str = "head", rot: st
     rotation (the emulator's own matrix, e.g. diag(signs) H / sqrt(d)) as one float32 matmul
     (TF32 off); amax per (batch, kv-head group) or per tensor; scale; saturating e4m3 cast.
     """
-    from fa3_numerics.rotation import make_rotation
+    from fa3_numerics.numerics.rotation import make_rotation
 
     b, n, h, d = x.shape
     xf = x.to(torch.float32)

@@ -20,9 +20,9 @@ from typing import ClassVar
 
 import torch
 
-from fa3_numerics.backends import Backend
+from fa3_numerics.engine.backends import Backend
 from fa3_numerics.errors import UsageError
-from fa3_numerics.recipe import Recipe
+from fa3_numerics.numerics.recipe import Recipe
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -75,7 +75,7 @@ class SdpaBackend(Backend):
         return None
 
     def attention(self, recipe, q, k, v, *, causal, q_index, rotation_seed, cache):
-        from fa3_numerics.emulator import prepare
+        from fa3_numerics.numerics.emulator import prepare
 
         why = self.supports(recipe)
         if why is not None:

@@ -5,11 +5,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from fa3_numerics.ablation import FACTORS, factor_recipe, load_ablation, run_ablation, variant_label
+from fa3_numerics.studies.ablation import FACTORS, factor_recipe, load_ablation, run_ablation, variant_label
 from fa3_numerics.cli import app
 from fa3_numerics.errors import UsageError
-from fa3_numerics.granularity import PerBlock, PerToken
-from fa3_numerics.recipe import Recipe
+from fa3_numerics.numerics.granularity import PerBlock, PerToken
+from fa3_numerics.numerics.recipe import Recipe
 
 TINY = """
 description = "tiny ablation"
@@ -114,7 +114,7 @@ def test_dataset_layout_and_cache(tiny, tmp_path):
     assert np.isfinite(ds["rmse"].sel(variant=full[:4])).all()
     assert bool(ds["paper_data"][0]) and not bool(ds["paper_data"][1])
     # The MMA accumulator's attribution is measured against the same recipe at acc=fp32.
-    from fa3_numerics.attribution import attribution_table
+    from fa3_numerics.studies.attribution import attribution_table
 
     assert str(ds["stage_of_acc"].sel(variant="block|none|offset8|fp22|e4m3|amax").item()) == "block|none|offset8|fp32|e4m3|amax"
     att = attribution_table(ds, n_boot=20)
@@ -151,8 +151,8 @@ def test_cli_refuses_bad_options_in_one_line(tiny):
 
 def test_capture_file_as_data(tiny, tmp_path):
     pytest.importorskip("safetensors")
-    from fa3_numerics import distributions
-    from fa3_numerics.capture import FORMAT, REQUIRED_META, save_capture
+    from fa3_numerics.data import distributions
+    from fa3_numerics.data.capture import FORMAT, REQUIRED_META, save_capture
 
     g = torch.Generator().manual_seed(0)
     tensors = {"layers.0.q": torch.randn(4, 160, 64, generator=g), "layers.0.k": torch.randn(2, 160, 64, generator=g),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from fa3_numerics import analysis as A
+from fa3_numerics.studies import analysis as A
 
 DATA = ["outliers p=0.001,sigma=10", "channel-outliers"]
 GRAN = ["tensor", "block"]

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from fa3_numerics import distributions
-from fa3_numerics.attribution import STAGES, attribution_table, exact_recipe, stage_recipe
-from fa3_numerics.emulator import emulate
-from fa3_numerics.granularity import PerBlock, PerHead
-from fa3_numerics.recipe import Recipe
-from fa3_numerics.reference import reference_attention
+from fa3_numerics.data import distributions
+from fa3_numerics.studies.attribution import STAGES, attribution_table, exact_recipe, stage_recipe
+from fa3_numerics.numerics.emulator import emulate
+from fa3_numerics.numerics.granularity import PerBlock, PerHead
+from fa3_numerics.numerics.recipe import Recipe
+from fa3_numerics.numerics.reference import reference_attention
 
 FA3 = Recipe.from_str("fa3-fp8,acc=fp22")
 
@@ -73,7 +73,7 @@ def test_attribution_table_shares_sum_to_one(tiny_ablation_ds):
 
 @pytest.fixture(scope="module")
 def tiny_ablation_ds(tmp_path_factory):
-    from fa3_numerics.ablation import load_ablation, run_ablation
+    from fa3_numerics.studies.ablation import load_ablation, run_ablation
 
     path = tmp_path_factory.mktemp("attr") / "tiny.toml"
     path.write_text(TINY)

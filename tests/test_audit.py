@@ -14,10 +14,10 @@ import torch
 
 pytest.importorskip("safetensors", reason="capture files need safetensors: pip install 'fa3-numerics[capture]'")
 
-from fa3_numerics import audit as au  # noqa: E402
-from fa3_numerics import capture as cap  # noqa: E402
+from fa3_numerics.studies import audit as au  # noqa: E402
+from fa3_numerics.data import capture as cap  # noqa: E402
 from fa3_numerics.errors import UsageError  # noqa: E402
-from fa3_numerics.recipe import PRESETS  # noqa: E402
+from fa3_numerics.numerics.recipe import PRESETS  # noqa: E402
 from fa3_numerics.testing import run_cli  # noqa: E402
 
 D = 64
@@ -82,9 +82,9 @@ def test_dataset_layout(small):
 
 
 def test_errors_match_a_direct_computation(small):
-    from fa3_numerics.emulator import emulate
-    from fa3_numerics.metrics import per_sample
-    from fa3_numerics.reference import reference_attention
+    from fa3_numerics.numerics.emulator import emulate
+    from fa3_numerics.numerics.metrics import per_sample
+    from fa3_numerics.numerics.reference import reference_attention
 
     path, _, ds = small
     c = cap.load_capture(path)
@@ -148,7 +148,7 @@ def test_p_underflow_running_max_versus_final_max():
 
 
 def test_reference_output_of_the_statistics_pass():
-    from fa3_numerics.reference import reference_attention
+    from fa3_numerics.numerics.reference import reference_attention
 
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, HEADS, 300, D, generator=g, dtype=torch.float64) * 2

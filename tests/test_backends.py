@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from fa3_numerics.backends import BACKENDS, available_backends, backend_table, get_backend
+from fa3_numerics.engine.backends import BACKENDS, available_backends, backend_table, get_backend
 from fa3_numerics.errors import UsageError
-from fa3_numerics.recipe import PRESETS, Recipe
+from fa3_numerics.numerics.recipe import PRESETS, Recipe
 
 NO_HOPPER = not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0))
 
@@ -132,7 +132,7 @@ def _inputs(b=1, h=2, hkv=2, n=96, d=64, seed=0):
 
 
 def test_sdpa_math_runs_on_cpu_close_to_reference():
-    from fa3_numerics.reference import reference_attention
+    from fa3_numerics.numerics.reference import reference_attention
 
     q, k, v = _inputs()
     rows = torch.tensor([0, 5, 50, 95])
@@ -147,7 +147,7 @@ def test_sdpa_math_runs_on_cpu_close_to_reference():
 @pytest.mark.parametrize("gran,rot,hkv", [("head", "none", 2), ("tensor", "hadamard", 2), ("head", "hadamard", 1)])
 def test_kernel_inputs_are_exactly_the_emulators(gran, rot, hkv):
     """The FA3 backend hands the kernel the emulator's own FP8 bytes and descales."""
-    from fa3_numerics.emulator import prepare
+    from fa3_numerics.numerics.emulator import prepare
     from fa3_numerics.kernels.fa3 import kernel_inputs
 
     q, k, v = _inputs(b=2, h=4, hkv=hkv)
@@ -169,9 +169,9 @@ def test_kernel_inputs_are_exactly_the_emulators(gran, rot, hkv):
 
 def test_mock_kernel_backend_matches_emulator_roughly():
     """Rotation, quantization, layouts and descales through the whole fa3 path (stand-in kernel)."""
-    from fa3_numerics.backends import EmulateBackend
+    from fa3_numerics.engine.backends import EmulateBackend
     from fa3_numerics.kernels.fa3 import MockFa3Backend
-    from fa3_numerics.reference import reference_attention
+    from fa3_numerics.numerics.reference import reference_attention
 
     q, k, v = _inputs(b=1, h=4, hkv=2, n=128, d=64)
     rows = torch.arange(128)
@@ -193,7 +193,7 @@ def test_fast_quantize_shapes_and_error():
     for gran in ("head", "tensor"):
         x8, ds = fast_quantize(x, kv_heads=2, gran=gran, rot="hadamard", seed=0)
         assert x8.dtype == torch.float8_e4m3fn and ds.shape == (2, 2)
-        from fa3_numerics.rotation import make_rotation
+        from fa3_numerics.numerics.rotation import make_rotation
 
         xr = make_rotation("hadamard", 64, 0).apply(x)
         deq = x8.float() * ds.repeat_interleave(2, dim=1)[:, None, :, None]
@@ -209,7 +209,7 @@ def test_fa3_backend_feeds_the_kernel_the_bytes_of_the_h200_fixture(monkeypatch)
 
     from safetensors import safe_open
 
-    from fa3_numerics.emulator import prepare
+    from fa3_numerics.numerics.emulator import prepare
     from fa3_numerics.kernels.fa3 import kernel_inputs
 
     root = Path(__file__).resolve().parents[1]

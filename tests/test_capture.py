@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("safetensors", reason="capture files need safetensors: pip install 'fa3-numerics[capture]'")
 
-from fa3_numerics import capture as cap  # noqa: E402
+from fa3_numerics.data import capture as cap  # noqa: E402
 from fa3_numerics.errors import UsageError  # noqa: E402
 from fa3_numerics.testing import run_cli  # noqa: E402
 

@@ -8,7 +8,7 @@ import pytest
 import xarray as xr
 
 from fa3_numerics.cli import main
-from fa3_numerics.dataset import read
+from fa3_numerics.engine.dataset import read
 
 SMALL = ["--seqlen", "256", "--heads", "2", "--rows", "64", "--variants", "fa3-fp8,baseline-fp16"]
 

@@ -14,7 +14,7 @@ import xarray as xr
 
 pytest.importorskip("distributed")
 
-from fa3_numerics.ablation import load_ablation, run_ablation, tasks  # noqa: E402
+from fa3_numerics.studies.ablation import load_ablation, run_ablation, tasks  # noqa: E402
 
 TINY = """
 description = "distributed test"

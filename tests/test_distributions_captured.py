@@ -1,4 +1,4 @@
-"""Tests of the ``captured:FILE`` distribution (fa3_numerics/distributions/captured.py).
+"""Tests of the ``captured:FILE`` distribution (fa3_numerics/data/distributions/captured.py).
 
 Mechanics run on synthetic capture files. The two acceptance criteria (per-channel amax profile
 within 10%, audit error within 25% at the captured length) run on a real 256-token SmolLM2
@@ -16,9 +16,9 @@ import torch
 
 pytest.importorskip("safetensors", reason="capture files need safetensors: pip install 'fa3-numerics[capture]'")
 
-from fa3_numerics import capture as cap  # noqa: E402
-from fa3_numerics import distributions as D  # noqa: E402
-from fa3_numerics.distributions import captured as cd  # noqa: E402
+from fa3_numerics.data import capture as cap  # noqa: E402
+from fa3_numerics.data import distributions as D  # noqa: E402
+from fa3_numerics.data.distributions import captured as cd  # noqa: E402
 from fa3_numerics.errors import UsageError  # noqa: E402
 
 from test_audit import HEADS, KV, D as HD, write_capture  # noqa: E402

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from fa3_numerics import distributions
+from fa3_numerics.data import distributions
 from fa3_numerics.errors import UsageError
 
 SHAPE = distributions.AttnShape(2, 4, 64, 32, kv_heads=2)

@@ -5,14 +5,14 @@ import math
 import pytest
 import torch
 
-from fa3_numerics.distributions import AttnShape, generate
-from fa3_numerics.emulator import emulate
-from fa3_numerics.formats import quantize_dequantize
-from fa3_numerics.metrics import per_sample
-from fa3_numerics.quant import quantize
-from fa3_numerics.granularity import PerHead
-from fa3_numerics.recipe import PRESETS, Recipe
-from fa3_numerics.reference import expand_kv, reference_attention
+from fa3_numerics.data.distributions import AttnShape, generate
+from fa3_numerics.numerics.emulator import emulate
+from fa3_numerics.numerics.formats import quantize_dequantize
+from fa3_numerics.numerics.metrics import per_sample
+from fa3_numerics.numerics.quant import quantize
+from fa3_numerics.numerics.granularity import PerHead
+from fa3_numerics.numerics.recipe import PRESETS, Recipe
+from fa3_numerics.numerics.reference import expand_kv, reference_attention
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_fully_masked_rows_are_zero_not_nan():
 def test_standard_fp16_matches_pytorch_math_sdpa():
     """baseline-fp16 emulates PyTorch's math SDPA in half precision (sqrt(scale) on Q and K,
     S and P in FP16): an independent implementation, run here on the CPU."""
-    from fa3_numerics.backends import get_backend
+    from fa3_numerics.engine.backends import get_backend
 
     q, k, v = generate("outliers", AttnShape(1, 2, 512, 64), 5, p=0.01, sigma=10.0)
     idx = torch.arange(0, 512, 3)

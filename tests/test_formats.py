@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fa3_numerics.formats import FORMATS, cast, get_format, round_to_format, to_float32_round_odd
+from fa3_numerics.numerics.formats import FORMATS, cast, get_format, round_to_format, to_float32_round_odd
 
 NP_TYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2, "fp16": np.float16,
             "bf16": ml_dtypes.bfloat16}

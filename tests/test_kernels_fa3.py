@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from fa3_numerics.backends import get_backend
-from fa3_numerics.validate import F_LIMIT, Case, case_recipe, run_validation
+from fa3_numerics.engine.backends import get_backend
+from fa3_numerics.studies.validate import F_LIMIT, Case, case_recipe, run_validation
 
 _WHY = get_backend("fa3").check("cuda")
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"FA3 kernel unavailable: {_WHY}")

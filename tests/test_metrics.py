@@ -3,7 +3,7 @@ import math
 import numpy as np
 import torch
 
-from fa3_numerics.metrics import bootstrap_ci, per_sample, pooled
+from fa3_numerics.numerics.metrics import bootstrap_ci, per_sample, pooled
 
 
 def test_known_values():

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fa3_numerics.emulator import emulate
-from fa3_numerics.mma import hopper_fp8_mma
-from fa3_numerics.recipe import Recipe
+from fa3_numerics.numerics.emulator import emulate
+from fa3_numerics.numerics.mma import hopper_fp8_mma
+from fa3_numerics.numerics.recipe import Recipe
 
 DATA = Path(__file__).parent / "data" / "fa3_h200_s1000_h4_d128.safetensors"
 

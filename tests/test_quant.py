@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from fa3_numerics.formats import get_format, round_to_format
-from fa3_numerics.granularity import PerBlock, PerHead, PerTensor, PerToken, amax, parse_granularity
-from fa3_numerics.quant import amax_to_scale, quantize
+from fa3_numerics.numerics.formats import get_format, round_to_format
+from fa3_numerics.numerics.granularity import PerBlock, PerHead, PerTensor, PerToken, amax, parse_granularity
+from fa3_numerics.numerics.quant import amax_to_scale, quantize
 
 
 @pytest.fixture

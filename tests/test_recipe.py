@@ -1,8 +1,8 @@
 import pytest
 
 from fa3_numerics.errors import UsageError
-from fa3_numerics.granularity import PerBlock, PerTensor
-from fa3_numerics.recipe import PRESETS, TABLE3, Recipe, parse_recipes
+from fa3_numerics.numerics.granularity import PerBlock, PerTensor
+from fa3_numerics.numerics.recipe import PRESETS, TABLE3, Recipe, parse_recipes
 
 
 def test_table3_presets_exist_with_paper_values():

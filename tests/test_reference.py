@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from fa3_numerics.reference import expand_kv, reference_attention
+from fa3_numerics.numerics.reference import expand_kv, reference_attention
 
 
 def naive(q, k, v, causal, scale):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fa3_numerics.cli import main
-from fa3_numerics.dataset import read
+from fa3_numerics.engine.dataset import read
 from fa3_numerics.report import figure_plan, render_report
 
 TINY = ["--batch", "1", "--heads", "2", "--rows", "16", "--variants", "baseline-fp8,fa3-fp8"]

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from fa3_numerics.errors import UsageError
-from fa3_numerics.rotation import fwht, hadamard_matrix, make_rotation, random_signs
+from fa3_numerics.numerics.rotation import fwht, hadamard_matrix, make_rotation, random_signs
 
 DIMS = [64, 96, 128, 192, 256]
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from fa3_numerics.tiles import fa3_tiles
-from fa3_numerics.validate import (Case, accumulator_ranking, case_recipe, grid, markdown_validation,
+from fa3_numerics.numerics.tiles import fa3_tiles
+from fa3_numerics.studies.validate import (Case, accumulator_ranking, case_recipe, grid, markdown_validation,
                                    run_validation)
 
 NO_HOPPER = not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0))
@@ -30,7 +30,7 @@ def test_small_grid_covers_the_issue_axes():
 
 
 def test_every_case_runs_on_the_fa3_kernel():
-    from fa3_numerics.backends import get_backend
+    from fa3_numerics.engine.backends import get_backend
 
     fa3 = get_backend("fa3")
     for c in grid("full") + grid("small"):
@@ -39,7 +39,7 @@ def test_every_case_runs_on_the_fa3_kernel():
 
 
 def test_run_validation_with_stand_in_kernel(tmp_path):
-    from fa3_numerics.dataset import write
+    from fa3_numerics.engine.dataset import write
     from fa3_numerics.kernels.fa3 import MockFa3Backend
 
     cases = [Case(seqlen=96, heads=2, kv_heads=1, head_dim=64, batch=1, causal=True),

@@ -69,8 +69,8 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         fresh: bool = typer.Option(False, help=HELP["fresh"]),
     ):
         """Factorial ablation of FP8 attention recipes with error attribution, effects and a report."""
-        from ..ablation import load_ablation, run_ablation
-        from ..dataset import write
+        from ..studies.ablation import load_ablation, run_ablation
+        from ..engine.dataset import write
         from ..errors import require
 
         strs = lambda t, n: parse_list(t, str, n)  # noqa: E731
@@ -94,7 +94,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         path = write(ds, out / f"{ab.name}.nc")
         typer.echo(f"wrote {path} ({ds.attrs['wall_seconds']} s for the sweep)", err=True)
         if report:
-            from ..analysis import render_report
+            from ..studies.analysis import render_report
 
             md = render_report(ds, Path(report), dataset_path=path)
             total = time.perf_counter() - t0

@@ -48,7 +48,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
     ) -> None:
         import time
 
-        from ..audit import DEFAULT_VARIANTS, RANK_METRICS, audit, check_recommendations, rank, recommend
+        from ..studies.audit import DEFAULT_VARIANTS, RANK_METRICS, audit, check_recommendations, rank, recommend
         from ..errors import require
 
         require(top >= 1, f"--top must be >= 1, got {top}")
@@ -59,12 +59,12 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                     f"--budget must be a positive number, got {budget}")
         require(not out.exists() or out.is_dir(), f"--out {out} is a file; pass a folder")
         t0 = time.perf_counter()
-        from ..capture import load_capture
+        from ..data.capture import load_capture
 
         cap = load_capture(file)
         labels = None
         if rank_by != "worst":
-            from ..recipe import parse_recipes
+            from ..numerics.recipe import parse_recipes
 
             labels = [lab for lab, _ in parse_recipes(variants or ",".join(DEFAULT_VARIANTS))]
             require(rank_by in labels, f"--rank-by {rank_by!r} is not an audited variant; use worst or one of "
@@ -72,8 +72,8 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         ds = audit(cap, variants=variants, backend=backend, rows=rows, layers=layers, seed=seed, device=device)
         ds.attrs.update({"budget": "" if budget is None else budget, "budget_metric": budget_metric,
                          "rank_by": rank_by, "rank_metric": rank_metric})
-        from ..audit_report import write_report
-        from ..dataset import write
+        from ..report.audit_report import write_report
+        from ..engine.dataset import write
 
         out.mkdir(parents=True, exist_ok=True)
         nc = write(ds, out / "audit.nc")

@@ -14,7 +14,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         """List every backend (emulate, fa3, sdpa-*) with whether it works here and, if not, why and the fix."""
         import torch
 
-        from ..backends import backend_table
+        from ..engine.backends import backend_table
 
         devices = [device] if device else (["cuda", "cpu"] if torch.cuda.is_available() else ["cpu", "cuda"])
         for dev in devices:

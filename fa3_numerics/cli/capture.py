@@ -32,7 +32,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         layers: Optional[str] = typer.Option(None, "--layers",
                                              help="Layers to keep, e.g. 0,3,5 or 0-4 or 0-2,7. Default: all."),
     ) -> None:
-        from ..capture import capture
+        from ..data.capture import capture
         from ..errors import UsageError, require
 
         require(tokens >= 1, f"--tokens must be at least 1 (got {tokens}); e.g. --tokens 2048")

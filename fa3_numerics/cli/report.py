@@ -32,7 +32,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                                                                 "(report.md + figures/*.png)"),
     ):
         """Render the report (figures, table, provenance) of a saved dataset, as `run` does."""
-        from ..dataset import read
+        from ..engine.dataset import read
         from ..report import render_report
 
         formats = parse_formats(format)
@@ -49,8 +49,8 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         out: Optional[Path] = typer.Option(None, help="also write the comparison as Markdown to this file"),
     ):
         """The same variants of two runs side by side, with ratios B/A and whether their intervals cover 1."""
-        from ..compare import compare, markdown_report, text_report
-        from ..dataset import read
+        from ..studies.compare import compare, markdown_report, text_report
+        from ..engine.dataset import read
 
         da, db = read(a), read(b)
         res = compare(da, db, metric)

@@ -54,9 +54,9 @@ def parse_list(text: Optional[str], kind: type, name: str) -> Optional[list]:
 
 def run_and_write(name: str, overrides: dict, out: Path, fresh: bool, workers: int = 0,
                   scheduler: Optional[str] = None) -> None:
-    from ..dataset import write
-    from ..experiment import load_experiment, run_experiment
-    from ..summary import markdown_summary, text_table
+    from ..engine.dataset import write
+    from ..engine.experiment import load_experiment, run_experiment
+    from ..report.summary import markdown_summary, text_table
 
     exp = load_experiment(name, overrides)
     cache = out / ".cells"
@@ -116,11 +116,11 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
     @app.command("variants")
     def variants_cmd():
         """List the preset variants (recipes) with what each does and its full spec."""
-        from ..recipe import PRESETS
+        from ..numerics.recipe import PRESETS
 
         for name, pre in PRESETS.items():
             paper = f" [paper RMSE {pre.paper_rmse:g}]" if pre.paper_rmse else ""
             typer.echo(f"{name}{paper}\n    {pre.description}\n    spec: {pre.recipe.spec()}")
         typer.echo("\nAny recipe can be written as key=value pairs, optionally after a preset to override it, "
                    "e.g. 'fa3-fp8,acc=fp22,bn=128'. Keys: " + ", ".join(
-                       sorted(__import__("fa3_numerics.recipe", fromlist=["x"])._FIELD_OF)))
+                       sorted(__import__("fa3_numerics.numerics.recipe", fromlist=["x"])._FIELD_OF)))

@@ -20,9 +20,9 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                                                      "(default: all: fp32, fp22, two-level)"),
     ):
         """Same inputs through the emulator and the kernel: F = RMSE(emu, kernel) / RMSE(kernel, f64), bit-identical share."""
-        from ..backends import get_backend
+        from ..engine.backends import get_backend
         from ..errors import require
-        from ..validate import accumulator_ranking, grid as make_grid, markdown_validation, run_validation
+        from ..studies.validate import accumulator_ranking, grid as make_grid, markdown_validation, run_validation
 
         cases = make_grid(grid)
         kernel = get_backend(backend)
@@ -32,7 +32,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         typer.echo(f"validate: {len(cases)} case(s), backend {backend} on {device}; writing to {out}", err=True)
         ds = run_validation(cases, device=device, backend=backend, accs=accs, kernel=kernel,
                             progress=lambda m: typer.echo(m, err=True))
-        from ..dataset import write
+        from ..engine.dataset import write
 
         path = write(ds, out / "validation.nc")
         md = markdown_validation(ds)

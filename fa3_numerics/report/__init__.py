@@ -24,7 +24,7 @@ FORMATS = ("html", "md")
 
 def render_report(ds: xr.Dataset, out_dir: str | Path, formats=FORMATS, metric: str = "rmse") -> list[Path]:
     """Render the report of ``ds`` into ``out_dir`` in ``formats``; return the files written."""
-    from ..dataset import summary_table
+    from ..engine.dataset import summary_table
     from .document import build_document
     from .html import render_html
     from .markdown import render_markdown

@@ -4,7 +4,7 @@ Exposed: ``Block``, ``build_document``.
 
 Blocks carry Markdown-flavoured inline text (backticks for code, ``**`` for bold) and
 Markdown tables, so that the Markdown and the HTML reports say exactly the same things.
-Tables and provenance reuse ``fa3_numerics.summary``; nothing here depends on the time of
+Tables and provenance reuse ``fa3_numerics.report.summary``; nothing here depends on the time of
 rendering, so the same dataset always gives the same report.
 """
 
@@ -16,8 +16,8 @@ import math
 import numpy as np
 import xarray as xr
 
-from ..dataset import paper_setting, summary_table
-from ..summary import _e, markdown_table, provenance_block
+from ..engine.dataset import paper_setting, summary_table
+from .summary import _e, markdown_table, provenance_block
 from .figures import SYMBOL, Figure, _eq, _fmt_val, paper_setting_text, reference_cell, swept_dims
 
 OTHER_METRICS = ("rel_l2", "rel_l1", "max_abs", "cosine", "sqnr_db", "nonfinite")

@@ -13,7 +13,7 @@ Which figures a dataset gets (``figure_plan``):
 - ``inputs_hist``: histogram of |Q| and |K| entries, with the N(0,1) bulk for reference.
 
 Every error figure carries the percentile-bootstrap intervals of
-``fa3_numerics.dataset.summary_table`` (over (seed, batch, head) samples). matplotlib and
+``fa3_numerics.engine.dataset.summary_table`` (over (seed, batch, head) samples). matplotlib and
 seaborn are imported inside functions; figures are drawn on ``matplotlib.figure.Figure``
 (Agg canvas, no pyplot state) and saved without timestamps, so the same dataset always
 gives the same bytes.
@@ -28,7 +28,7 @@ import math
 import numpy as np
 import xarray as xr
 
-from ..dataset import PAPER_SETTING, SAMPLE_DIMS
+from ..engine.dataset import PAPER_SETTING, SAMPLE_DIMS
 
 DPI = 100
 MARKERS = ("o", "s", "D", "^", "v", "P", "X", "*", "<", ">", "h", "p")

@@ -50,9 +50,9 @@ def evaluate(path: Path, models: list[str], rows: int, device: str) -> list[dict
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from fa3_numerics.emulator import emulate
-    from fa3_numerics.recipe import Recipe
-    from fa3_numerics.reference import reference_attention
+    from fa3_numerics.numerics.emulator import emulate
+    from fa3_numerics.numerics.recipe import Recipe
+    from fa3_numerics.numerics.reference import reference_attention
 
     t = load_file(path)
     with safe_open(path, "pt") as f:

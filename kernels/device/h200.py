@@ -131,7 +131,7 @@ KERNEL_ROWS = ["fa3-fp8-kernel", "fa3-fp8-kernel-hadamard", "fa3-fp8-kernel,gran
 def environment(out: Out, args, fa3_name: str) -> dict:
     import torch
 
-    from fa3_numerics.backends import available_backends
+    from fa3_numerics.engine.backends import available_backends
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": str(torch.version.cuda),
            "device": args.device, "mock": args.mock, "host": platform.node()}
@@ -152,10 +152,10 @@ def environment(out: Out, args, fa3_name: str) -> dict:
         env["kernel_module"], env["kernel_version"] = load_kernel()[1:]
     env["fa3_backend_used"] = fa3_name
     try:
-        from fa3_numerics.recipe import Recipe
+        from fa3_numerics.numerics.recipe import Recipe
 
         env["emulator_default_acc"] = Recipe().acc
-        from fa3_numerics.provenance import git_commit
+        from fa3_numerics.engine.provenance import git_commit
 
         env["git_commit"] = git_commit()
     except Exception:  # noqa: BLE001
@@ -173,7 +173,7 @@ def environment(out: Out, args, fa3_name: str) -> dict:
 
 
 def experiment(variants, backend, device, sz: Sizes, rows=None):
-    from fa3_numerics.experiment import Experiment
+    from fa3_numerics.engine.experiment import Experiment
 
     return Experiment(name="outliers", description="FA3 paper Table 3 at the paper's shape (device run)",
                       dist="outliers", variants=list(variants), params={}, seqlen=[sz.t3_seqlen], head_dim=[128],
@@ -189,7 +189,7 @@ def _sync(device: str) -> None:
 
 
 def run_exp(exp, device):
-    from fa3_numerics.experiment import run_experiment
+    from fa3_numerics.engine.experiment import run_experiment
 
     _sync(device)
     t = time.perf_counter()
@@ -199,9 +199,9 @@ def run_exp(exp, device):
 
 
 def table3(out: Out, args, sz: Sizes, fa3_name: str) -> None:
-    from fa3_numerics.dataset import summary_table, write
-    from fa3_numerics.recipe import TABLE3
-    from fa3_numerics.summary import text_table
+    from fa3_numerics.engine.dataset import summary_table, write
+    from fa3_numerics.numerics.recipe import TABLE3
+    from fa3_numerics.report.summary import text_table
 
     dev = args.device
     # Warm-up (CUDA context, cuBLAS handles) on a toy shape, so the timing below is the work.
@@ -228,7 +228,7 @@ def table3(out: Out, args, sz: Sizes, fa3_name: str) -> None:
             ("sdpa-cudnn", ["fa3-fp16"]),
             ("sdpa-math", ["baseline-fp16"])]
     hw_rows, hw_ds, skipped = [], [], []
-    from fa3_numerics.backends import get_backend
+    from fa3_numerics.engine.backends import get_backend
 
     for backend, variants in plan:
         why = get_backend(backend).check(dev)
@@ -256,7 +256,7 @@ def table3(out: Out, args, sz: Sizes, fa3_name: str) -> None:
     refused = []
     fa3 = get_backend(fa3_name)
     for v in TABLE3:
-        from fa3_numerics.recipe import PRESETS
+        from fa3_numerics.numerics.recipe import PRESETS
 
         why = fa3.supports(PRESETS[v].recipe)
         if why:
@@ -293,8 +293,8 @@ def table3(out: Out, args, sz: Sizes, fa3_name: str) -> None:
                                   "hardware": [{"backend": r["backend"], "variant": r["variant"], "rmse": r["value"],
                                                 "paper": r["paper"]} for r in hw_rows]}
     # Where the time goes: the inputs are drawn on the CPU in float64 (reproducible on any machine).
-    from fa3_numerics import distributions
-    from fa3_numerics.experiment import input_histogram
+    from fa3_numerics.data import distributions
+    from fa3_numerics.engine.experiment import input_histogram
 
     tg = time.perf_counter()
     qkv = distributions.generate("outliers", distributions.AttnShape(sz.t3_batch, sz.t3_heads, sz.t3_seqlen, 128), 0,
@@ -313,7 +313,7 @@ def table3(out: Out, args, sz: Sizes, fa3_name: str) -> None:
 
 def table3_fp22(out: Out, args, sz: Sizes) -> None:
     """The FP8 kernel rows of Table 3 once more with the Hopper MMA model (acc=fp22)."""
-    from fa3_numerics.dataset import summary_table
+    from fa3_numerics.engine.dataset import summary_table
 
     dev = args.device
     fp22_of = {v: f"{v},acc=fp22" for v in ["fa3-fp8-no-block-quant"] + KERNEL_ROWS[:3]}
@@ -334,9 +334,9 @@ def table3_fp22(out: Out, args, sz: Sizes) -> None:
 
 
 def validation(out: Out, args, sz: Sizes, fa3_name: str, deadline: float) -> None:
-    from fa3_numerics.backends import get_backend
-    from fa3_numerics.dataset import write
-    from fa3_numerics.validate import Case, accumulator_ranking, grid, markdown_validation, run_validation
+    from fa3_numerics.engine.backends import get_backend
+    from fa3_numerics.engine.dataset import write
+    from fa3_numerics.studies.validate import Case, accumulator_ranking, grid, markdown_validation, run_validation
 
     cases = grid(sz.grid)
     if sz.paper_cases:
@@ -392,9 +392,9 @@ def _events_median(fn, reps: int, device: str) -> float:
 def throughput(out: Out, args, sz: Sizes, fa3_name: str) -> None:
     import torch
 
-    from fa3_numerics.backends import get_backend
+    from fa3_numerics.engine.backends import get_backend
     from fa3_numerics.kernels.fa3 import Fa3Backend, fast_quantize, flash_attn
-    from fa3_numerics.reference import reference_attention
+    from fa3_numerics.numerics.reference import reference_attention
 
     dev = args.device
     b, h, n, d = sz.tp_batch, sz.tp_heads, sz.tp_seqlen, 128
@@ -544,8 +544,8 @@ def figure(results, path: Path, shape, mock: bool) -> None:
 
 def extra_all_rows(out: Out, args, sz: Sizes) -> None:
     """The paper-shape Table 3 with every query row (no sampling), timed."""
-    from fa3_numerics.recipe import TABLE3
-    from fa3_numerics.summary import text_table
+    from fa3_numerics.numerics.recipe import TABLE3
+    from fa3_numerics.report.summary import text_table
 
     ds, t = run_exp(experiment(TABLE3, "emulate", args.device, sz, rows=0), args.device)
     log(f"Table 3 with every query row: {t:.2f} s\n{text_table(ds)}")
@@ -561,9 +561,9 @@ def emulator_devices(out: Out, args) -> None:
     """Issue item 5: the same emulator code on CUDA and on the CPU, same inputs (TF32 off)."""
     import torch
 
-    from fa3_numerics import distributions
-    from fa3_numerics.emulator import emulate
-    from fa3_numerics.recipe import Recipe, get_recipe
+    from fa3_numerics.data import distributions
+    from fa3_numerics.numerics.emulator import emulate
+    from fa3_numerics.numerics.recipe import Recipe, get_recipe
 
     if not args.device.startswith("cuda"):
         return
@@ -628,7 +628,7 @@ def main(argv=None) -> int:
     if args.grid:
         sz = dataclasses.replace(sz, grid=args.grid)
     out = Out(Path(args.out))
-    from fa3_numerics.backends import register_backend
+    from fa3_numerics.engine.backends import register_backend
 
     fa3_name = "fa3"
     if args.mock:

@@ -10,7 +10,7 @@ import math
 import torch
 
 from . import AttnShape, generator, register
-from ..errors import require
+from ...errors import require
 
 
 def _validate(params: dict) -> None:

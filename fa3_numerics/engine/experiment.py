@@ -1,9 +1,9 @@
 """Experiments: definitions as data (experiments/*.toml), cells, and the resumable runner.
 
 Exposed: ``Experiment``, ``load_experiment``, ``list_experiments``, ``run_experiment``,
-``SWEEPABLE``, and the engine shared with other sweeps (``fa3_numerics.ablation``):
+``SWEEPABLE``, and the engine shared with other sweeps (``fa3_numerics.studies.ablation``):
 ``Task``, ``cache_key``, ``run_tasks``, ``compute_task``, ``input_histogram``
-(parallel execution lives in ``fa3_numerics.distributed``).
+(parallel execution lives in ``fa3_numerics.engine.distributed``).
 
 An experiment is a distribution, its parameters, a shape, variants and seeds. Every
 parameter in ``SWEEPABLE`` is a list; the cells of a run are the product of those lists,
@@ -40,15 +40,15 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import distributions
+from ..data import distributions
 from .backends import get_backend
 from .dataset import to_dataset
-from .errors import UsageError, require
-from .metrics import METRICS, per_sample
+from ..errors import UsageError, require
+from ..numerics.metrics import METRICS, per_sample
 from .provenance import provenance
-from .recipe import PRESETS, Recipe, parse_recipes
-from .reference import reference_attention
-from .tiles import check_head_dim
+from ..numerics.recipe import PRESETS, Recipe, parse_recipes
+from ..numerics.reference import reference_attention
+from ..numerics.tiles import check_head_dim
 
 # Shape parameters that may sweep, besides the distribution's own parameters.
 SHAPE_SWEEPABLE = ("seqlen", "head_dim", "causal")
@@ -189,12 +189,13 @@ def _as_list(v) -> list:
 def numerics_version() -> str:
     """Hash of the source of every module that decides a number, so a cache made by other
     numerics is never reused (editing a docstring also invalidates it, which is harmless)."""
-    root = Path(__file__).parent
-    files = sorted([*root.glob("*.py"), *(root / "distributions").glob("*.py"), *(root.parent / "kernels").glob("*.py")])
-    skip = {"summary.py", "analysis.py", "audit_report.py", "compare.py", "provenance.py"}
+    pkg = Path(__file__).resolve().parents[1]
+    kernels = Path(importlib.import_module("fa3_numerics.kernels").__file__).parent
+    files = sorted([*(pkg / "numerics").glob("*.py"), *(pkg / "data").rglob("*.py"), pkg / "engine" / "backends.py",
+                    *kernels.glob("*.py")])
     h = hashlib.sha1()
     for f in files:
-        if f.name not in skip and f.is_file():
+        if f.is_file():
             h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()[:12]
 

@@ -6,7 +6,7 @@ For two machines, two backends, two seeds, or before/after a change. Variants ar
 by label, swept parameters by their common values (a parameter swept in one run and fixed
 in the other is compared at the fixed value). Each side's value is the pooled metric over
 its (seed, batch, head) samples with the 95% percentile-bootstrap interval of
-``fa3_numerics.metrics.bootstrap_ci``; the ratio's interval is the percentile interval of
+``fa3_numerics.numerics.metrics.bootstrap_ci``; the ratio's interval is the percentile interval of
 the ratio of independent bootstrap replicates of the two sides, so "covers 1" means the
 two runs agree within sampling noise.
 """
@@ -19,9 +19,9 @@ import math
 import numpy as np
 import xarray as xr
 
-from .dataset import SAMPLE_DIMS
-from .errors import UsageError
-from .metrics import bootstrap_ci, bootstrap_stats, pooled
+from ..engine.dataset import SAMPLE_DIMS
+from ..errors import UsageError
+from ..numerics.metrics import bootstrap_ci, bootstrap_stats, pooled
 
 N_BOOT = 2000
 

@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .errors import UsageError, require
+from ..errors import UsageError, require
 
 F_LIMIT = 0.01  # the issue's bar for every FP8 case
 F_AIM = 0.001
@@ -72,7 +72,7 @@ class Case:
 
 def case_recipe(case: Case, acc: str | None = None):
     """The recipe the kernel computes for ``case`` (``acc`` only changes the emulator)."""
-    from .recipe import Recipe
+    from ..numerics.recipe import Recipe
 
     if case.dtype == "fp8":
         r = Recipe(qk="e4m3", v="e4m3", p="e4m3", gran=case.gran, rot=case.rot, out="bf16")
@@ -155,12 +155,12 @@ def run_validation(cases: list[Case], *, device: str = "cuda", backend: str = "f
     """
     import xarray as xr
 
-    from . import distributions
-    from .accumulators import ACCUMULATORS
-    from .backends import EmulateBackend, get_backend
-    from .provenance import provenance
-    from .recipe import Recipe
-    from .reference import reference_attention
+    from ..data import distributions
+    from ..numerics.accumulators import ACCUMULATORS
+    from ..engine.backends import EmulateBackend, get_backend
+    from ..engine.provenance import provenance
+    from ..numerics.recipe import Recipe
+    from ..numerics.reference import reference_attention
 
     accs = list(accs or ACCUMULATORS)
     for a in accs:

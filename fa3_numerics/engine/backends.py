@@ -10,7 +10,7 @@ need, as xarray's BACKEND_ENTRYPOINTS do; they are imported only when asked for,
 
 Registered:
 
-- ``emulate``: the emulator (``fa3_numerics.emulator``), any recipe, CPU or CUDA.
+- ``emulate``: the emulator (``fa3_numerics.numerics.emulator``), any recipe, CPU or CUDA.
 - ``fa3``: the compiled FA3 forward kernel (``fa3_fwd_interface`` from the ``fa3-fwd`` wheel,
   or ``flash_attn_interface`` from an upstream build) on a Hopper GPU; FP8 with per-(batch,
   kv-head) or per-tensor descales and BF16. The recipe's rotation and quantization are
@@ -31,8 +31,8 @@ from typing import ClassVar
 
 import torch
 
-from .errors import UsageError
-from .recipe import Recipe
+from ..errors import UsageError
+from ..numerics.recipe import Recipe
 
 
 class Backend:
@@ -64,7 +64,7 @@ class EmulateBackend(Backend):
         return None
 
     def attention(self, recipe, q, k, v, *, causal, q_index, rotation_seed, cache):
-        from .emulator import emulate
+        from ..numerics.emulator import emulate
 
         return emulate(recipe, q, k, v, causal=causal, q_index=q_index, rotation_seed=rotation_seed, cache=cache)
 
@@ -73,7 +73,7 @@ class EmulateBackend(Backend):
 # The kernel backends need no module to be *constructed*: their ``check`` explains what is
 # missing (GPU, architecture, package) and how to get it, so ``supports`` works everywhere.
 BACKENDS: dict[str, tuple[str | None, str]] = {
-    "emulate": (None, "fa3_numerics.backends:EmulateBackend"),
+    "emulate": (None, "fa3_numerics.engine.backends:EmulateBackend"),
     "fa3": (None, "fa3_numerics.kernels.fa3:Fa3Backend"),
     "sdpa": (None, "fa3_numerics.kernels.sdpa:SdpaDefault"),
     "sdpa-flash": (None, "fa3_numerics.kernels.sdpa:SdpaFlash"),

@@ -22,7 +22,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..errors import UsageError, require
+from ...errors import UsageError, require
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ import math
 import torch
 
 from . import AttnShape, generator, register
-from ..errors import require
+from ...errors import require
 
 
 def _positive(name: str, value: float, *, integer: bool = False, allow_zero: bool = False) -> None:

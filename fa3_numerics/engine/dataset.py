@@ -2,7 +2,7 @@
 
 Exposed: ``FORMAT``, ``SAMPLE_DIMS``, ``to_dataset``, ``write``, ``read``, ``summary_table``.
 
-Layout of a run's dataset: one data variable per metric (``fa3_numerics.metrics``) with
+Layout of a run's dataset: one data variable per metric (``fa3_numerics.numerics.metrics``) with
 dims (*swept parameters, variant, seed, batch, head); coordinates for every parameter
 (swept ones as dims, the others as scalars); ``spec`` (variant -> canonical recipe
 string) and ``paper_rmse`` (variant -> FA3 paper value, NaN where none); attrs with
@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
-from .errors import UsageError
-from .metrics import METRICS, bootstrap_ci, pooled
+from ..errors import UsageError
+from ..numerics.metrics import METRICS, bootstrap_ci, pooled
 
 FORMAT = "fa3-numerics-dataset/1"
 SAMPLE_DIMS = ("seed", "batch", "head")

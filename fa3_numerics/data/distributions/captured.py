@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from . import AttnShape, generator, register
-from ..errors import UsageError, require
+from ...errors import UsageError, require
 
 PARAMS = {
     "layer": (-1.0, "captured layer to fit (-1: the most outlier-heavy layer, by max|x|/rms of Q and K)"),
@@ -323,10 +323,10 @@ def check_against_capture(path: str | os.PathLike, layer: int, *, seed: int = 1,
     """Generate one draw at the captured length and compare it with the captured layer: amax profiles
     of Q and K, and the RMSE (pooled over heads) of each variant against float64 on both."""
     from ..capture import load_capture
-    from ..emulator import emulate
-    from ..metrics import per_sample, pooled
-    from ..recipe import parse_recipes
-    from ..reference import reference_attention
+    from ...numerics.emulator import emulate
+    from ...numerics.metrics import per_sample, pooled
+    from ...numerics.recipe import parse_recipes
+    from ...numerics.reference import reference_attention
 
     cap = load_capture(path)
     fit = fit_capture(path, layer=layer, sinks=sinks, rope=True, cap=cap)

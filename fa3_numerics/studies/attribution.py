@@ -29,8 +29,8 @@ import dataclasses
 import numpy as np
 import xarray as xr
 
-from .granularity import PerHead
-from .recipe import Recipe
+from ..numerics.granularity import PerHead
+from ..numerics.recipe import Recipe
 
 STAGES = {
     "qk": "Q/K quantization (with rotation)",
@@ -77,7 +77,7 @@ def attribution_table(ds: xr.Dataset, *, n_boot: int = 400, level: float = 0.95,
     """One row per (cell, full variant, stage): the stage's MSE and share, with bootstrap
     intervals over (seed, batch, head) samples, plus the full recipe's MSE and the
     additivity ratio full / sum of stages. Needs an ablation dataset with ``stage`` and
-    ``stage_of_*`` coordinates (``fa3_numerics.ablation``)."""
+    ``stage_of_*`` coordinates (``fa3_numerics.studies.ablation``)."""
     import pandas as pd
 
     rmse = ds["rmse"].stack(sample=("seed", "batch", "head")).transpose(..., "variant", "sample")

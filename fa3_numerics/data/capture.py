@@ -53,7 +53,7 @@ from typing import Callable
 
 import torch
 
-from .errors import UsageError, require
+from ..errors import UsageError, require
 
 FORMAT = "fa3-numerics-capture/1"
 FORMAT_PREFIX = "fa3-numerics-capture/"
@@ -377,7 +377,7 @@ def record_qkv(model, input_ids: torch.Tensor, layers: list[int] | None = None,
     """
     impl = getattr(model.config, "_attn_implementation", None)
     require(impl == ATTN_NAME, f"the model uses attn_implementation={impl!r}; load it with "
-            f"fa3_numerics.capture.load_model (attn_implementation={ATTN_NAME!r})")
+            f"fa3_numerics.data.capture.load_model (attn_implementation={ATTN_NAME!r})")
     num_layers = int(model.config.num_hidden_layers)
     rec = _Recorder(layers=None if layers is None else set(layers))
     if stop_early and layers is not None and max(layers) < num_layers - 1:

@@ -9,7 +9,7 @@ import math
 
 import xarray as xr
 
-from .dataset import summary_table
+from ..engine.dataset import summary_table
 
 
 def _e(x: float) -> str:

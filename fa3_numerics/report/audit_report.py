@@ -2,7 +2,7 @@
 and the per-layer recommendation table.
 
 Exposed: ``write_report(ds, out, *, top=10, budget=None, budget_metric="rmse", rank_by="worst",
-rank_metric="rel_l2") -> Path``. Reads only the dataset written by ``fa3_numerics.audit.audit``;
+rank_metric="rel_l2") -> Path``. Reads only the dataset written by ``fa3_numerics.studies.audit.audit``;
 every file is written whole or not at all (temp file + os.replace). seaborn and matplotlib are
 imported inside the functions.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .audit import STAT_DEFINITIONS, check_recommendations, rank, recommend
+from ..studies.audit import STAT_DEFINITIONS, check_recommendations, rank, recommend
 
 
 def _e(x: float) -> str:
@@ -179,7 +179,7 @@ def channel_amax_figure(ds, ranking: list[dict], path: Path, n_heads: int = 3) -
 # --------------------------------------------------------------------------------------------
 
 def _variant_summary(ds) -> str:
-    from .metrics import pooled
+    from ..numerics.metrics import pooled
 
     lines = ["| variant | cost | RMSE (pooled over layers x heads) | mean rel_l2 | max rel_l2 | worst (layer, head) "
              "| paper Table 3 RMSE |", "|---|---|---|---|---|---|---|"]
@@ -342,7 +342,7 @@ def markdown(ds, *, ranking: list[dict], rec: dict | None, rank_by: str, rank_me
         "",
         _variant_summary(ds),
         "",
-        f"`cost` orders recipes from cheapest (see `fa3_numerics.audit.recipe_cost`: per-tensor < per-head < "
+        f"`cost` orders recipes from cheapest (see `fa3_numerics.studies.audit.recipe_cost`: per-tensor < per-head < "
         f"+Hadamard (2) < per-block (3); materialising S and P adds 6). Paper values are for random inputs "
         f"(N(0,1) + outliers, seqlen 8192, dim 128, non-causal), shown for scale only.",
         "",

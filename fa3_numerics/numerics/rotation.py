@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 @functools.lru_cache(maxsize=None)

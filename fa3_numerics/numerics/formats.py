@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ the running output, ``rescale`` [.., R, 1] is the online-softmax correction for 
 ``fmts`` the (P, V) formats.
 
 - ``fp32``: acc * rescale + P V with a float32 sum (an ideal tensor core).
-- ``fp22``: Hopper's FP8 tensor core as fitted to the FA3 kernel (``fa3_numerics.mma``): the
+- ``fp22``: Hopper's FP8 tensor core as fitted to the FA3 kernel (``fa3_numerics.numerics.mma``): the
   O registers are the MMA accumulator, rescaled in float32 and then chained through every
   k-step of 32 keys of every tile with 13-bit aligned, truncating accumulation. With this
   model the S = Q K^T product is modelled the same way (see the emulator).
@@ -41,7 +41,7 @@ def register_accumulator(name: str, description: str):
 
 
 def get_accumulator(name: str) -> Accumulator:
-    from .errors import UsageError
+    from ..errors import UsageError
 
     if name not in _REGISTRY:
         raise UsageError(f"unknown accumulator {name!r}; choose one of: {', '.join(_REGISTRY)}")

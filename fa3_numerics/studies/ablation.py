@@ -29,7 +29,7 @@ and the structured families, plus an optional capture file.
 Dataset: dims (data, seqlen, head_dim, causal, variant, seed, batch, head); the variant
 dim holds the full recipes (``stage`` = "full", with coords ``gran``, ``rot``, ``p``,
 ``acc``, ``fmt``, ``scale`` giving their levels) and the single-stage recipes of the error
-attribution (``fa3_numerics.attribution``; ``stage`` = qk, p, v, acc, out, exact), with
+attribution (``fa3_numerics.studies.attribution``; ``stage`` = qk, p, v, acc, out, exact), with
 ``stage_of_<s>`` mapping each full variant to its stage variant. A (data, cell, variant)
 that no design asks for is NaN. Every recipe runs at the FP8 kernel's tiles for its head
 dim (stage recipes too, so that blocks and tile order match the full recipe).
@@ -49,16 +49,16 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import distributions
+from ..data import distributions
 from .attribution import STAGES, exact_recipe, stage_label, stage_recipe
-from .errors import require
-from .distributed import default_workers
-from .experiment import (HIST_EDGES, ROWS_SEED, Task, _progress, cache_key, check_backend, check_shape, read_toml,
+from ..errors import require
+from ..engine.distributed import default_workers
+from ..engine.experiment import (HIST_EDGES, ROWS_SEED, Task, _progress, cache_key, check_backend, check_shape, read_toml,
                          run_tasks)
-from .metrics import METRICS
-from .provenance import provenance
-from .recipe import Recipe
-from .tiles import fa3_tiles
+from ..numerics.metrics import METRICS
+from ..engine.provenance import provenance
+from ..numerics.recipe import Recipe
+from ..numerics.tiles import fa3_tiles
 
 BASE = "fa3-fp8-kernel"
 FACTORS: dict[str, dict[str, str] | None] = {
@@ -325,7 +325,7 @@ def tasks(ab: Ablation) -> tuple[list[Task], list[tuple[int, int, int, int, int]
     on = ab.runs_on()
     out, where = [], []
     di = {d.label: i for i, d in enumerate(ab.data)}
-    modules = ("fa3_numerics.ablation",) if any(d.dist.startswith("capture-file:") for d in ab.data) else ()
+    modules = ("fa3_numerics.studies.ablation",) if any(d.dist.startswith("capture-file:") for d in ab.data) else ()
     for data, n, d, causal in ab.cells():
         params = dict(data.params)
         cell = {**params, "seqlen": n, "head_dim": d, "causal": causal}
@@ -349,7 +349,7 @@ def run_ablation(ab: Ablation, *, cache_dir: Path | None = None, workers: int | 
     """Run (or resume) the ablation and return its dataset (see module docstring)."""
     import xarray as xr
 
-    from .dataset import FORMAT
+    from ..engine.dataset import FORMAT
 
     if workers is None:
         workers = default_workers(ab.device)
@@ -433,7 +433,7 @@ def _stage_of(ab: Ablation, label: str, stage: str) -> str:
 
 @functools.lru_cache(maxsize=4)
 def _capture(path: str):
-    from .capture import load_capture
+    from ..data.capture import load_capture
 
     return load_capture(path)
 

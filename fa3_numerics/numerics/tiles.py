@@ -10,7 +10,7 @@ which the online softmax meets the KV tiles changes the rounding.
 
 from __future__ import annotations
 
-from .errors import UsageError
+from ..errors import UsageError
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 

@@ -3,11 +3,11 @@
 Exposed: ``DEFAULT_VARIANTS``, ``audit``, ``recipe_cost``, ``rank``, ``recommend``,
 ``check_recommendations``, ``STAT_DEFINITIONS``.
 
-``audit(capture)`` runs every variant on every (layer, head) of a capture (``fa3_numerics.capture``)
+``audit(capture)`` runs every variant on every (layer, head) of a capture (``fa3_numerics.data.capture``)
 against the float64 reference, causal as the model is and with the model's softmax scale, and
 computes per (layer, head):
 
-- errors: every metric of ``fa3_numerics.metrics`` (dims layer, head, variant);
+- errors: every metric of ``fa3_numerics.numerics.metrics`` (dims layer, head, variant);
 - per-channel amax of Q, K and V (dims layer, head|kv_head, channel), the hottest channel and its
   RoPE partner (transformers' Llama ``apply_rotary_pos_emb`` uses ``rotate_half``: channel c
   rotates with c + d/2 mod d), hot/median channel amax;
@@ -43,13 +43,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .errors import require
-from .granularity import PerBlock, PerHead, PerTensor, PerToken
-from .metrics import METRICS, per_sample
-from .recipe import PRESETS, Recipe, parse_recipes
-from .reference import causal_mask, expand_kv
-from .rotation import make_rotation
-from .tiles import check_head_dim, fa3_tiles
+from ..errors import require
+from ..numerics.granularity import PerBlock, PerHead, PerTensor, PerToken
+from ..numerics.metrics import METRICS, per_sample
+from ..numerics.recipe import PRESETS, Recipe, parse_recipes
+from ..numerics.reference import causal_mask, expand_kv
+from ..numerics.rotation import make_rotation
+from ..numerics.tiles import check_head_dim, fa3_tiles
 
 DEFAULT_VARIANTS = ("baseline-fp8", "fa3-fp8", "fa3-fp8-no-block-quant", "fa3-fp8-no-incoherent")
 SINK_TOKENS = 4
@@ -232,14 +232,14 @@ def _sha256(path: str | Path, chunk: int = 1 << 22) -> str:
 def _attention_fn(backend_name: str, scale: float, head_dim: int, device: str):
     """(recipe, q, k, v, causal, q_index, seed, cache) -> output, with the capture's softmax scale."""
     if backend_name == "emulate":
-        from .emulator import emulate
+        from ..numerics.emulator import emulate
 
         def run(recipe, q, k, v, causal, q_index, seed, cache):
             return emulate(recipe, q, k, v, causal=causal, softmax_scale=scale, q_index=q_index,
                            rotation_seed=seed, cache=cache)
 
         return run, None
-    from .backends import get_backend
+    from ..engine.backends import get_backend
 
     backend = get_backend(backend_name)
     why = backend.check(device)
@@ -262,9 +262,9 @@ def audit(capture, *, variants: str | list[str] | None = None, backend: str = "e
           layers: str | list[int] | None = None, seed: int = 0, device: str = "cpu",
           progress: Callable[[str], None] = _progress) -> "xarray.Dataset":  # noqa: F821
     """Audit ``capture`` (a ``Capture`` or a path) and return the dataset (see module docstring)."""
-    from .capture import Capture, load_capture, parse_layers
-    from .dataset import to_dataset
-    from .provenance import provenance
+    from ..data.capture import Capture, load_capture, parse_layers
+    from ..engine.dataset import to_dataset
+    from ..engine.provenance import provenance
 
     t_start = time.perf_counter()
     cap: Capture = capture if isinstance(capture, Capture) else load_capture(capture)

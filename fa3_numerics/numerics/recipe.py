@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .errors import UsageError
+from ..errors import UsageError
 from .formats import get_format
 from .granularity import Granularity, PerBlock, PerHead, PerTensor, parse_granularity
 from .rotation import ROTATIONS

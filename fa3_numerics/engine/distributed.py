@@ -2,7 +2,7 @@
 
 Exposed: ``default_workers``, ``worker_device``, ``run_dask``.
 
-A sweep (``fa3_numerics.experiment.run_tasks``) is a list of independent tasks, one per
+A sweep (``fa3_numerics.engine.experiment.run_tasks``) is a list of independent tasks, one per
 (cell, seed). ``run_dask`` submits them to a ``LocalCluster`` of single-threaded worker
 processes (one per CPU core, or one per GPU with worker i on GPU i mod count) or to an
 existing cluster at a scheduler address. Workers write each finished variant's cache file
@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 def default_workers(device: str = "cpu") -> int:

@@ -17,7 +17,7 @@ the residual cell - row mean - column mean + set mean, in log10 units.
 
 Intervals: percentile bootstrap over (seed, batch, head) samples, resampled jointly for
 every cell (the same samples index every cell, so paired contrasts keep their pairing),
-``n_boot`` draws with a fixed seed; ``fa3_numerics.metrics.bootstrap_ci`` for single cells.
+``n_boot`` draws with a fixed seed; ``fa3_numerics.numerics.metrics.bootstrap_ci`` for single cells.
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ def seqlen_table(ds: xr.Dataset, variants: list[str]) -> "pandas.DataFrame":  # 
     """Pooled RMSE per (data, seqlen, variant) at the base shape, with metrics.bootstrap_ci intervals."""
     import pandas as pd
 
-    from .metrics import bootstrap_ci, pooled
+    from ..numerics.metrics import bootstrap_ci, pooled
 
     rows = []
     base = base_shape(ds)
@@ -649,7 +649,7 @@ def render_report(ds: xr.Dataset, out, *, dataset_path=None, n_boot: int = 200) 
     from pathlib import Path
 
     from .attribution import attribution_table
-    from .summary import provenance_block
+    from ..report.summary import provenance_block
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
