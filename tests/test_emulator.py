@@ -40,9 +40,14 @@ def test_no_quantization_equals_reference_to_float32_rounding(qkv, causal):
 def test_tile_size_and_order_do_not_change_exact_attention(qkv, bn):
     q, k, v = qkv
     base = emulate(EXACT, q, k, v)
+    # Tiles change only the float32 rounding: the row sum is four sequential float32 sums of
+    # nk/4 positive terms each (relative error <= nk/4 * 2^-24 per sum, the worst case), and O
+    # is a sum of rescaled partial products with the same bound; two emulations can differ by
+    # twice that.
+    bound = 2 * (k.shape[2] / 4) * 2.0 ** -24
     for order in ("reverse", "forward"):
         r = Recipe.from_str(f"exact,bn={bn},order={order}")
-        assert (emulate(r, q, k, v) - base).abs().max() < 1e-6 * base.abs().max()
+        assert (emulate(r, q, k, v) - base).abs().max() < bound * base.abs().max()
 
 
 def test_query_subset_gives_same_rows(qkv):

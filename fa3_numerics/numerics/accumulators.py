@@ -2,16 +2,17 @@
 
 Exposed: ``ACCUMULATORS``, ``register_accumulator``, ``get_accumulator``, ``hopper_mma_on``.
 
-An accumulator is ``fn(acc, rescale, p, v, fmts) -> acc``: ``acc`` [.., R, Dv] float32 holds
-the running output, ``rescale`` [.., R, 1] is the online-softmax correction for this KV tile,
-``p`` [.., R, bn] and ``v`` [.., bn, Dv] are the tile's P (already cast) and V as float32,
-``fmts`` the (P, V) formats.
+An accumulator is ``fn(acc, p, v, fmts) -> acc``: ``acc`` [.., R, Dv] float32 holds the
+running output already multiplied by this KV tile's online-softmax correction (the kernel's
+``rescale_o``, a float32 multiply that the emulator performs, flush-to-zero included), ``p``
+[.., R, bn] and ``v`` [.., bn, Dv] are the tile's P (already cast) and V as float32,
+``fmts`` the (P, V) formats. It returns acc + P V under its model.
 
-- ``fp32``: acc * rescale + P V with a float32 sum (an ideal tensor core).
+- ``fp32``: acc + P V with a float32 sum (an ideal tensor core).
 - ``fp22``: Hopper's FP8 tensor core as fitted to the FA3 kernel (``fa3_numerics.numerics.mma``): the
-  O registers are the MMA accumulator, rescaled in float32 and then chained through every
-  k-step of 32 keys of every tile with 13-bit aligned, truncating accumulation. With this
-  model the S = Q K^T product is modelled the same way (see the emulator).
+  O registers are the MMA accumulator, chained through every k-step of 32 keys of every tile
+  with 13-bit aligned, truncating accumulation. With this model the S = Q K^T product is
+  modelled the same way (see the emulator).
 - ``two-level``: the same MMA model inside a KV tile from a zero accumulator, then added into
   a float32 accumulator across tiles (the fix proposed upstream and in vLLM's fork).
 
@@ -27,7 +28,7 @@ import torch
 from .formats import Format
 from .mma import hopper_fp8_mma
 
-Accumulator = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple], torch.Tensor]
+Accumulator = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple], torch.Tensor]
 
 _REGISTRY: dict[str, tuple[Accumulator, str]] = {}
 
@@ -58,23 +59,67 @@ def _mma(p, v, c, fmts):
 
 
 @register_accumulator("fp32", "float32 accumulation (an ideal tensor core)")
-def fp32(acc, rescale, p, v, fmts):
-    return acc * rescale + torch.matmul(p, v)
+def fp32(acc, p, v, fmts):
+    return acc + torch.matmul(p, v)
 
 
 @register_accumulator("fp22", "Hopper FP8 MMA model: 13-bit aligned truncating accumulation per 32-key k-step, "
                               "chained across tiles (matches the FA3 kernel)")
-def fp22(acc, rescale, p, v, fmts):
+def fp22(acc, p, v, fmts):
     if not hopper_mma_on("fp22", *fmts):
-        return fp32(acc, rescale, p, v, fmts)
-    return _mma(p, v, acc * rescale, fmts)
+        return fp32(acc, p, v, fmts)
+    return _mma(p, v, acc, fmts)
 
 
 @register_accumulator("two-level", "Hopper FP8 MMA model within a KV tile, float32 across tiles")
-def two_level(acc, rescale, p, v, fmts):
+def two_level(acc, p, v, fmts):
     if not hopper_mma_on("two-level", *fmts):
-        return fp32(acc, rescale, p, v, fmts)
-    return acc * rescale + _mma(p, v, None, fmts)
+        return fp32(acc, p, v, fmts)
+    return acc + _mma(p, v, None, fmts)
 
 
 ACCUMULATORS = {name: desc for name, (_, desc) in _REGISTRY.items()}
+
+
+# -- SageAttention v1: FP16 accumulation of P V (issue 11) -------------------------------------
+# Registered after the ``ACCUMULATORS`` snapshot above on purpose: that dict is the list of
+# models of the FA3 kernel's accumulator that ``validate`` runs by default, and FP16
+# accumulation is not one (the FA3 FP8 kernel accumulates in FP22/FP32). ``get_accumulator``
+# finds it; the recipe's ``acc`` vocabulary gains it with the emulator change (phase 2).
+
+FP16_K_STEP = 16  # K of the FP16 MMA (mma.sync m16n8k16 ... f16.f16.f16.f16)
+
+
+def fp16_mma(p: torch.Tensor, v: torch.Tensor, k_step: int = FP16_K_STEP) -> torch.Tensor:
+    """P V for one KV tile with an FP16 accumulator: p [.., R, n], v [.., n, Dv] holding FP16
+    values -> float32 [.., R, Dv] holding FP16 values.
+
+    The accumulator starts at zero and after every MMA of ``k_step`` keys holds
+    fp16(C + sum of the k_step products), rounded to nearest even and overflowing to inf
+    past 65504 as IEEE FP16 does. How the tensor core rounds an FP16 accumulation inside
+    one instruction is not public; this model takes the exact sum and rounds once per
+    instruction (the sum is formed in float64: FP16 products are exact there, and their
+    sum is exact unless its terms span more than 53 bits, far below an FP16 ulp).
+    """
+    from .formats import round_to_format
+
+    n = p.shape[-1]
+    acc = None
+    for k0 in range(0, n, k_step):
+        part = torch.matmul(p[..., k0:k0 + k_step].to(torch.float64), v[..., k0:k0 + k_step, :].to(torch.float64))
+        acc = round_to_format(part if acc is None else acc + part, "fp16")
+    if acc is None:
+        return torch.zeros((*p.shape[:-1], v.shape[-1]), dtype=torch.float32, device=p.device)
+    return acc.to(torch.float32)
+
+
+@register_accumulator("fp16", "SageAttention v1: P V of each KV tile accumulated in FP16 (rounded after every "
+                              "16-key MMA), added into a float32 accumulator across tiles")
+def fp16(acc, p, v, fmts):
+    # thu-ml/SageAttention sageattention/triton/attn_qk_int8_per_block.py: ``acc = acc * alpha``
+    # in float32 (the emulator's rescale, done before this call), then
+    # ``acc += tl.dot(p.to(tl.float16), v, out_dtype=tl.float16)`` per 64-key block (BLOCK_N):
+    # FP16 accumulation within a tile, float32 across tiles. The CUDA kernels'
+    # pv_accum_dtype="fp16" mode (sageattention/core.py), which keeps O in FP16 across all
+    # tiles, is not modelled.
+    return acc + fp16_mma(p, v)

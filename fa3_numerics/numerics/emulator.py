@@ -32,6 +32,7 @@ import torch
 
 from .accumulators import get_accumulator, hopper_mma_on
 from .formats import get_format, quantize_dequantize
+from . import native
 from .mma import hopper_fp8_mma
 from .granularity import PerHead
 from .quant import Quantized, quantize
@@ -40,6 +41,7 @@ from .reference import causal_mask, expand_kv
 from .rotation import make_rotation
 
 LOG2E = math.log2(math.e)
+FLT_MIN_NORMAL = float.fromhex("0x1p-126")  # smallest normal float32
 # Elements of one materialised S chunk in the standard algorithm; bounds its memory.
 _STD_CHUNK_ELEMS = 1 << 22
 
@@ -138,6 +140,11 @@ def exp2_rz(x: torch.Tensor) -> torch.Tensor:
     return torch.where(over, torch.nextafter(y, torch.zeros_like(y)), y)
 
 
+def flush_subnormals(x: torch.Tensor) -> torch.Tensor:
+    """float32 subnormals to zero of the same sign (the GPU's .ftz modifier)."""
+    return torch.where(x.abs() < FLT_MIN_NORMAL, x * 0.0, x)
+
+
 def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | float) -> torch.Tensor:
     """float32 a * b + c with one rounding, as the kernel's FFMA."""
     c64 = c.double() if isinstance(c, torch.Tensor) else c
@@ -153,6 +160,12 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
     b, h, r, _ = qv.shape
     nk = pre.seqlen_k
     accumulate = get_accumulator(recipe.acc)
+    # FA3 is compiled with --use_fast_math, so its float32 softmax arithmetic flushes
+    # subnormal results to zero (ex2.approx.ftz, FMUL.FTZ): the rescale factor, P~, and the
+    # rescaled O and row sum. Without the flush an O row rescaled by a tiny factor becomes a
+    # float32 subnormal that the kernel never holds.
+    ftz = bool(getattr(recipe, "ftz", True))
+    flush = flush_subnormals if ftz else (lambda x: x)
     qk_fmt, p_fmt, v_fmt = get_format(recipe.qk), get_format(recipe.p), get_format(recipe.v)
     mma_s = hopper_mma_on(recipe.acc, qk_fmt)
     offset = float(recipe.p_offset)
@@ -165,36 +178,65 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
     v_end = vd if _uniform_per_head(vd) else None
 
     m = torch.full((b, h, r, 1), -math.inf, dtype=torch.float32, device=dev)
-    row_sum = torch.zeros((b, h, r, 1), dtype=torch.float32, device=dev)
+    # The kernel keeps a row's sum as four partial sums, one per thread of the quad that holds
+    # the row, and adds them only at the end (see _quad_row_sum).
+    rs4 = torch.zeros((b, h, r, 4), dtype=torch.float32, device=dev)
     acc = torch.zeros((b, h, r, vv.shape[-1]), dtype=torch.float32, device=dev)
+    step = native.softmax_step(dev)
     n_tiles = -(-nk // pre.block_n)
     tiles = range(n_tiles - 1, -1, -1) if recipe.order == "reverse" else range(n_tiles)
     for t in tiles:
         s0, s1 = t * pre.block_n, min(nk, (t + 1) * pre.block_n)
         k_t = kv[:, :, s0:s1].transpose(-1, -2)
         s = hopper_fp8_mma(qv, k_t, a_min_exp=qk_fmt.emin, b_min_exp=qk_fmt.emin) if mma_s else torch.matmul(qv, k_t)
-        if not fold:
-            s = s * (qd * _rows_k(kd, s0, s1).transpose(-1, -2) * base).to(torch.float32)
-        if causal:
-            vis = causal_mask(q_index, s0, s1, pre.seqlen_q, nk)
-            s = s.masked_fill(~vis, -math.inf)
-        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-        # The kernel uses 0 in place of a -inf max, so fully masked rows give exp2(-inf) = 0.
-        finite = torch.isfinite(m_new)
-        m_cur = torch.where(finite, m_new, torch.zeros_like(m_new))
-        rescale = exp2_rz(((m - m_cur) * sl2).to(torch.float32))
-        max_scaled = torch.where(finite, _fma32(m_cur, sl2, -offset), torch.zeros_like(m_cur))
-        p = exp2_rn(_fma32(s, sl2, -max_scaled))
-        row_sum = row_sum * rescale + p.sum(dim=-1, keepdim=True)
-        p8 = quantize_dequantize(p, p_fmt)
+        if step is not None:
+            # One fused pass per row in C; same numbers as the PyTorch path below.
+            lim = (q_index + (nk - pre.seqlen_q) - s0) if causal else None
+            kd_t = None if fold else _rows_k(kd, s0, s1)
+            p8, rescale = step(s, sl2=sl2 if fold else None, qd=None if fold else qd, kd=kd_t, base=base, lim=lim,
+                               m=m, rs4=rs4, offset=offset, ftz=ftz, fmt=p_fmt)
+        else:
+            if not fold:
+                s = s * (qd * _rows_k(kd, s0, s1).transpose(-1, -2) * base).to(torch.float32)
+            if causal:
+                vis = causal_mask(q_index, s0, s1, pre.seqlen_q, nk)
+                s = s.masked_fill(~vis, -math.inf)
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+            # The kernel uses 0 in place of a -inf max, so fully masked rows give exp2(-inf) = 0.
+            finite = torch.isfinite(m_new)
+            m_cur = torch.where(finite, m_new, torch.zeros_like(m_new))
+            rescale = flush(exp2_rz(((m - m_cur) * sl2).to(torch.float32)))
+            max_scaled = torch.where(finite, _fma32(m_cur, sl2, -offset), torch.zeros_like(m_cur))
+            p = flush(exp2_rn(_fma32(s, sl2, -max_scaled)))
+            rs4 = _quad_row_sum(flush(rs4 * rescale), p)
+            p8 = quantize_dequantize(p, p_fmt)
+            m = m_new
         v_t = vv[:, :, s0:s1]
         if v_end is None:
             v_t = v_t * _rows_k(vd, s0, s1)
-        acc = accumulate(acc, rescale, p8, v_t, (p_fmt, v_fmt))
-        m = m_new
+        acc = accumulate(flush(acc * rescale), p8, v_t, (p_fmt, v_fmt))
+    # The kernel's final quad reduction (shuffle-xor by 2, then by 1).
+    row_sum = ((rs4[..., 0] + rs4[..., 2]) + (rs4[..., 1] + rs4[..., 3])).unsqueeze(-1)
     inv = torch.where((row_sum > 0) & torch.isfinite(row_sum), 1.0 / row_sum, torch.zeros_like(row_sum))
     o = acc * (inv * v_end).to(torch.float32) if v_end is not None else acc * inv
     return quantize_dequantize(o, recipe.out, torch.float64)
+
+
+def _quad_row_sum(rs4: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Add a tile's P~ [.., R, N] into the quad's partial row sums rs4 [.., R, 4], in the
+    kernel's order: in the wgmma accumulator layout thread t of a quad holds columns 8j + 2t and
+    8j + 2t + 1, and adds them to its running float32 sum for j = 0, 1, ... (FA3's
+    ``reduce_sum``, no cross-thread reduction per tile). Sums of non-negative normal numbers
+    are never subnormal, so the flush needs no place here. Padding columns add +0."""
+    n = p.shape[-1]
+    pad = (-n) % 8
+    if pad:
+        p = torch.nn.functional.pad(p, (0, pad))
+    p = p.reshape(*p.shape[:-1], -1, 4, 2)
+    for j in range(p.shape[-3]):
+        rs4 = rs4 + p[..., j, :, 0]
+        rs4 = rs4 + p[..., j, :, 1]
+    return rs4
 
 
 def _rows_k(d: torch.Tensor, s0: int, s1: int) -> torch.Tensor:
@@ -207,7 +249,8 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
     kv = pre.k.values.to(torch.float32)
     vv = pre.v.values.to(torch.float32)
     kd, vd = pre.k.descale, pre.v.descale
-    b, h = kv.shape[:2]
+    # Q decides the output's heads: K and V of one KV head (MQA) stay unexpanded and broadcast.
+    b, h = pre.q.values.shape[:2]
     nk = pre.seqlen_k
     r = q_index.numel()
     chunk = max(1, _STD_CHUNK_ELEMS // max(1, b * h * nk))

@@ -1,6 +1,7 @@
-"""A model of Hopper's FP8 tensor-core matrix multiply-accumulate (wgmma, e4m3 inputs).
+"""A model of Hopper's FP8 tensor-core matrix multiply-accumulate (wgmma, e4m3/e5m2 inputs).
 
-Exposed: ``hopper_fp8_mma``, ``K_STEP``, ``MANTISSA_BITS``.
+Exposed: ``hopper_fp8_mma``, ``hopper_fp8_mma_reference``, ``operand_parts``, ``K_STEP``,
+``MANTISSA_BITS``.
 
 Hopper's FP8 MMA does not accumulate in full float32 ("FP22": SageAttention2, arXiv
 2411.10958; DeepSeek-V3 "around 14 bits"). The model below was fitted to the packaged FA3
@@ -9,15 +10,33 @@ isolates P.V; seqlen_k = 1 exposes S through the log-sum-exp; V = I exposes P). 
 GEMMs of the FA3 FP8 forward, it makes 99.99% of the kernel's BF16 outputs bit-identical
 (reports/h200/ holds the evidence). Per k-step of 32 products:
 
-- E(x) = floor(log2|x|), with -6 for e4m3 subnormals; a product's exponent is taken as
-  E(a) + E(b), the sum of the input exponents (not the product's true exponent);
+- E(x) = floor(log2|x|), clamped below at the format's smallest normal exponent (-6 for
+  e4m3 subnormals); a product's exponent is taken as E(a) + E(b), the sum of the input
+  exponents (not the product's true exponent);
 - emax = max over non-zero products of E(a) + E(b), and E(C) when the accumulator C != 0;
 - every product and C are truncated toward zero to multiples of ulp = 2^(emax - 13) and
   summed exactly;
 - the sum is truncated toward zero to 13 bits after its own leading bit.
 
-All of this is exact in float32: products of e4m3 values have at most 8 significant bits,
-and the scaled terms are integers below 2^21.
+Exact integer form (what the fast paths compute). Write each operand as x = S(x) 2^(E(x) - 7)
+with S(x) an integer of at most 8 bits (|S| < 256 for every format with <= 7 mantissa bits,
+subnormals included, because E is clamped at the smallest normal exponent). A product is then
+S(a) S(b) 2^(E(a) + E(b) - 14) and, in units of the step's ulp,
+
+    term = trunc(S(a) S(b) / 2^(1 + emax - E(a) - E(b)))
+
+an integer below 2^15 in magnitude, so a step's sum (32 terms and C) fits in an int32.
+
+Two implementations compute the same numbers bit for bit (tests/test_mma.py enumerates edge
+cases and random draws): ``hopper_fp8_mma_reference`` in plain PyTorch (any device, float64
+where exponents would leave the float32 range), and a compiled fast path
+(``fa3_numerics.numerics.native``: C with OpenMP on the CPU, built on first use) that
+``hopper_fp8_mma`` uses when it is available.
+
+Subnormal accumulators: the FA3 kernel is compiled with ``--use_fast_math`` and so flushes
+float32 subnormals to zero in the multiply that rescales O between KV tiles; the emulator
+models that flush before calling this function (``recipe.ftz``). The model itself is finite
+for any finite C, subnormal or not.
 """
 
 from __future__ import annotations
@@ -27,37 +46,59 @@ import torch
 K_STEP = 32  # K of one FP8 wgmma instruction (m64nNk32)
 MANTISSA_BITS = 13
 E4M3_MIN_EXP = -6
-# Elements of one [.., rows, N, K_STEP] product block; bounds the model's memory.
+# Exponent given to zeros: below any E(a) + E(b) of non-zero operands, so they never set emax.
+ZERO_EXP = -4096
+# Elements of one [.., rows, N, K_STEP] product block in the reference; bounds its memory.
 _BLOCK_ELEMS = 1 << 24
 
 
-def _exponent(x: torch.Tensor, floor_exp: int | None = None) -> torch.Tensor:
-    """floor(log2|x|) as float32 (garbage where x == 0; callers mask zeros)."""
-    e = torch.frexp(x)[1].to(torch.float32) - 1
-    return e.clamp_min(floor_exp) if floor_exp is not None else e
+def operand_parts(x: torch.Tensor, min_exp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E, S) as int32 with x = S * 2^(E - 7) exactly: E = floor(log2|x|) clamped at
+    ``min_exp`` (ZERO_EXP for zeros), S a signed integer with |S| < 256."""
+    if x.dtype != torch.float32 or min_exp < -126:
+        e = (torch.frexp(x)[1] - 1).clamp_min(min_exp)
+        zero = x == 0
+        s = torch.ldexp(x.to(torch.float64), (7 - e).to(torch.float64))
+        e = torch.where(zero, torch.full_like(e, ZERO_EXP), e)
+        return e.to(torch.int32), torch.where(zero, torch.zeros_like(s), s).to(torch.int32)
+    # float32 holding FP8 values: every non-zero one is a normal float32, so E and the 24-bit
+    # significand come straight from the bits (10x faster than frexp/ldexp in float64).
+    bits = x.contiguous().view(torch.int32)
+    field = (bits >> 23) & 0xFF
+    e_true = field - 127
+    e = e_true.clamp_min(min_exp)
+    sig = (bits & 0x7FFFFF) | 0x800000
+    mag = sig >> (16 + e - e_true).clamp_max(31)
+    s = torch.where(bits < 0, -mag, mag)
+    zero = field == 0  # +-0 (no FP8 value is a float32 subnormal)
+    return torch.where(zero, ZERO_EXP, e), torch.where(zero, 0, s)
 
 
-def _pow2(e: torch.Tensor) -> torch.Tensor:
-    return torch.ldexp(torch.ones_like(e), e.to(torch.int32))
+def _exponent(x: torch.Tensor) -> torch.Tensor:
+    """floor(log2|x|) as float64 (garbage where x == 0; callers mask zeros)."""
+    return (torch.frexp(x)[1] - 1).to(torch.float64)
 
 
 def _truncate_bits(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Truncate toward zero to ``bits`` bits after the leading bit."""
-    q = _pow2(_exponent(x) - bits)
+    """Truncate (float64) toward zero to ``bits`` bits after the leading bit."""
+    q = torch.exp2(_exponent(x) - bits)
     return torch.where(x == 0, x, torch.trunc(x / q) * q)
 
 
-def hopper_fp8_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, *,
-                   a_min_exp: int = E4M3_MIN_EXP, b_min_exp: int = E4M3_MIN_EXP) -> torch.Tensor:
-    """D = C + A @ B under the model above. a [.., M, K], b [.., K, N] float32 holding FP8
-    values (``*_min_exp``: the format's smallest normal exponent, -6 for e4m3, -14 for
-    e5m2); c [.., M, N] float32 or None (a zero-initialised accumulator)."""
+def hopper_fp8_mma_reference(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, *,
+                             a_min_exp: int = E4M3_MIN_EXP, b_min_exp: int = E4M3_MIN_EXP) -> torch.Tensor:
+    """D = C + A @ B under the model, in plain PyTorch. a [.., M, K], b [.., K, N] float32
+    holding FP8 values (``*_min_exp``: the format's smallest normal exponent, -6 for e4m3,
+    -14 for e5m2); c [.., M, N] float32 or None (a zero-initialised accumulator).
+
+    The aligned terms are formed in float64: 2^(13 - emax) leaves the float32 range once
+    E(C) < -114, which a small accumulator reaches (it did, as NaN = inf / inf, before)."""
     k = a.shape[-1]
     m, n = a.shape[-2], b.shape[-1]
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     out = torch.empty(*lead, m, n, dtype=torch.float32, device=a.device)
-    ea_all = _exponent(a, a_min_exp)
-    eb_all = _exponent(b, b_min_exp)
+    ea_all = _exponent(a).clamp_min(a_min_exp)
+    eb_all = _exponent(b).clamp_min(b_min_exp)
     per_row = (int(torch.tensor(lead).prod().item()) if lead else 1) * n * K_STEP
     rows = max(1, _BLOCK_ELEMS // per_row)
     for r0 in range(0, m, rows):
@@ -65,21 +106,38 @@ def hopper_fp8_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = No
         acc = None if c is None else c[..., r0:r1, :].to(torch.float32)
         for k0 in range(0, k, K_STEP):
             k1 = min(k, k0 + K_STEP)
-            av = a[..., r0:r1, None, k0:k1]  # [.., r, 1, s]
-            bv = b[..., k0:k1, :].transpose(-1, -2).unsqueeze(-3)  # [.., 1, n, s]
-            prod = av * bv
+            av = a[..., r0:r1, None, k0:k1].to(torch.float64)  # [.., r, 1, s]
+            bv = b[..., k0:k1, :].transpose(-1, -2).unsqueeze(-3).to(torch.float64)  # [.., 1, n, s]
+            prod = av * bv  # exact: two values of at most 8 significant bits
             e = ea_all[..., r0:r1, None, k0:k1] + eb_all[..., k0:k1, :].transpose(-1, -2).unsqueeze(-3)
-            e = torch.where(prod != 0, e, torch.full_like(e, -1e9))
+            e = torch.where(prod != 0, e, torch.full_like(e, float(ZERO_EXP)))
             emax = e.amax(dim=-1)
             if acc is not None:
                 emax = torch.where(acc != 0, torch.maximum(emax, _exponent(acc)), emax)
-            live = emax > -1e8
+            live = emax > ZERO_EXP
             emax = torch.where(live, emax, torch.zeros_like(emax))
-            inv_ulp = _pow2(MANTISSA_BITS - emax)
+            inv_ulp = torch.exp2(MANTISSA_BITS - emax)
             total = torch.trunc(prod * inv_ulp.unsqueeze(-1)).sum(dim=-1)
             if acc is not None:
-                total = total + torch.trunc(acc * inv_ulp)
+                total = total + torch.trunc(acc.to(torch.float64) * inv_ulp)
             d = torch.where(live, total / inv_ulp, torch.zeros_like(total))
-            acc = _truncate_bits(d, MANTISSA_BITS)
+            acc = _truncate_bits(d, MANTISSA_BITS).to(torch.float32)
         out[..., r0:r1, :] = acc if acc is not None else 0.0
     return out
+
+
+def hopper_fp8_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, *,
+                   a_min_exp: int = E4M3_MIN_EXP, b_min_exp: int = E4M3_MIN_EXP) -> torch.Tensor:
+    """D = C + A @ B under the model (see the module docstring); same arguments and results
+    as ``hopper_fp8_mma_reference``, through the fastest exact implementation available."""
+    from . import native
+
+    fast = native.mma(a.device)
+    if fast is not None and _finite(a, b, c):
+        return fast(a, b, c, a_min_exp=a_min_exp, b_min_exp=b_min_exp)
+    return hopper_fp8_mma_reference(a, b, c, a_min_exp=a_min_exp, b_min_exp=b_min_exp)
+
+
+def _finite(*ts) -> bool:
+    # The integer fast paths have no encoding for NaN or Inf; the reference propagates them.
+    return all(t is None or bool(torch.isfinite(t).all()) for t in ts)

@@ -14,8 +14,8 @@ import math
 
 import torch
 
-# Elements of one S chunk (all batches and heads together); bounds the reference's memory.
-_CHUNK_ELEMS = 1 << 22
+# Elements of one S chunk (one head); bounds the reference's memory (64 MiB in float64).
+_CHUNK_ELEMS = 1 << 23
 
 
 def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -42,25 +42,31 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     seqlen_q > seqlen_k) are 0, as FlashAttention returns.
     """
     b, h, n, d = q.shape
-    nk = k.shape[2]
+    hkv, nk = k.shape[1], k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     if q_index is None:
         q_index = torch.arange(n, device=q.device)
-    q = q.to(torch.float64).index_select(2, q_index)
-    kk = expand_kv(k.to(torch.float64), h)
-    vv = expand_kv(v.to(torch.float64), h)
-    r = q.shape[2]
-    chunk = chunk or max(1, _CHUNK_ELEMS // max(1, b * h * nk))
+    r = q_index.numel()
+    g = h // hkv
+    # One (batch, head) at a time with as many query rows as fit a chunk of S: large GEMMs
+    # (a [rows, d] x [d, seqlen_k] product runs near the machine's float64 peak, a batched one
+    # of 16 rows does not), in-place softmax, and no expanded copies of K and V for GQA.
+    chunk = chunk or max(1, _CHUNK_ELEMS // max(1, nk))
     out = torch.empty(b, h, r, v.shape[-1], dtype=torch.float64, device=q.device)
-    for s in range(0, r, chunk):
-        e = min(r, s + chunk)
-        scores = torch.matmul(q[:, :, s:e], kk.transpose(-1, -2)) * scale
-        if causal:
-            vis = causal_mask(q_index[s:e], 0, nk, n, nk)
-            scores = scores.masked_fill(~vis, -math.inf)
-        m = scores.amax(dim=-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        p = torch.exp(scores - m)
-        den = p.sum(dim=-1, keepdim=True)
-        out[:, :, s:e] = torch.matmul(p, vv) / torch.where(den > 0, den, torch.ones_like(den))
+    for bi in range(b):
+        for hi in range(h):
+            qh = q[bi, hi].to(torch.float64).index_select(0, q_index)
+            kt = k[bi, hi // g].to(torch.float64).transpose(0, 1)
+            vh = v[bi, hi // g].to(torch.float64)
+            for s in range(0, r, chunk):
+                e = min(r, s + chunk)
+                scores = torch.matmul(qh[s:e], kt).mul_(scale)
+                if causal:
+                    vis = causal_mask(q_index[s:e], 0, nk, n, nk)
+                    scores.masked_fill_(~vis, -math.inf)
+                m = scores.amax(dim=-1, keepdim=True)
+                m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+                p = scores.sub_(m).exp_()
+                den = p.sum(dim=-1, keepdim=True)
+                out[bi, hi, s:e] = torch.matmul(p, vh) / torch.where(den > 0, den, torch.ones_like(den))
     return out

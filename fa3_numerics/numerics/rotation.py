@@ -100,8 +100,11 @@ class Rotation:
         if self.name == "none":
             return x
         if self.name == "hadamard":
+            from . import native
+
             s = random_signs(self.d, self.seed).to(x.device, x.dtype)
-            return fwht(x * s)
+            fast = native.fwht(x, s)
+            return fast if fast is not None else fwht(x * s)
         return x @ self.matrix().to(x.device, x.dtype)
 
 

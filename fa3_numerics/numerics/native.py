@@ -1,0 +1,231 @@
+"""Compiled fast paths of the emulator's hot loops (CPU), each with a PyTorch reference.
+
+Exposed: ``mma``, ``softmax_step``, ``round_f64``, ``fwht``, ``status``, ``build``.
+
+The emulator's inner loops are elementwise work over every S entry (the online softmax) or
+every product of a GEMM (the Hopper MMA model). PyTorch expresses them as a dozen full-size
+temporaries per KV tile, so a CPU run spends most of its time allocating and streaming memory.
+``_native.c`` computes the same numbers in one pass per row, in registers (C with OpenMP; gcc
+vectorises it for the CPU it runs on):
+
+- ``fa3n_mma_fp22``: the Hopper FP8 MMA model (``numerics/mma.py``), exact integers;
+- ``fa3n_softmax_step``: one KV tile of the flash algorithm (``numerics/emulator.py``);
+- ``fa3n_round_f64``: float64 to a narrow format with one rounding (``numerics/formats.py``);
+- ``fa3n_fwht``: the random Hadamard rotation (``numerics/rotation.py``), same butterflies.
+
+Each returns what its PyTorch reference returns; tests/test_native.py compares them. (The
+softmax's float32 exp2 is computed in double by each path's own exp2, so the two could differ
+where 2^x lies within ~2^-51 of a float32 rounding boundary; none does on the test data.)
+
+The library is compiled on first use with the system's C compiler into a per-user cache
+(``$FA3N_CACHE`` or ``~/.cache/fa3-numerics``), keyed by the source, flags and CPU, and
+written atomically, so concurrent processes never load a half-written file. Without a
+compiler, or with ``FA3N_NATIVE=0``, every function here returns None and callers use the
+PyTorch path (same numbers, slower). CUDA tensors always take the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+_SRC = Path(__file__).with_name("_native.c")
+# -ffp-contract=off: every float operation rounds as written (no fused multiply-adds the
+# PyTorch reference does not have). -fno-trapping-math: floating-point exception flags are
+# never read, and without it gcc will not vectorise loops whose selects compare floats.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off",
+          "-fno-trapping-math"]
+_STATE: dict = {}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("FA3N_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
+                                                          os.path.expanduser("~/.cache"), "fa3-numerics")
+    return Path(root)
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def _cpu_flags() -> str:
+    # -march=native code must not be reused on another CPU that shares the cache folder.
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return hashlib.sha1(line.encode()).hexdigest()[:8]
+    except OSError:
+        pass
+    return ""
+
+
+def build() -> Path:
+    """Compile the library (unless cached) and return its path; RuntimeError on failure."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    src = _SRC.read_bytes()
+    key = hashlib.sha1(src + " ".join([cc, *_FLAGS, platform.machine(), platform.processor(),
+                                       _cpu_flags()]).encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"fa3n-native-{key}.so"
+    if lib.is_file():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".fa3n-native.", suffix=".so", dir=lib.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=180)
+        if res.returncode != 0:
+            msg = (res.stderr or res.stdout).strip().splitlines()
+            raise RuntimeError(f"{cc} failed: {msg[0] if msg else res.returncode}")
+        os.replace(tmp, lib)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return lib
+
+
+def _lib():
+    if "lib" in _STATE:
+        return _STATE["lib"]
+    _STATE["lib"] = None
+    if os.environ.get("FA3N_NATIVE", "1") == "0":
+        _STATE["why"] = "disabled by FA3N_NATIVE=0"
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        _STATE["why"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        warnings.warn(f"fa3-numerics: compiled fast paths unavailable ({_STATE['why']}); using the PyTorch "
+                      f"reference (same numbers, slower). Install gcc to get them.", RuntimeWarning, stacklevel=3)
+        return None
+    i64, i32, p, f32, f64 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_double
+    lib.fa3n_mma_fp22.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, i32]
+    lib.fa3n_softmax_step.argtypes = [i64, i64, i64, p, p, p, p, f32, p, p, p, p, f64, i32, i32, i32, i32, f64, f64,
+                                      i32, i32]
+    lib.fa3n_round_f64.argtypes = [i64, p, p, i32, i32, f64, f64, i32, i32]
+    lib.fa3n_fwht.argtypes = [i64, i64, p, p, f64, p, i32]
+    for fn in (lib.fa3n_mma_fp22, lib.fa3n_softmax_step, lib.fa3n_round_f64, lib.fa3n_fwht):
+        fn.restype = None
+    _STATE["lib"] = lib
+    _STATE["why"] = None
+    return lib
+
+
+def status() -> str:
+    """One line: which implementation the CPU hot loops use, and why."""
+    return "native (C, OpenMP)" if _lib() is not None else f"PyTorch reference ({_STATE.get('why')})"
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def _fmt_args(fmt) -> tuple[int, int, int, float, float, int]:
+    """(kind, mbits, emin, max, overflow threshold, saturate) of a Format; kind 0 = keep float32."""
+    if fmt is None or fmt.dtype is None or (fmt.name == "fp32"):
+        return 0, 23, -126, float("inf"), float("inf"), 0
+    # IEEE formats overflow to inf from max plus half an ulp of the top binade; saturating
+    # ones never do.
+    ovf = math.inf if fmt.saturate else fmt.max + 2.0 ** (math.frexp(fmt.max)[1] - 1 - fmt.mbits - 1)
+    return 1, fmt.mbits, fmt.emin, fmt.max, ovf, int(fmt.saturate)
+
+
+def mma(device: torch.device):
+    """The compiled Hopper FP8 MMA model for ``device`` (same arguments as
+    ``mma.hopper_fp8_mma_reference``), or None."""
+    if device.type != "cpu" or _lib() is None:
+        return None
+    from .mma import operand_parts
+
+    def run(a, b, c=None, *, a_min_exp, b_min_exp):
+        lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        m, k = a.shape[-2:]
+        n = b.shape[-1]
+        ea, sa = (t.expand(*lead, m, k).contiguous() for t in operand_parts(a, a_min_exp))
+        eb, sb = (t.expand(*lead, k, n).contiguous() for t in operand_parts(b, b_min_exp))
+        cc = None if c is None else c.to(torch.float32).expand(*lead, m, n).contiguous()
+        out = torch.empty(*lead, m, n, dtype=torch.float32)
+        big_l = int(torch.tensor(lead).prod().item()) if lead else 1
+        _lib().fa3n_mma_fp22(big_l, m, k, n, _ptr(ea), _ptr(sa), _ptr(eb), _ptr(sb), _ptr(cc), _ptr(out), _threads())
+        return out
+
+    return run
+
+
+def softmax_step(device: torch.device):
+    """The compiled KV-tile step of the flash algorithm for ``device``, or None.
+
+    ``step(s, *, sl2, qd, kd, base, lim, m, rs4, offset, ftz, fmt) -> (p, rescale)``: s
+    [B, H, R, N] float32 S of the tile (overwritten with P~ cast to ``fmt``); sl2 [.., 1, 1]
+    per-(batch, head) scale_log2 or None (then S is scaled by qd [B, H, R, 1] and kd
+    [B, H, N, 1] times ``base``); lim [R] the last visible key per row (causal) or None;
+    m [B, H, R, 1] and rs4 [B, H, R, 4] float32, updated in place. Returns (p, rescale
+    [B, H, R, 1])."""
+    if device.type != "cpu" or _lib() is None:
+        return None
+
+    def run(s, *, sl2, qd, kd, base, lim, m, rs4, offset, ftz, fmt):
+        b, h, r, n = s.shape
+        s = s.contiguous()
+        big_l = b * h
+        sl2_l = None if sl2 is None else sl2.to(torch.float32).expand(b, h, 1, 1).reshape(big_l).contiguous()
+        qd_l = None if qd is None else qd.to(torch.float32).expand(b, h, r, 1).reshape(big_l * r).contiguous()
+        kd_l = None if kd is None else kd.to(torch.float32).expand(b, h, n, 1).reshape(big_l * n).contiguous()
+        lim_l = None if lim is None else lim.to(torch.int64).contiguous()
+        assert m.is_contiguous() and rs4.is_contiguous()
+        rescale = torch.empty((b, h, r, 1), dtype=torch.float32)
+        kind, mbits, emin, fmax, ovf, sat = _fmt_args(fmt)
+        _lib().fa3n_softmax_step(big_l, r, n, _ptr(s), _ptr(sl2_l), _ptr(qd_l), _ptr(kd_l), float(base), _ptr(lim_l),
+                                 _ptr(m), _ptr(rs4), _ptr(rescale), float(offset), int(ftz), kind, mbits, emin,
+                                 fmax, ovf, sat, _threads())
+        return s, rescale
+
+    return run
+
+
+def round_f64(x: torch.Tensor, fmt) -> torch.Tensor | None:
+    """float64 ``x`` rounded to ``fmt`` (ties to even, one rounding; saturating or overflowing
+    as the format does), as float32; None when the compiled path is unavailable."""
+    if x.device.type != "cpu" or x.dtype != torch.float64 or _lib() is None:
+        return None
+    kind, mbits, emin, fmax, ovf, sat = _fmt_args(fmt)
+    if kind == 0:
+        return None
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    _lib().fa3n_round_f64(x.numel(), _ptr(x), _ptr(out), mbits, emin, fmax, ovf, sat, _threads())
+    return out
+
+
+def fwht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor | None:
+    """``rotation.fwht(x * signs)`` for float64 ``x`` on the CPU with a power-of-two last dim
+    (<= 1024), bit for bit; None when the compiled path does not apply."""
+    d = x.shape[-1]
+    if (x.device.type != "cpu" or x.dtype != torch.float64 or d & (d - 1) or d > 1024 or _lib() is None):
+        return None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    s = signs.to(torch.float64).contiguous()
+    _lib().fa3n_fwht(x.numel() // d, d, _ptr(x), _ptr(s), float(d ** 0.5), _ptr(out), _threads())
+    return out
+
+
+if __name__ == "__main__":  # python -m fa3_numerics.numerics.native: build and report
+    print(status())
+    sys.exit(0 if _lib() is not None else 1)
