@@ -110,3 +110,168 @@ def test_round_to_odd_gives_single_rounding():
     inexact = y.double() != x
     assert torch.all((y.view(torch.int32)[inexact] & 1) == 1)
     assert torch.all((y.double() - x).abs() <= x.abs() * 2.0 ** -23)
+
+
+# -- Microscaling formats: E2M1 (FP4) and E8M0 against ml_dtypes, bit for bit -----------------
+
+from fa3_numerics.numerics.formats import (E2M1, E8M0_MAX_EXP, E8M0_MIN_EXP, decode_e2m1, decode_e8m0,  # noqa: E402
+                                           element_format, encode_e2m1, encode_e8m0, round_to_e8m0)
+from fa3_numerics.errors import UsageError  # noqa: E402
+
+F4 = ml_dtypes.float4_e2m1fn
+E8 = ml_dtypes.float8_e8m0fnu
+
+
+def f32_from_bits(bits) -> np.ndarray:
+    return np.asarray(bits, dtype=np.uint32).view(np.float32)
+
+
+def e2m1_input_classes() -> np.ndarray:
+    """float32 inputs covering every class: all 16 encodings, every midpoint (ties), one float32
+    ulp either side of each value and midpoint, the subnormal range down to float32's
+    subnormals, saturation up to inf, signed zeros, NaNs of both signs and several payloads,
+    and random values at several scales."""
+    mags = np.array(sorted({float(v) for v in np.arange(16, dtype=np.uint8).view(F4).astype(np.float32)}), np.float32)
+    mids = (mags[1:] + mags[:-1]) / 2
+    pts = np.concatenate([mags, mids, [6.0, 6.5, 7.0, 8.0, 1e6, 3.4e38, np.finfo(np.float32).max, np.inf],
+                          [0.1, 0.2, 1e-10, 1e-30, 1e-45, np.finfo(np.float32).tiny]]).astype(np.float32)
+    with np.errstate(over="ignore"):
+        up = np.nextafter(pts, np.float32(np.inf))
+    down = np.nextafter(pts, np.float32(0))
+    base = np.concatenate([pts, up, down])
+    rng = np.random.default_rng(0)
+    rand = np.concatenate([rng.standard_normal(50_000) * s for s in (0.3, 1.0, 3.0, 100.0)]).astype(np.float32)
+    nans = f32_from_bits([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FFFFFFF])
+    return np.concatenate([base, -base, rand, np.float32([0.0, -0.0]), nans])
+
+
+def test_e2m1_is_a_format_beside_the_table_not_in_it():
+    # recipes cannot name it until the emulator handles block scales (issue 11, phase 2)
+    assert "e2m1" not in FORMATS
+    with pytest.raises(UsageError):
+        get_format("e2m1")
+    assert element_format("e2m1") is E2M1 and element_format("fp4") is E2M1
+    assert E2M1.max == 6.0 and E2M1.min_normal == 1.0 and E2M1.min_subnormal == 0.5
+    assert element_format("e4m3") is FORMATS["e4m3"]
+
+
+def test_e2m1_all_encodings_round_trip():
+    codes = torch.arange(16, dtype=torch.uint8)
+    ref = torch.from_numpy(np.arange(16, dtype=np.uint8).view(F4).astype(np.float32))
+    vals = decode_e2m1(codes)
+    assert torch.equal(vals.view(torch.int32), ref.view(torch.int32))  # bitwise, so -0.0 too
+    assert torch.equal(encode_e2m1(vals), codes)
+    assert torch.equal(encode_e2m1(cast(vals, E2M1)), codes)  # every encoding is a fixed point
+
+
+def test_e2m1_cast_matches_ml_dtypes_bit_for_bit_on_every_input_class():
+    x = e2m1_input_classes()
+    with np.errstate(invalid="ignore"):
+        ref_codes = torch.from_numpy(x.astype(F4).view(np.uint8).copy())
+    t = torch.from_numpy(x)
+    got = cast(t, E2M1)
+    assert got.dtype == torch.float32
+    assert torch.equal(encode_e2m1(got), ref_codes)
+    assert torch.equal(encode_e2m1(round_to_format(t, E2M1)), ref_codes)
+    # the float64 path rounds once; on float32-representable inputs it is the same
+    assert torch.equal(encode_e2m1(cast(t.double(), E2M1)), ref_codes)
+
+
+@pytest.mark.parametrize("case,x,expected", [
+    ("0.25 ties to even 0", 0.25, 0.0),
+    ("0.75 ties to even 1", 0.75, 1.0),
+    ("1.25 ties to even 1", 1.25, 1.0),
+    ("1.75 ties to even 2", 1.75, 2.0),
+    ("2.5 ties to even 2", 2.5, 2.0),
+    ("3.5 ties to even 4", 3.5, 4.0),
+    ("5 ties to even 4", 5.0, 4.0),
+    ("just above 5 rounds to 6", 5.0000005, 6.0),
+    ("saturates above 6", 7.0, 6.0),
+    ("+inf saturates", math.inf, 6.0),
+    ("-inf saturates", -math.inf, -6.0),
+])
+def test_e2m1_named_edges(case, x, expected):
+    assert cast(torch.tensor([x], dtype=torch.float32), E2M1).item() == expected, case
+
+
+def test_e2m1_float64_inputs_round_once():
+    """ml_dtypes takes float64 through float32 (two roundings); the cast here rounds once."""
+    x = torch.tensor([math.nextafter(0.25, 1), math.nextafter(5.0, 9), math.nextafter(0.75, 0)], dtype=torch.float64)
+    assert cast(x, E2M1).tolist() == [0.5, 6.0, 0.5]
+    assert x.numpy().astype(F4).astype(np.float64).tolist() == [0.0, 4.0, 1.0]  # ml_dtypes' double rounding
+    g = torch.Generator().manual_seed(3)
+    r = torch.randn(100_000, generator=g, dtype=torch.float64) * 3
+    assert torch.equal(cast(r, E2M1).double(), round_to_format(r, E2M1))
+
+
+def test_e8m0_all_codes_decode_as_ml_dtypes():
+    codes = np.arange(256, dtype=np.uint8)
+    ref = torch.from_numpy(codes.view(E8).astype(np.float32))
+    got = decode_e8m0(torch.from_numpy(codes))
+    assert torch.equal(got.view(torch.int32)[:255], ref.view(torch.int32)[:255])  # exact powers, 2^-127 included
+    assert torch.isnan(got[255]) and torch.isnan(ref[255])
+    assert torch.equal(encode_e8m0(got), torch.from_numpy(codes))
+
+
+def e8m0_input_classes() -> np.ndarray:
+    """float32 inputs: every power of two, every tie 1.5 * 2^k, one ulp either side of each,
+    every float32 subnormal (2^23 - 1 of them), overflow, zeros, negatives, inf, NaNs, and
+    random bit patterns over the whole positive range."""
+    k = np.arange(-149, 128, dtype=np.float64)
+    pts = np.concatenate([2.0 ** k, 1.5 * 2.0 ** k[k <= 126], 1.25 * 2.0 ** k[k <= 126], 1.75 * 2.0 ** k[k <= 126]])
+    pts = pts[pts <= np.finfo(np.float32).max].astype(np.float32)
+    pts = np.concatenate([pts, np.nextafter(pts, np.float32(np.inf)), np.nextafter(pts, np.float32(0))])
+    subnormals = np.arange(1, 2 ** 23, dtype=np.uint32).view(np.float32)
+    rng = np.random.default_rng(1)
+    rand = rng.integers(1, 0x7F800000, 500_000, dtype=np.uint32).view(np.float32)
+    special = np.concatenate([np.float32([0.0, -0.0, -1.0, -2.0 ** -130, np.inf, -np.inf, np.finfo(np.float32).max]),
+                              f32_from_bits([0x7FC00000, 0xFFC00000, 0x7F800001])])
+    return np.concatenate([pts, subnormals, rand, special])
+
+
+def test_e8m0_rn_matches_ml_dtypes_bit_for_bit_on_every_input_class():
+    x = e8m0_input_classes()
+    with np.errstate(invalid="ignore", over="ignore"):
+        ref = torch.from_numpy(x.astype(E8).view(np.uint8).copy())
+    got = round_to_e8m0(torch.from_numpy(x), "rn")
+    assert torch.equal(encode_e8m0(got), ref)
+    # float64 inputs: both go through float32 first (ml_dtypes does; the rn mode says so)
+    g = torch.Generator().manual_seed(2)
+    r = torch.exp2(torch.rand(100_000, generator=g, dtype=torch.float64) * 300 - 150)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ref64 = torch.from_numpy(r.numpy().astype(E8).view(np.uint8).copy())
+    assert torch.equal(encode_e8m0(round_to_e8m0(r, "rn")), ref64)
+
+
+@pytest.mark.parametrize("case,x,expected", [
+    ("1.5 ties up", 1.5, 2.0),
+    ("3 ties up", 3.0, 4.0),
+    ("just below 1.5 rounds down", 1.4999999, 1.0),
+    ("2^127 is the largest", 2.0 ** 127, 2.0 ** 127),
+    ("1.5 * 2^127 overflows to NaN", 1.5 * 2.0 ** 127, math.nan),
+    ("below 2^-127 gives 2^-127 (no zero)", 2.0 ** -140, 2.0 ** -127),
+    ("float32 subnormal above 2^-127 gives 2^-126", 1.25 * 2.0 ** -127, 2.0 ** -126),
+    ("zero is NaN", 0.0, math.nan),
+    ("negative is NaN", -4.0, math.nan),
+])
+def test_e8m0_rn_named_edges(case, x, expected):
+    got = round_to_e8m0(torch.tensor([x], dtype=torch.float32), "rn").item()
+    assert (math.isnan(got) and math.isnan(expected)) or got == expected, case
+
+
+def test_e8m0_rz_rp_are_floor_and_ceil_of_log2_saturating():
+    g = torch.Generator().manual_seed(4)
+    x = torch.exp2(torch.rand(20_000, generator=g, dtype=torch.float64) * 250 - 125)
+    x = torch.cat([x, torch.exp2(torch.arange(-127, 128, dtype=torch.float64))])
+    fl = [math.frexp(v)[1] - 1 for v in x.tolist()]  # floor(log2 v), from Python's exact frexp
+    ce = [f if math.frexp(v)[0] == 0.5 else f + 1 for f, v in zip(fl, x.tolist())]
+    rz, rp = round_to_e8m0(x, "rz").double(), round_to_e8m0(x, "rp").double()
+    assert rz.tolist() == [2.0 ** min(max(f, E8M0_MIN_EXP), E8M0_MAX_EXP) for f in fl]
+    assert rp.tolist() == [2.0 ** min(max(c, E8M0_MIN_EXP), E8M0_MAX_EXP) for c in ce]
+    edge = torch.tensor([2.0 ** -140, 2.0 ** 130, math.inf, 0.0, -1.0, math.nan], dtype=torch.float64)
+    for mode in ("rz", "rp"):
+        v = round_to_e8m0(edge, mode)
+        assert v[:3].tolist() == [2.0 ** -127, 2.0 ** 127, 2.0 ** 127]  # satfinite
+        assert torch.isnan(v[3:]).all()
+    with pytest.raises(ValueError):
+        round_to_e8m0(edge, "rne")

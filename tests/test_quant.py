@@ -70,3 +70,148 @@ def test_parse_granularity():
     assert parse_granularity("block") == PerBlock()
     with pytest.raises(ValueError):
         parse_granularity("row")
+
+
+# -- Integer quantization (SageAttention's INT8 / INT4 Q and K) --------------------------------
+
+import numpy as np  # noqa: E402
+
+from fa3_numerics.errors import UsageError  # noqa: E402
+from fa3_numerics.numerics.formats import E2M1  # noqa: E402
+from fa3_numerics.numerics.granularity import PerChannel, PerThread, sage2_thread_granularities  # noqa: E402
+from fa3_numerics.numerics.intformats import (INT_FORMATS, float32_gemm_is_exact, get_int_format, int_matmul,  # noqa: E402
+                                              round_to_int)
+from fa3_numerics.numerics.quant import quantize_int  # noqa: E402
+
+
+@pytest.mark.parametrize("case,x,away,even", [
+    ("0.5", 0.5, 1, 0), ("1.5", 1.5, 2, 2), ("2.5", 2.5, 3, 2), ("-0.5", -0.5, -1, 0), ("-2.5", -2.5, -3, -2),
+    ("largest double below 0.5", 0.49999999999999994, 0, 0), ("126.5", 126.5, 127, 126),
+    ("2.4999", 2.4999, 2, 2), ("2.5001", 2.5001, 3, 3), ("above qmax clamps", 127.6, 127, 127),
+    ("below -qmax clamps to the symmetric -127", -130.0, -127, -127),
+])
+def test_int8_round_to_nearest_tie_rules(case, x, away, even):
+    t = torch.tensor([x], dtype=torch.float64)
+    assert round_to_int(t, "int8", "away").item() == away, case
+    assert round_to_int(t, "int8", "even").item() == even, case
+
+
+def test_int_formats_are_symmetric():
+    assert get_int_format("int8").qmax == 127 and get_int_format("INT4").qmax == 7 and set(INT_FORMATS) == {"int8", "int4"}
+    x = torch.linspace(-20, 20, 4001, dtype=torch.float64)
+    r = round_to_int(x, "int4")
+    assert r.min().item() == -7 and r.max().item() == 7
+    with pytest.raises(UsageError):
+        round_to_int(x, "int4", "up")
+    with pytest.raises(UsageError):
+        get_int_format("int2")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("gran", [PerBlock(128), PerBlock(64), PerThread(32, 1), PerThread(64, 2), PerToken(), PerHead()])
+def test_quantize_int_codes_and_scales(x, fmt, gran):
+    f = get_int_format(fmt)
+    q = quantize_int(x, fmt, gran)
+    assert q.values.dtype == torch.int8 and q.descale.dtype == torch.float32
+    assert q.descale.shape == amax(x, gran).shape
+    d = q.descale.double()
+    # descale = amax / qmax computed in float64, rounded once to float32
+    assert torch.equal(q.descale, (amax(x, gran) / f.qmax).to(torch.float32))
+    # codes: round half away from zero of x / descale, clamped
+    assert torch.equal(q.values.double(), round_to_int(x / d, fmt, "away"))
+    assert q.values.abs().max().item() == f.qmax  # each group's amax maps to +-qmax
+    # error at most half a step (plus the float32 rounding of the descale at the amax)
+    assert torch.all((q.dequantize() - x).abs() <= d * 0.5 * (1 + 1e-6))
+
+
+def test_quantize_int_zero_group_and_rows(x):
+    z = x.clone()
+    z[:, :, :128] = 0
+    q = quantize_int(z, "int8", PerBlock(128))
+    assert torch.all(q.descale[:, :, :128] == 1) and torch.all(q.values[:, :, :128] == 0)
+    rows = torch.tensor([0, 5, 127, 128, 299])
+    for gran in (PerBlock(128), PerThread(32, 1), PerHead()):
+        full = quantize_int(x, "int8", gran)
+        part = quantize_int(x, "int8", gran, rows=rows)
+        assert torch.equal(part.values, full.values[:, :, rows])
+
+
+def test_quantize_int_ties_follow_the_chosen_rule():
+    # dyadic data: x / descale hits k + 1/2 exactly (amax 127 -> descale 1)
+    x = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -3.5], dtype=torch.float64).reshape(1, 1, 1, 6)
+    assert quantize_int(x, "int8", PerToken(), ties="away").values.flatten().tolist() == [127, 1, 2, 3, -1, -4]
+    assert quantize_int(x, "int8", PerToken(), ties="even").values.flatten().tolist() == [127, 0, 2, 2, 0, -4]
+
+
+def _int64_reference(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
+    return np.einsum("...mk,...kn->...mn", a.numpy().astype(np.int64), b.numpy().astype(np.int64))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_int_gemm_is_exact_and_float32_accumulation_of_codes_is_too(x, fmt):
+    qmax = get_int_format(fmt).qmax
+    g = torch.Generator().manual_seed(5)
+    d = 128
+    a = torch.randint(-qmax, qmax + 1, (3, 64, d), generator=g)
+    b = torch.randint(-qmax, qmax + 1, (3, d, 80), generator=g)
+    worst_a = torch.full((1, 4, d), qmax)  # |sum| reaches d * qmax^2
+    worst_b = torch.cat([torch.full((1, d, 1), qmax), torch.full((1, d, 1), -qmax)], dim=2)
+    for aa, bb in ((a, b), (worst_a, worst_b)):
+        ref = _int64_reference(aa, bb)
+        got = int_matmul(aa.to(torch.int8), bb.to(torch.int8))
+        assert got.dtype == torch.int32 and np.array_equal(got.numpy().astype(np.int64), ref)
+        # what the emulator does: a float32 matmul of the codes
+        f32 = torch.matmul(aa.to(torch.float32), bb.to(torch.float32))
+        assert np.array_equal(f32.numpy().astype(np.int64), ref)
+    assert float32_gemm_is_exact(d, fmt, fmt)
+
+
+def test_float32_exactness_bound_and_int32_overflow_refusal():
+    assert float32_gemm_is_exact(1040, "int8", "int8") and not float32_gemm_is_exact(1041, "int8", "int8")
+    # past the bound a float32 sum of codes really can round
+    k = 2048
+    a = torch.full((1, k), 127.0)
+    b = torch.full((k, 1), 127.0)
+    b[-1, 0] = 1.0
+    assert torch.matmul(a, b).item() != 127 * 127 * (k - 1) + 127
+    big = torch.full((1, 200_000), 127, dtype=torch.int64)
+    with pytest.raises(UsageError, match="overflow"):
+        int_matmul(big, big.T)
+
+
+def test_quantized_int8_attention_scores_equal_exact_scaled_products():
+    """S = (q_scale * k_scale) * (codes_q . codes_k): the integer product is exact, so the only
+    error of the scores is the quantization of Q and K (SageAttention v1: Q per 128-token block,
+    K per 64-token block)."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 2, 256, 64, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, 256, 64, generator=g, dtype=torch.float64)
+    qq, kq = quantize_int(q, "int8", PerBlock(128)), quantize_int(k, "int8", PerBlock(64))
+    s_int = int_matmul(qq.values, kq.values.transpose(-1, -2)).double()
+    s = s_int * qq.descale.double() * kq.descale.double().transpose(-1, -2)
+    assert torch.allclose(s, qq.dequantize() @ kq.dequantize().transpose(-1, -2), rtol=0, atol=1e-12)
+    exact = q @ k.transpose(-1, -2)
+    assert ((s - exact).norm() / exact.norm()).item() < 0.02  # INT8 per-block: about 1% of S
+
+
+# -- FP8 and FP4 at the new granularities ---------------------------------------------------------
+
+def test_fp8_per_channel_v_scales(x):
+    """SageAttention2's V: e4m3 with one scale per (batch, head, channel) over all tokens."""
+    q = quantize(x, "e4m3", PerChannel())
+    assert q.descale.shape == (2, 4, 1, 64)
+    assert torch.equal(q.descale, (x.abs().amax(dim=2, keepdim=True) / 448).to(torch.float32))
+    assert torch.equal(q.values.double(), round_to_format(x / q.descale.double(), "e4m3"))
+    assert torch.equal(q.values.double().abs().amax(dim=2), torch.full((2, 4, 64), 448.0, dtype=torch.float64))
+
+
+def test_scaled_e2m1_goes_through_the_scaled_path(x):
+    q = quantize(x, E2M1, PerBlock(16))
+    assert q.values.dtype == torch.float32 and q.values.abs().max().item() == 6.0
+    assert torch.equal(q.values.double(), round_to_format(x / q.descale.double(), E2M1))
+
+
+def test_sage2_thread_granularities_quantize(x):
+    qg, kg = sage2_thread_granularities()
+    qq, kq = quantize_int(x, "int4", qg), quantize_int(x, "int4", kg)
+    assert qq.descale[0, 0, :32].unique().numel() == 8 and kq.descale[0, 0, :64].unique().numel() == 4

@@ -285,7 +285,7 @@ static inline double round_fmt(double x, int mbits, int emin, double fmax, doubl
     double lim = sat ? fmax : INFINITY;
     y = y > lim ? lim : y;
     y = y < -lim ? -lim : y;
-    y = a >= ovf ? __builtin_copysign(INFINITY, x) : y;
+    y = (!sat & (a >= ovf)) ? __builtin_copysign(INFINITY, x) : y;
     return x != x ? x : y;
 }
 

@@ -9,14 +9,16 @@ running output already multiplied by this KV tile's online-softmax correction (t
 ``fmts`` the (P, V) formats. It returns acc + P V under its model.
 
 - ``fp32``: acc + P V with a float32 sum (an ideal tensor core).
-- ``fp22``: Hopper's FP8 tensor core as fitted to the FA3 kernel (``fa3_numerics.numerics.mma``): the
-  O registers are the MMA accumulator, chained through every k-step of 32 keys of every tile
-  with 13-bit aligned, truncating accumulation. With this model the S = Q K^T product is
-  modelled the same way (see the emulator).
+- ``fp22``: Hopper's tensor core as fitted to the FA3 kernel (``fa3_numerics.numerics.mma``): the
+  O registers are the MMA accumulator, chained through every k-step of every tile with
+  aligned, truncating accumulation: 13 bits per 32 keys for FP8 operands (the "FP22" of
+  SageAttention2), 25 bits per 16 keys for BF16/FP16. With this model the S = Q K^T product
+  is modelled the same way (see the emulator).
 - ``two-level``: the same MMA model inside a KV tile from a zero accumulator, then added into
   a float32 accumulator across tiles (the fix proposed upstream and in vLLM's fork).
 
-The MMA model applies only to FP8 operands; with wider P or V it falls back to float32.
+The MMA models apply to FP8 and BF16/FP16 operands; with float32 P or V they fall back to
+float32.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Callable
 import torch
 
 from .formats import Format
-from .mma import hopper_fp8_mma
+from .mma import hopper_mma, model_for
 
 Accumulator = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple], torch.Tensor]
 
@@ -50,12 +52,13 @@ def get_accumulator(name: str) -> Accumulator:
 
 
 def hopper_mma_on(acc: str, *fmts: Format) -> bool:
-    """True when the Hopper FP8 MMA model applies: an MMA-modelling accumulator and FP8 operands."""
-    return acc in ("fp22", "two-level") and all(f.saturate and f.mbits <= 3 for f in fmts)
+    """True when a Hopper tensor-core model applies: an MMA-modelling accumulator and operands
+    with a fitted model (FP8, or BF16/FP16; see ``mma.model_for``)."""
+    return acc in ("fp22", "two-level") and model_for(*fmts) is not None
 
 
 def _mma(p, v, c, fmts):
-    return hopper_fp8_mma(p, v, c, a_min_exp=fmts[0].emin, b_min_exp=fmts[1].emin)
+    return hopper_mma(p, v, c, a_fmt=fmts[0], b_fmt=fmts[1])
 
 
 @register_accumulator("fp32", "float32 accumulation (an ideal tensor core)")
@@ -63,8 +66,9 @@ def fp32(acc, p, v, fmts):
     return acc + torch.matmul(p, v)
 
 
-@register_accumulator("fp22", "Hopper FP8 MMA model: 13-bit aligned truncating accumulation per 32-key k-step, "
-                              "chained across tiles (matches the FA3 kernel)")
+@register_accumulator("fp22", "Hopper tensor-core model: aligned truncating accumulation (FP8: 13 bits per "
+                              "32-key k-step; BF16/FP16: 25 bits per 16), chained across tiles (matches the FA3 "
+                              "kernel)")
 def fp22(acc, p, v, fmts):
     if not hopper_mma_on("fp22", *fmts):
         return fp32(acc, p, v, fmts)

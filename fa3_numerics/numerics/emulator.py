@@ -33,7 +33,7 @@ import torch
 from .accumulators import get_accumulator, hopper_mma_on
 from .formats import get_format, quantize_dequantize
 from . import native
-from .mma import hopper_fp8_mma
+from .mma import hopper_mma
 from .granularity import PerHead
 from .quant import Quantized, quantize
 from .recipe import Recipe
@@ -188,7 +188,7 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
     for t in tiles:
         s0, s1 = t * pre.block_n, min(nk, (t + 1) * pre.block_n)
         k_t = kv[:, :, s0:s1].transpose(-1, -2)
-        s = hopper_fp8_mma(qv, k_t, a_min_exp=qk_fmt.emin, b_min_exp=qk_fmt.emin) if mma_s else torch.matmul(qv, k_t)
+        s = hopper_mma(qv, k_t, a_fmt=qk_fmt, b_fmt=qk_fmt) if mma_s else torch.matmul(qv, k_t)
         if step is not None:
             # One fused pass per row in C; same numbers as the PyTorch path below.
             lim = (q_index + (nk - pre.seqlen_q) - s0) if causal else None

@@ -1,7 +1,7 @@
 """A model of Hopper's FP8 tensor-core matrix multiply-accumulate (wgmma, e4m3/e5m2 inputs).
 
-Exposed: ``hopper_fp8_mma``, ``hopper_fp8_mma_reference``, ``operand_parts``, ``K_STEP``,
-``MANTISSA_BITS``.
+Exposed: ``MmaModel``, ``FP8_MMA``, ``BF16_MMA``, ``model_for``, ``hopper_mma``,
+``hopper_fp8_mma``, ``hopper_fp8_mma_reference``, ``operand_parts``, ``K_STEP``, ``MANTISSA_BITS``.
 
 Hopper's FP8 MMA does not accumulate in full float32 ("FP22": SageAttention2, arXiv
 2411.10958; DeepSeek-V3 "around 14 bits"). The model below was fitted to the packaged FA3
@@ -33,6 +33,15 @@ where exponents would leave the float32 range), and a compiled fast path
 (``fa3_numerics.numerics.native``: C with OpenMP on the CPU, built on first use) that
 ``hopper_fp8_mma`` uses when it is available.
 
+The 16-bit tensor core (BF16/FP16 operands, wgmma k16) follows the same scheme with other
+constants, fitted to the FA3 BF16 kernel on an H200 (kernels/device/dump_stress.py probes:
+Sk = 1 exposes S = q.k in float32 through the log-sum-exp): k-steps of 16 products, terms
+truncated at 2^(emax - 25), the sum truncated to 23 bits after its leading bit (the float32
+precision, truncated rather than rounded). It reproduces 85% of those float32 S values
+exactly (exact float32 rounding of the true dot product: 10%) and the rest within one ulp,
+and it brings the emulator of the BF16 kernel from F = 0.046 to 0.0045 at seqlen 8192
+(reports/h200/). ``MmaModel`` holds the constants; ``model_for`` picks them by format.
+
 Subnormal accumulators: the FA3 kernel is compiled with ``--use_fast_math`` and so flushes
 float32 subnormals to zero in the multiply that rescales O between KV tiles; the emulator
 models that flush before calling this function (``recipe.ftz``). The model itself is finite
@@ -40,6 +49,8 @@ for any finite C, subnormal or not.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -85,27 +96,54 @@ def _truncate_bits(x: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(x == 0, x, torch.trunc(x / q) * q)
 
 
+@dataclasses.dataclass(frozen=True)
+class MmaModel:
+    """Constants of one tensor-core accumulation model (see the module docstring)."""
+
+    k_step: int  # products per aligned step (the K of one MMA instruction)
+    bits: int  # terms are truncated at 2^(emax - bits)
+    final_bits: int  # the step's sum is truncated to this many bits after its leading bit
+
+
+FP8_MMA = MmaModel(K_STEP, MANTISSA_BITS, MANTISSA_BITS)  # e4m3/e5m2 wgmma (FP22)
+BF16_MMA = MmaModel(16, 25, 23)  # bf16/fp16 wgmma
+
+
+def model_for(*fmts) -> MmaModel | None:
+    """The fitted model for these operand formats (``Format`` objects), or None when the
+    formats have no tensor-core model (e.g. float32 operands: an ideal product)."""
+    if all(f.saturate and f.mbits <= 3 for f in fmts):
+        return FP8_MMA
+    if all(f.name in ("bf16", "fp16") for f in fmts):
+        return BF16_MMA
+    return None
+
+
 def hopper_fp8_mma_reference(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, *,
-                             a_min_exp: int = E4M3_MIN_EXP, b_min_exp: int = E4M3_MIN_EXP) -> torch.Tensor:
+                             a_min_exp: int = E4M3_MIN_EXP, b_min_exp: int = E4M3_MIN_EXP,
+                             model: MmaModel = FP8_MMA) -> torch.Tensor:
     """D = C + A @ B under the model, in plain PyTorch. a [.., M, K], b [.., K, N] float32
     holding FP8 values (``*_min_exp``: the format's smallest normal exponent, -6 for e4m3,
-    -14 for e5m2); c [.., M, N] float32 or None (a zero-initialised accumulator).
+    -14 for e5m2; -126 for bf16 with ``model=BF16_MMA``); c [.., M, N] float32 or None (a
+    zero-initialised accumulator).
 
     The aligned terms are formed in float64: 2^(13 - emax) leaves the float32 range once
-    E(C) < -114, which a small accumulator reaches (it did, as NaN = inf / inf, before)."""
+    E(C) < -114, which a small accumulator reaches (it did, as NaN = inf / inf, before).
+    Products of two 16-bit values (at most 22 significant bits) are exact there too."""
     k = a.shape[-1]
     m, n = a.shape[-2], b.shape[-1]
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     out = torch.empty(*lead, m, n, dtype=torch.float32, device=a.device)
     ea_all = _exponent(a).clamp_min(a_min_exp)
     eb_all = _exponent(b).clamp_min(b_min_exp)
-    per_row = (int(torch.tensor(lead).prod().item()) if lead else 1) * n * K_STEP
+    step = model.k_step
+    per_row = (int(torch.tensor(lead).prod().item()) if lead else 1) * n * step
     rows = max(1, _BLOCK_ELEMS // per_row)
     for r0 in range(0, m, rows):
         r1 = min(m, r0 + rows)
         acc = None if c is None else c[..., r0:r1, :].to(torch.float32)
-        for k0 in range(0, k, K_STEP):
-            k1 = min(k, k0 + K_STEP)
+        for k0 in range(0, k, step):
+            k1 = min(k, k0 + step)
             av = a[..., r0:r1, None, k0:k1].to(torch.float64)  # [.., r, 1, s]
             bv = b[..., k0:k1, :].transpose(-1, -2).unsqueeze(-3).to(torch.float64)  # [.., 1, n, s]
             prod = av * bv  # exact: two values of at most 8 significant bits
@@ -116,14 +154,26 @@ def hopper_fp8_mma_reference(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor |
                 emax = torch.where(acc != 0, torch.maximum(emax, _exponent(acc)), emax)
             live = emax > ZERO_EXP
             emax = torch.where(live, emax, torch.zeros_like(emax))
-            inv_ulp = torch.exp2(MANTISSA_BITS - emax)
+            inv_ulp = torch.exp2(model.bits - emax)
             total = torch.trunc(prod * inv_ulp.unsqueeze(-1)).sum(dim=-1)
             if acc is not None:
                 total = total + torch.trunc(acc.to(torch.float64) * inv_ulp)
             d = torch.where(live, total / inv_ulp, torch.zeros_like(total))
-            acc = _truncate_bits(d, MANTISSA_BITS).to(torch.float32)
+            acc = _truncate_bits(d, model.final_bits).to(torch.float32)
         out[..., r0:r1, :] = acc if acc is not None else 0.0
     return out
+
+
+def hopper_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, *, a_fmt, b_fmt) -> torch.Tensor:
+    """D = C + A @ B under the tensor-core model of the operand formats (``Format`` objects;
+    see ``model_for``), with float32 products and sum when there is none."""
+    model = model_for(a_fmt, b_fmt)
+    if model is None:
+        d = torch.matmul(a, b)
+        return d if c is None else c + d
+    if model == FP8_MMA:
+        return hopper_fp8_mma(a, b, c, a_min_exp=a_fmt.emin, b_min_exp=b_fmt.emin)
+    return hopper_fp8_mma_reference(a, b, c, a_min_exp=a_fmt.emin, b_min_exp=b_fmt.emin, model=model)
 
 
 def hopper_fp8_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, *,

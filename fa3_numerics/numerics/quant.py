@@ -1,11 +1,20 @@
 """Scaled quantization of Q, K, V into a narrow format.
 
-Exposed: ``Quantized``, ``amax_to_scale``, ``quantize``.
+Exposed: ``Quantized``, ``amax_to_scale``, ``quantize``, ``quantize_int``.
 
-Layering: ``formats`` rounds elements; ``granularity`` decides which elements share a
-scale; this module joins the two. The scale is computed in float64 (as torchao's
-``amax_to_scale`` does) and then rounded to float32, because the FA3 kernel receives its
-descales as float32 and the quantized values must be the ones that descale reproduces.
+Layering: ``formats`` / ``intformats`` round elements; ``granularity`` decides which
+elements share a scale; this module joins the two. The scale is computed in float64 (as
+torchao's ``amax_to_scale`` does) and then rounded to float32, because the kernels receive
+their descales as float32 and the quantized values must be the ones that descale
+reproduces. Casts saturate explicitly. Block-scaled microscaling formats (MXFP8, NVFP4),
+whose scales are themselves narrow formats, are in ``microscaling``.
+
+Input shape -> descale shape (the descale broadcasts against the values):
+
+- ``quantize(x, fmt, PerTensor())``: [B, H, N, D] -> [1, 1, 1, 1]; ``PerHead``: [B, H, 1, 1];
+  ``PerBlock``, ``PerToken``, ``PerThread``: [B, H, N, 1] (constant over a block or group);
+  ``PerChannel``: [B, H, 1, D]; ``PerGroup``: [B, H, N, D] (one value per group, expanded).
+- ``quantize_int``: the same shapes, with integer codes as values.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import torch
 
 from .formats import Format, cast, get_format
 from .granularity import Granularity, amax
+from .intformats import IntFormat, get_int_format, round_to_int
 
 
 @dataclasses.dataclass
@@ -25,7 +35,7 @@ class Quantized:
 
     values: torch.Tensor
     descale: torch.Tensor
-    fmt: Format
+    fmt: Format | IntFormat
 
     def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         return self.values.to(dtype) * self.descale.to(dtype)
@@ -56,9 +66,31 @@ def quantize(x: torch.Tensor, fmt: str | Format, gran: Granularity, *, block_row
     """
     f = get_format(fmt)
     pick = (lambda t: t.index_select(2, rows) if t.shape[2] > 1 else t) if rows is not None else (lambda t: t)
-    if f.dtype is None or f.name == "fp32" or not f.saturate:
+    if (f.dtype is None and f.storage is None) or f.name == "fp32" or not f.saturate:
         # Wide formats (FP16/BF16/FP32) are used unscaled, as the kernels use them.
         one = torch.ones((1, 1, 1, 1), dtype=torch.float32, device=x.device)
         return Quantized(cast(pick(x), f) if f.dtype is not None else pick(x), one, f)
     d = pick(amax_to_scale(amax(x, gran, block_rows=block_rows, group=group), f, pow2=pow2))
     return Quantized(cast(pick(x).to(torch.float64) / d.to(torch.float64), f), d, f)
+
+
+def quantize_int(x: torch.Tensor, fmt: str | IntFormat, gran: Granularity, *, block_rows: int | None = None,
+                 group: int = 1, ties: str = "away", rows: torch.Tensor | None = None) -> Quantized:
+    """Symmetric integer quantization of ``x`` (float64, [B, H, N, D]) at ``gran``.
+
+    descale = amax / qmax (amax in float64, descale rounded to float32 as SageAttention
+    stores it; 1 where amax is 0), codes = round(x / descale) clamped to +-qmax with the
+    tie rule ``ties`` (``intformats``: ``away`` as SageAttention's Triton quantizers,
+    ``even`` as its CUDA ones). ``values`` are int8 (INT4 codes too); ``descale`` has the
+    shape listed in the module docstring. SageAttention's granularities: ``PerBlock(128)``
+    for Q and ``PerBlock(64)`` for K in v1; ``sage2_thread_granularities()`` in v2.
+
+    Where SageAttention differs, on purpose: its scale adds 1e-7 to amax (per-thread) or
+    uses amax as is (per-block) and is computed in float32; an all-zero group gets
+    descale 1 here, which changes no code (all are 0). ``rows`` as in ``quantize``.
+    """
+    f = get_int_format(fmt)
+    pick = (lambda t: t.index_select(2, rows) if t.shape[2] > 1 else t) if rows is not None else (lambda t: t)
+    d = pick(amax_to_scale(amax(x, gran, block_rows=block_rows, group=group), f))
+    codes = round_to_int(pick(x).to(torch.float64) / d.to(torch.float64), f, ties)
+    return Quantized(codes.to(f.dtype), d, f)

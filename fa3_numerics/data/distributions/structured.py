@@ -1,6 +1,6 @@
 """Structured synthetic families: the outlier shapes real models show, one knob each.
 
-Exposed (registry names): ``channel-outliers``, ``sink-tokens``, ``student-t``.
+Exposed (registry names): ``channel-outliers``, ``sink-tokens``, ``student-t``, ``k-bias``.
 
 - ``channel-outliers``: every entry N(0,1), and in each (batch, kv-head) a few fixed
   channels of K multiplied by ``scale`` for every token (the per-channel outliers of
@@ -13,6 +13,16 @@ Exposed (registry names): ``channel-outliers``, ``sink-tokens``, ``student-t``.
 - ``student-t``: every entry of Q, K and V Student-t with ``df`` degrees of freedom (unit
   scale, variance df/(df-2) for df > 2): heavy tails without structure. Drawn by inverse
   CDF (scipy's ``stdtrit``) from seeded uniforms, so any df > 0 is exact and seeded.
+- ``k-bias``: every entry N(0,1), and in each (batch, kv-head) a few fixed channels of K
+  get a constant offset ``+-bias`` shared by every token (sign drawn per channel): a
+  per-channel mean of K, the failure SageAttention's K smoothing removes exactly
+  (``channel-outliers`` scales a channel instead, which smoothing cannot remove). Q and V
+  stay plain. Default (2 channels, bias 8) from the SmolLM2-135M K cache: over its 30
+  layers x 3 KV heads (``capture --tokens 1024``, pydoc prose, the first 4 tokens left
+  out), the largest |channel mean| is a median 7.6 times the typical per-channel standard
+  deviation (2nd largest 3.1, 4th 2.0), and the channel means carry 0.27-0.75 (median
+  0.60) of K's energy; two channels at 8 in unit-variance noise carry 2/3. Real K also
+  varies in scale per channel and has RoPE pairs; this family isolates the mean.
 
 All draw from one ``torch.Generator`` per seed, in float64 on the CPU, in a fixed order
 (Q, K, V, then any structure), so (family, params, seed) gives the same tensors anywhere.
@@ -117,4 +127,28 @@ def student_t(shape: AttnShape, seed: int, *, df: float):
     q = student_t_like(shape.q_shape, g, df)
     k = student_t_like(shape.kv_shape, g, df)
     v = student_t_like(shape.kv_shape, g, df)
+    return q, k, v
+
+
+def _check_bias(params: dict) -> None:
+    _positive("channels", params["channels"], integer=True, allow_zero=True)
+    require(math.isfinite(params["bias"]), f"--bias must be a finite number, got {params['bias']}")
+
+
+@register(
+    "k-bias",
+    description="N(0,1) with a constant offset (a mean shared by every token) on a few channels of K",
+    params={"channels": (2, "biased channels of K per head"),
+            "bias": (8.0, "offset added to those channels in every token (sign drawn per channel); "
+                          "0 = plain; SmolLM2-135M's largest K channel mean is ~8 std")},
+    validate=_check_bias,
+)
+def k_bias(shape: AttnShape, seed: int, *, channels: float, bias: float):
+    g = generator(seed)
+    q = torch.randn(shape.q_shape, generator=g, dtype=torch.float64)
+    k = torch.randn(shape.kv_shape, generator=g, dtype=torch.float64)
+    v = torch.randn(shape.kv_shape, generator=g, dtype=torch.float64)
+    mask = outlier_channels(shape.batch, shape.kv_heads, shape.head_dim, int(channels), g)
+    sign = torch.where(torch.rand(mask.shape, generator=g, dtype=torch.float64) < 0.5, -1.0, 1.0)
+    k = k + torch.where(mask, sign * float(bias), torch.zeros((), dtype=torch.float64))
     return q, k, v
