@@ -169,7 +169,7 @@ class Fa3Backend(Backend):
             return f"order={recipe.order}: the kernel visits KV tiles last to first; use {alt}"
         return None
 
-    def attention(self, recipe, q, k, v, *, causal, q_index, rotation_seed, cache):
+    def attention(self, recipe, q, k, v, *, causal, q_index, rotation_seed, cache, softmax_scale=None):
         from fa3_numerics.numerics.emulator import prepare
 
         why = self.supports(recipe)
@@ -181,7 +181,8 @@ class Fa3Backend(Backend):
         every = torch.arange(n, device=q.device)
         pre = prepare(recipe, q, k, v, q_index=every, rotation_seed=rotation_seed, causal=causal, cache=cache)
         ins = kernel_inputs(pre, recipe, k.shape[1])
-        o = flash_attn(ins["q"], ins["k"], ins["v"], softmax_scale=1.0 / math.sqrt(d), causal=causal,
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+        o = flash_attn(ins["q"], ins["k"], ins["v"], softmax_scale=scale, causal=causal,
                        descales=ins["descales"], fn=self.kernel_fn)
         o = o.transpose(1, 2)
         if q_index.numel() != n:

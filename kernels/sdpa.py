@@ -74,7 +74,7 @@ class SdpaBackend(Backend):
             return f"the SDPA kernels cast P to the input format ({recipe.qk}), not p={recipe.p}"
         return None
 
-    def attention(self, recipe, q, k, v, *, causal, q_index, rotation_seed, cache):
+    def attention(self, recipe, q, k, v, *, causal, q_index, rotation_seed, cache, softmax_scale=None):
         from fa3_numerics.numerics.emulator import prepare
 
         why = self.supports(recipe)
@@ -96,7 +96,8 @@ class SdpaBackend(Backend):
                 torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
                 stack.callback(torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp, prev)
             o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=causal,
-                                                                 scale=1.0 / math.sqrt(d))
+                                                                 scale=softmax_scale if softmax_scale is not None
+                                                                 else 1.0 / math.sqrt(d))
         if causal and q_index.numel() != n:
             o = o.index_select(2, q_index.to(o.device))
         return o.to(torch.float64)

@@ -1,4 +1,4 @@
-"""Analysis of an ablation dataset: effects, interactions and findings recover known structure."""
+"""Analysis of an ablation dataset (studies.effects, report.ablation): effects, interactions and findings recover known structure."""
 
 import itertools
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from fa3_numerics.studies import analysis as A
+from fa3_numerics.report import ablation as R
+from fa3_numerics.studies import effects as A
 
 DATA = ["outliers p=0.001,sigma=10", "channel-outliers"]
 GRAN = ["tensor", "block"]
@@ -60,14 +61,14 @@ def test_paper_finding_and_block_quant_statement():
     assert pf["all"]["rotation_gain"][0] == pytest.approx(10 ** 0.3)
     assert pf["all"]["block_gain"][0] == pytest.approx(10 ** 0.03)
     blk = A.block_quant_effect(fr)
-    lines = A.summary_lines(ds, fr, A.main_effects(fr), A.per_data_effects(fr), blk, None)
+    lines = R.summary_lines(ds, fr, A.main_effects(fr), A.per_data_effects(fr), blk, None)
     text = "\n".join(lines)
     assert "Paper finding reproduced" in text
     # Block vs tensor is 10^-0.03 (-7%) on the paper data and 10^-0.13 (-26%) on channel outliers.
     block_line = next(line for line in lines if line.startswith("- **Block quantization**"))
     assert "under: `channel-outliers`" in block_line and "nowhere else" in block_line and "-26%" in block_line
     assert "Every point estimate within 10%: `outliers p=0.001,sigma=10`" in block_line
-    calm = A.summary_lines(synthetic(), fr, A.main_effects(fr), A.per_data_effects(fr),
+    calm = R.summary_lines(synthetic(), fr, A.main_effects(fr), A.per_data_effects(fr),
                            A.block_quant_effect(A.cell_frame(synthetic(), n_boot=20)), None)
     assert any("nowhere in the grid" in line for line in calm)
 
@@ -76,7 +77,7 @@ def test_not_reproduced_when_block_beats_rotation():
     ds = synthetic()
     ds["rmse"] = ds["rmse"] * xr.where((ds["gran"] == "tensor") & (ds["rot"] == "hadamard"), 10.0, 1.0)
     fr = A.cell_frame(ds, n_boot=20)
-    lines = A.summary_lines(ds, fr, A.main_effects(fr), A.per_data_effects(fr), A.block_quant_effect(fr), None)
+    lines = R.summary_lines(ds, fr, A.main_effects(fr), A.per_data_effects(fr), A.block_quant_effect(fr), None)
     assert any("Paper finding not reproduced" in line for line in lines)
 
 
@@ -91,7 +92,7 @@ def test_report_renders_from_a_synthetic_dataset(tmp_path):
     ds = synthetic(noise=0.02)
     ds.attrs.update({"description": "synthetic", "designs": "{}", "base_recipe": "fa3-fp8-kernel"})
     ds = ds.assign_coords(heads=4, batch_size=1, rows=16)
-    md = A.render_report(ds, tmp_path, n_boot=50).read_text()
+    md = R.render_report(ds, tmp_path, n_boot=50).read_text()
     assert "Paper finding reproduced" in md and "## Main effects" in md
     for png in ("main_effects.png", "interactions.png", "seqlen.png", "block_quant.png", "effects_per_data.png"):
         assert (tmp_path / png).stat().st_size > 1000, png

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("safetensors", reason="capture files need safetensors: pip install 'fa3-numerics[capture]'")
 
 from fa3_numerics.studies import audit as au  # noqa: E402
+from fa3_numerics.studies import audit_stats as stats  # noqa: E402
 from fa3_numerics.data import capture as cap  # noqa: E402
 from fa3_numerics.errors import UsageError  # noqa: E402
 from fa3_numerics.numerics.recipe import PRESETS  # noqa: E402
@@ -124,7 +125,7 @@ def test_sink_mass_is_the_reference_weight_on_first_tokens(small):
     s = q @ k.transpose(-1, -2) * D ** -0.5
     s = s.masked_fill(torch.ones(TOKENS, TOKENS, dtype=torch.bool).triu(1), -math.inf)
     p = torch.softmax(s, dim=-1)
-    want = p[..., :au.SINK_TOKENS].sum(-1).mean(-1)
+    want = p[..., :stats.SINK_TOKENS].sum(-1).mean(-1)
     np.testing.assert_allclose(ds["sink_mass"].sel(layer=1).values, want.numpy(), rtol=1e-10)
     # the planted sink (first key of KV head 1, heads 2 and 3) shows
     assert ds["sink_mass"].sel(layer=1, head=[2, 3]).min() > ds["sink_mass"].sel(layer=0, head=[2, 3]).max()
@@ -139,7 +140,7 @@ def test_p_underflow_running_max_versus_final_max():
     q[..., 0] = 1.0
     k = torch.zeros(1, 1, n, D, dtype=torch.float64)
     k[0, 0, 0, 0] = 40.0           # s = 40 * scale on key 0 for every query, 0 elsewhere
-    st = au._attention_stats(q, k, scale=1.0, causal=False, q_index=torch.arange(4), block_n=bn)
+    st = stats.attention_stats(q, k, scale=1.0, causal=False, q_index=torch.arange(4), block_n=bn)
     # final max: all n - 1 non-sink keys underflow (40 nats below the max is 2^-57.7 * 2^8)
     assert st["p_underflow_final"][0] == pytest.approx((n - 1) / n)
     # running max: only the keys of tile 0 (visited last, with the huge key) underflow
@@ -156,7 +157,7 @@ def test_reference_output_of_the_statistics_pass():
     v = torch.randn(1, KV, 300, D, generator=g, dtype=torch.float64)
     idx = torch.tensor([0, 1, 7, 150, 299])
     for causal in (True, False):
-        st = au._attention_stats(q, k, v, scale=0.125, causal=causal, q_index=idx, block_n=160)
+        st = stats.attention_stats(q, k, v, scale=0.125, causal=causal, q_index=idx, block_n=160)
         want = reference_attention(q, k, v, causal=causal, softmax_scale=0.125, q_index=idx)
         torch.testing.assert_close(st["out"], want, rtol=1e-13, atol=1e-15)
 
@@ -227,7 +228,7 @@ def test_cli_writes_dataset_and_report(small, tmp_path, capsys):
                                      "--variants", "fa3-fp8,fa3-fp8-no-block-quant", "--layers", "1"], capsys)
     assert code == 0, stderr
     assert "riskiest (layer, head)" in stdout and "whole model:" in stdout
-    assert "[layer 1: 1/1]" in stderr                       # progress per layer
+    assert "[1/1] layer 1, seed 0" in stderr               # progress per layer (one engine task each)
     for f in ("audit.nc", "audit.md", "heatmap_rel_l2.png", "heatmap_rmse.png", "stats_heatmap.png",
               "channel_amax.png"):
         assert (out / f).is_file() and (out / f).stat().st_size > 0, f

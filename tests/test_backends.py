@@ -160,8 +160,8 @@ def test_kernel_inputs_are_exactly_the_emulators(gran, rot, hkv):
     assert ins["k"].shape == (2, 96, hkv, 64)
     assert torch.equal(ins["q"].transpose(1, 2).float(), pre.q.values.float())
     full = lambda t: t.expand(2, 4, *t.shape[2:]) if t.shape[1] == 1 else t  # noqa: E731 (hkv=1 stays unexpanded)
-    assert torch.equal(ins["k"].transpose(1, 2).float().repeat_interleave(g, dim=1), full(pre.k.values))
-    assert torch.equal(ins["v"].transpose(1, 2).float().repeat_interleave(g, dim=1), full(pre.v.values))
+    assert torch.equal(ins["k"].transpose(1, 2).float().repeat_interleave(g, dim=1), full(pre.k.values).float())
+    assert torch.equal(ins["v"].transpose(1, 2).float().repeat_interleave(g, dim=1), full(pre.v.values).float())
     for t, full in zip(ins["descales"], (pre.q.descale, pre.k.descale, pre.v.descale)):
         assert t.shape == (2, hkv) and t.dtype == torch.float32
         assert torch.equal(t.repeat_interleave(g, dim=1)[:, :, None, None], full.expand(2, 4, 1, 1))

@@ -10,7 +10,7 @@ import pytest
 from fa3_numerics.cli import main
 from fa3_numerics.studies.compare import compare
 from fa3_numerics.engine.dataset import read, write
-from fa3_numerics.engine.experiment import load_experiment, run_experiment
+from fa3_numerics.studies.outliers import load_experiment, run_experiment
 
 VARIANTS = "baseline-fp16,baseline-fp8,fa3-fp8"
 

@@ -112,7 +112,7 @@ def test_killed_sweep_resumes_without_recomputing_and_matches(toml, tmp_path, un
     for p, stamp in finished.items():
         assert (p.stat().st_ino, p.stat().st_mtime_ns) == stamp, f"{p.name} was rewritten"
     ts, _ = tasks(load_ablation(str(toml)))
-    variant_keys = {key for t in ts for _, _, key in t.recipes}
+    variant_keys = {j.key for t in ts for j in t.jobs}
     done = {p.stem for p in finished} & variant_keys
     assert 0 < len(done) < len(variant_keys)
     computed = sum(int(m.split(": ")[1].split(" computed")[0]) for m in msgs if " computed, " in m)

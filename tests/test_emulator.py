@@ -139,3 +139,84 @@ def test_standard_fp16_matches_pytorch_math_sdpa():
     assert same > 0.95, same
     after = (emulate(Recipe.from_str("baseline-fp16,sscale=after"), q, k, v, q_index=idx) == hw).double().mean().item()
     assert after < same
+
+
+# -- issue 9: heavy outliers, flush to zero, every head layout ---------------------------------
+
+
+def test_kernel_model_finite_on_heavy_outliers():
+    """The scenario that returned NaN for every output: p 0.01, sigma 30 at head dim 64. The
+    Hopper MMA model met a float32 subnormal accumulator (an old row rescaled by a tiny factor)
+    with an all-zero k-step. The kernel's outputs on such data are finite (reports/h200/)."""
+    q, k, v = generate("outliers", AttnShape(1, 2, 512, 64), 0, p=0.01, sigma=30.0)
+    idx = torch.arange(0, 512, 8)
+    for spec in ("fa3-fp8-kernel", "fa3-fp8-kernel,ftz=0", "fa3-fp8-kernel,acc=two-level"):
+        o = emulate(Recipe.from_str(spec), q, k, v, q_index=idx)
+        assert torch.isfinite(o).all(), spec
+
+
+def _sink_then_rest(late: float):
+    """One query; keys in two tiles of 64 (bn=64, visited last to first). The last tile holds
+    ordinary keys (scores ~0); the first holds a sink ``late`` nats above them with V = 0, and
+    keys far below everything (P = 0). The output is then the ordinary keys' O scaled by the
+    rescale factor exp(-late), which FA3's flush to zero turns into exactly 0 once that
+    factor is a float32 subnormal."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.zeros(1, 1, 1, 64, dtype=torch.float64)
+    q[..., 0] = 1.0
+    k = torch.randn(1, 1, 128, 64, generator=g, dtype=torch.float64) * 0.1
+    v = torch.randn(1, 1, 128, 64, generator=g, dtype=torch.float64)
+    k[0, 0, :64, 0] = -8000.0  # P = 0 in the first tile...
+    k[0, 0, 0, 0] = late * 8.0  # ...but for the sink (softmax scale 1/8)
+    v[0, 0, 0] = 0.0
+    return q, k, v
+
+
+def test_flush_to_zero_drops_a_row_rescaled_below_float32_normals():
+    """At 95 nats the rescale factor exp2(-137) is a float32 subnormal: the kernel (built with
+    --use_fast_math) flushes it to 0, so O is exactly 0; IEEE arithmetic (ftz=0) leaves a
+    subnormal O. At 60 nats (2^-87, normal) both keep the same tiny O."""
+    base = "qk=fp32,v=fp32,p=fp32,out=fp32,poff=0,bn=64"
+    q, k, v = _sink_then_rest(95.0)
+    ftz = emulate(Recipe.from_str(base), q, k, v)
+    ieee = emulate(Recipe.from_str(base + ",ftz=0"), q, k, v)
+    assert torch.equal(ftz, torch.zeros_like(ftz))
+    assert (ieee != 0).any() and ieee.abs().max() < 2.0 ** -126
+    q, k, v = _sink_then_rest(60.0)
+    ftz, ieee = (emulate(Recipe.from_str(base + s), q, k, v) for s in ("", ",ftz=0"))
+    assert torch.equal(ftz, ieee) and (ftz != 0).any()
+
+
+LAYOUTS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
+
+
+@pytest.mark.parametrize("heads,kv_heads", LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+def test_every_preset_runs_every_head_layout(heads, kv_heads, causal, d):
+    """Every preset x {MHA, GQA, MQA} x {causal, not} x every supported head dim, at toy size:
+    finite outputs of the right shape, and the unquantized preset matches float64 attention.
+    (MQA crashed the standard algorithm with a shape error before.)"""
+    q, k, v = generate("outliers", AttnShape(1, heads, 80, d, kv_heads=kv_heads), 1, p=0.01, sigma=10.0)
+    idx = torch.arange(0, 80, 9)
+    ref = reference_attention(q, k, v, causal=causal, q_index=idx)
+    for name in PRESETS:
+        spec = name + ",acc=fp32" if "kernel" in name else name
+        o = emulate(Recipe.from_str(spec), q, k, v, causal=causal, q_index=idx)
+        assert o.shape == ref.shape, name
+        assert torch.isfinite(o).all(), name
+    exact = emulate(EXACT, q, k, v, causal=causal, q_index=idx)
+    assert (exact - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_gqa_equals_mha_with_repeated_kv():
+    """Grouped heads are attention against the KV head of their group: emulating GQA equals
+    emulating MHA with K and V repeated, for every granularity whose scales do not depend on
+    the head grouping. (Per-head descales do: the kernel's q_descale is one per (batch,
+    KV head), shared by the group's query heads, so GQA and MHA legitimately differ there.)"""
+    q, k, v = generate("outliers", AttnShape(1, 4, 200, 64, kv_heads=1), 2, p=0.01, sigma=10.0)
+    kk, vv = k.expand(1, 4, 200, 64).contiguous(), v.expand(1, 4, 200, 64).contiguous()
+    for spec in ("baseline-fp8", "fa3-fp8-kernel,gran=tensor", "fa3-fp8", "fa3-fp8,gran=token", "exact",
+                 "baseline-fp16"):
+        r = Recipe.from_str(spec)
+        assert torch.equal(emulate(r, q, k, v, causal=True), emulate(r, q, kk, vv, causal=True)), spec

@@ -43,3 +43,17 @@ def test_causal_first_row_is_v0():
     q, k, v = (torch.randn(1, 1, 10, 64, generator=g, dtype=torch.float64) for _ in range(3))
     o = reference_attention(q, k, v, causal=True)
     assert torch.equal(o[0, 0, 0], v[0, 0, 0])
+
+
+def test_causal_with_fewer_queries_than_keys_aligns_bottom_right():
+    """seqlen_q < seqlen_k (decode against a cache): query i sees keys 0..i + nk - nq. The last
+    query sees every key, the first sees nk - nq + 1 of them."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 5, 64, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 12, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    o = reference_attention(q, k, v, causal=True)
+    full = reference_attention(q, k, v, causal=False)
+    assert torch.allclose(o[:, :, -1], full[:, :, -1], rtol=0, atol=1e-15)
+    first = reference_attention(q[:, :, :1], k[:, :, :8], v[:, :, :8], causal=False)
+    assert torch.allclose(o[:, :, :1], first, rtol=0, atol=1e-15)
+    assert torch.allclose(o, naive(q, k, v, True, 1 / 8), rtol=0, atol=1e-13)

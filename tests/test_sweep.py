@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fa3_numerics.cli import main
-from fa3_numerics.engine.experiment import load_experiment, run_experiment
+from fa3_numerics.studies.outliers import load_experiment, run_experiment
 
 BASE = dict(batch=1, heads=2, rows=32, variants=["baseline-fp8,fa3-fp8"])
 

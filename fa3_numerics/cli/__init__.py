@@ -1,49 +1,76 @@
 """The ``fa3-numerics`` command line.
 
-Each command lives in its own module of this package and exposes ``register(app)``;
-modules are discovered here, so adding a command never means editing dispatch code.
-Errors that users can fix (``UsageError``) print one line and exit with code 2.
+Each command lives in its own module of this package and exposes ``register(app, run_app)``;
+modules are discovered here, so adding a command never means editing dispatch code. Options
+that come from registries (distribution parameters, ablation factors, metrics, backends) are
+generated when the app is built (``build_app``), so an entry added to a registry is on the
+command line at once.
+
+Exit codes: 0 done; 2 bad input (``UsageError``: one line on stderr naming the fix, never a
+traceback); 3 results hold NaN or Inf (``NonFiniteError``, after every file is written; pass
+``--allow-nonfinite`` to accept them); 130 interrupted (Ctrl-C; finished cells stay cached).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 import sys
 
 import typer
 
-from ..errors import UsageError
+from ..errors import NonFiniteError, UsageError
 
-app = typer.Typer(
-    name="fa3-numerics",
-    help="Numerical accuracy of FP8 attention (FlashAttention-3): emulate, measure, report.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-run_app = typer.Typer(help="Run an experiment and write its dataset and summary.", no_args_is_help=True)
-app.add_typer(run_app, name="run")
+INTERRUPTED = "interrupted; finished results are kept (a rerun into the same --out resumes from them)"
 
 
-def _discover() -> None:
+def _interruptible(fn):
+    """typer turns KeyboardInterrupt into a silent exit 130 before ``main`` sees it: say so first."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            typer.echo(INTERRUPTED, err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def build_app() -> typer.Typer:
+    """A fresh app with every command of this package, options read from the registries now."""
+    app = typer.Typer(
+        name="fa3-numerics",
+        help="Numerical accuracy of FP8 attention (FlashAttention-3): emulate, measure, report.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+    )
+    run_app = typer.Typer(help="Run an experiment and write its dataset and summary.", no_args_is_help=True)
+    app.add_typer(run_app, name="run")
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
+        if info.name.startswith("_") or info.name == "options":
             continue
         mod = importlib.import_module(f"{__name__}.{info.name}")
         if hasattr(mod, "register"):
             mod.register(app, run_app)
+    for typer_app in (app, run_app):
+        for cmd in typer_app.registered_commands:
+            cmd.callback = _interruptible(cmd.callback)
+    return app
 
 
-_discover()
+app = build_app()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, application: typer.Typer | None = None) -> None:
     try:
-        app(args=argv, standalone_mode=True)
-    except UsageError as exc:
+        (application or app)(args=argv, standalone_mode=True)
+    except (UsageError, NonFiniteError) as exc:
         typer.echo(f"error: {str(exc).splitlines()[0]}", err=True)
-        sys.exit(2)
+        sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        typer.echo("interrupted; finished cells are kept and a rerun resumes from them", err=True)
+        typer.echo(INTERRUPTED, err=True)
         sys.exit(130)

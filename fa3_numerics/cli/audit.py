@@ -11,6 +11,8 @@ from typing import Optional
 
 import typer
 
+from .options import ALLOW_NONFINITE_HELP, finish
+
 HELP = (
     "Audit a capture (from `fa3-numerics capture`): every variant's error against float64 on every "
     "layer x head (causal as the model is, its softmax scale), plus per-channel amax of Q and K (with RoPE "
@@ -19,6 +21,12 @@ HELP = (
     "OUT/audit.nc (xarray) and OUT/audit.md with figures: heatmaps, channel amax, the riskiest heads "
     "and, with --budget, the cheapest recipe per layer that meets it."
 )
+
+
+def _metrics_help(what: str) -> str:
+    from ..studies.audit import rank_metrics
+
+    return f"{what}: {', '.join(rank_metrics())}"
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:
@@ -32,56 +40,55 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         budget: Optional[float] = typer.Option(
             None, help="Error budget: recommend per layer the cheapest variant whose error (max over the "
                        "layer's heads) is at most this."),
-        budget_metric: str = typer.Option("rmse", "--budget-metric", help="Metric of --budget: rmse, rel_l2, "
-                                          "rel_l1 or max_abs."),
+        budget_metric: str = typer.Option("rmse", "--budget-metric", help=_metrics_help("Metric of --budget")),
         rows: int = typer.Option(256, help="Query rows evaluated per head, a seeded random subset, the same in "
                                             "every layer (0 = all). Rows are independent: exact for those rows."),
         layers: Optional[str] = typer.Option(None, help="Layers to audit, e.g. 0-4,10. Default: all captured."),
         seed: int = typer.Option(0, help="Seed of the row sample and of the Hadamard rotation's signs."),
         rank_by: str = typer.Option("worst", "--rank-by", help="Rank heads by this variant's error, or "
                                     "'worst' (the worst variant per head)."),
-        rank_metric: str = typer.Option("rel_l2", "--rank-metric", help="Ranking metric: rel_l2 (default; "
-                                        "fair across layers), rmse, rel_l1, max_abs."),
+        rank_metric: str = typer.Option("rel_l2", "--rank-metric",
+                                        help=_metrics_help("Ranking metric (rel_l2 is fair across layers)")),
         top: int = typer.Option(10, help="Rows of the ranking table."),
-        device: str = typer.Option("cpu", help="cpu or cuda."),
-        out: Path = typer.Option(Path("results/audit"), help="Output folder: audit.nc, audit.md, figures."),
+        device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
+        out: str = typer.Option("results/audit", help="Output folder: audit.nc, audit.md, figures."),
+        allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=ALLOW_NONFINITE_HELP),
     ) -> None:
         import time
 
-        from ..studies.audit import DEFAULT_VARIANTS, RANK_METRICS, audit, check_recommendations, rank, recommend
+        from ..engine.dataset import write
+        from ..engine.files import OutputFolder
+        from ..engine.nonfinite import scan
         from ..errors import require
+        from ..report.audit import write_report
+        from ..studies.audit import audit, check_recommendations, plan, rank, rank_metrics, recommend
 
+        names = rank_metrics()
         require(top >= 1, f"--top must be >= 1, got {top}")
-        require(rank_metric in RANK_METRICS, f"--rank-metric must be one of {', '.join(RANK_METRICS)}")
-        require(budget_metric in RANK_METRICS, f"--budget-metric must be one of {', '.join(RANK_METRICS)}")
+        require(rank_metric in names, f"--rank-metric must be one of {', '.join(names)}")
+        require(budget_metric in names, f"--budget-metric must be one of {', '.join(names)}")
         if budget is not None:
             require(budget > 0 and budget == budget and budget != float("inf"),
                     f"--budget must be a positive number, got {budget}")
-        require(not out.exists() or out.is_dir(), f"--out {out} is a file; pass a folder")
+        folder = OutputFolder(out, "--out")
         t0 = time.perf_counter()
-        from ..data.capture import load_capture
-
-        cap = load_capture(file)
-        labels = None
-        if rank_by != "worst":
-            from ..numerics.recipe import parse_recipes
-
-            labels = [lab for lab, _ in parse_recipes(variants or ",".join(DEFAULT_VARIANTS))]
-            require(rank_by in labels, f"--rank-by {rank_by!r} is not an audited variant; use worst or one of "
-                    f"{', '.join(labels)}")
-        ds = audit(cap, variants=variants, backend=backend, rows=rows, layers=layers, seed=seed, device=device)
-        ds.attrs.update({"budget": "" if budget is None else budget, "budget_metric": budget_metric,
-                         "rank_by": rank_by, "rank_metric": rank_metric})
-        from ..report.audit_report import write_report
-        from ..engine.dataset import write
-
-        out.mkdir(parents=True, exist_ok=True)
-        nc = write(ds, out / "audit.nc")
-        md = write_report(ds, out, top=top, budget=budget, budget_metric=budget_metric, rank_by=rank_by,
-                          rank_metric=rank_metric)
+        cap, recipes, _ = plan(file, variants=variants, backend=backend, rows=rows, layers=layers, seed=seed,
+                               device=device)
+        labels = [lab for lab, _ in recipes]
+        require(rank_by == "worst" or rank_by in labels, f"--rank-by {rank_by!r} is not an audited variant; use "
+                f"worst or one of {', '.join(labels)}")
+        with folder as path:
+            ds = audit(cap, variants=variants, backend=backend, rows=rows, layers=layers, seed=seed, device=device)
+            ds.attrs.update({"budget": "" if budget is None else budget, "budget_metric": budget_metric,
+                             "rank_by": rank_by, "rank_metric": rank_metric})
+            findings = scan(ds, sample_dims=("head",))
+            nc = write(ds, path / "audit.nc")
+            md = write_report(ds, path, top=top, budget=budget, budget_metric=budget_metric, rank_by=rank_by,
+                              rank_metric=rank_metric)
         typer.echo(f"riskiest (layer, head) by {rank_metric} of {rank_by}:")
         for r in rank(ds, by=rank_by, metric=rank_metric, top=min(top, 5)):
-            typer.echo(f"  #{r['rank']} layer {r['layer']} head {r['head']}: {rank_metric} {r['score']:.3g} "
+            score = f"{r['score']:.3g}" if r["score"] == r["score"] else "non-finite"
+            typer.echo(f"  #{r['rank']} layer {r['layer']} head {r['head']}: {rank_metric} {score} "
                        f"(worst {r['worst_variant']}); sink {r['sink_mass']:.2f}, P~ underflow "
                        f"{r['p_underflow']:.3f}, K hot channel {r['k_hot']} (pair {r['k_hot_pair']})")
         if budget is not None:
@@ -93,3 +100,4 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             if problems:
                 typer.echo("recommendation check failed: " + "; ".join(problems), err=True)
         typer.echo(f"wrote {nc} and {md} ({time.perf_counter() - t0:.1f} s)")
+        finish(findings, allow_nonfinite, lambda m: typer.echo(m, err=True))

@@ -8,22 +8,22 @@ import typer
 def register(app: typer.Typer, run_app: typer.Typer) -> None:
     @app.command("backends")
     def backends_cmd(
-        device: str = typer.Option("", help="device to check (cpu or cuda); default: cuda when a GPU is visible, "
-                                            "and cpu as well"),
+        device: str = typer.Option("", help="device to check (cpu, cuda or cuda:N); default: cuda when a GPU is "
+                                            "visible, and cpu as well"),
     ):
-        """List every backend (emulate, fa3, sdpa-*) with whether it works here and, if not, why and the fix."""
+        """List every registered backend with whether it works here and, if not, why and the fix."""
         import torch
 
-        from ..engine.backends import backend_table
+        from ..engine.backends import backend_table, check_device
 
-        devices = [device] if device else (["cuda", "cpu"] if torch.cuda.is_available() else ["cpu", "cuda"])
+        devices = [check_device(device)] if device else (["cuda", "cpu"] if torch.cuda.is_available() else ["cpu", "cuda"])
         for dev in devices:
             typer.echo(f"device {dev}:")
             for row in backend_table(dev):
                 mark = "usable " if row["usable"] else "missing"
                 kind = "hardware" if row["hardware"] else "emulated"
-                typer.echo(f"  {row['name']:<15} {mark}  [{kind}] {row['description']}")
+                typer.echo(f"  {row['name']:<17} {mark}  [{kind}] {row['description']}")
                 if not row["usable"]:
-                    typer.echo(f"  {'':<15}          why/fix: {row['why']}")
+                    typer.echo(f"  {'':<17}          why/fix: {row['why']}")
         typer.echo("\nSelect one with `fa3-numerics run outliers --backend NAME --device cuda`; recipes a backend "
                    "cannot compute are refused with the reason (e.g. per-block scales on fa3).")

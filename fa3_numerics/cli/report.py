@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from ..errors import UsageError
+from .options import ALLOW_NONFINITE_HELP, finish
 
 
 def parse_formats(text: str) -> tuple[str, ...]:
@@ -23,21 +23,30 @@ def parse_formats(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(parts))
 
 
+def _metric_help() -> str:
+    from ..numerics.metrics import metrics
+
+    return f"metric to compare: {', '.join(metrics())}"
+
+
 def register(app: typer.Typer, run_app: typer.Typer) -> None:
     @app.command("report")
     def report(
-        dataset: Path = typer.Argument(..., help="a dataset (.nc) written by `fa3-numerics run`"),
-        out: Optional[Path] = typer.Option(None, help="output folder (default: the dataset's folder)"),
-        format: str = typer.Option("html,md", "--format", help="comma list of html (self-contained) and md "
-                                                                "(report.md + figures/*.png)"),
+        dataset: Path = typer.Argument(..., help="a dataset (.nc) written by `fa3-numerics run`, `audit` or `validate`"),
+        out: Optional[str] = typer.Option(None, help="output folder (default: the dataset's folder)"),
+        format: str = typer.Option("html,md", "--format", help="for runs: comma list of html (self-contained) and "
+                                                                "md (report.md + figures/*.png)"),
     ):
-        """Render the report (figures, table, provenance) of a saved dataset, as `run` does."""
+        """Render the report of a saved dataset (run, ablation, audit or validation), as the command that made it does."""
         from ..engine.dataset import read
+        from ..engine.files import OutputFolder
         from ..report import render_report
 
         formats = parse_formats(format)
+        folder = OutputFolder(out if out is not None else str(dataset.parent), "--out")
         ds = read(dataset)
-        paths = render_report(ds, out if out is not None else dataset.parent, formats)
+        with folder as path:
+            paths = render_report(ds, path, formats)
         for p in paths:
             typer.echo(f"wrote {p}")
 
@@ -45,19 +54,21 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
     def compare_cmd(
         a: Path = typer.Argument(..., metavar="A.nc", help="first dataset (the reference, A)"),
         b: Path = typer.Argument(..., metavar="B.nc", help="second dataset (B); ratios are B / A"),
-        metric: str = typer.Option("rmse", help="metric to compare: rmse, rel_l2, rel_l1, max_abs, cosine, sqnr_db"),
-        out: Optional[Path] = typer.Option(None, help="also write the comparison as Markdown to this file"),
+        metric: str = typer.Option("rmse", help=_metric_help()),
+        out: Optional[str] = typer.Option(None, help="also write the comparison as Markdown to this file"),
+        allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=ALLOW_NONFINITE_HELP),
     ):
         """The same variants of two runs side by side, with ratios B/A and whether their intervals cover 1."""
-        from ..studies.compare import compare, markdown_report, text_report
         from ..engine.dataset import read
+        from ..engine.files import atomic_write, output_file
+        from ..report.compare import markdown_report, text_report
+        from ..studies.compare import compare, findings
 
-        da, db = read(a), read(b)
+        dest = output_file(out) if out is not None else None
+        da, db = read(a, ("run", "ablation", "audit")), read(b, ("run", "ablation", "audit"))
         res = compare(da, db, metric)
         typer.echo(text_report(res, da, db, str(a), str(b)))
-        if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_name(f".{out.name}.tmp")
-            tmp.write_text(markdown_report(res, da, db, str(a), str(b)))
-            os.replace(tmp, out)
-            typer.echo(f"\nwrote {out}")
+        if dest is not None:
+            atomic_write(dest, markdown_report(res, da, db, str(a), str(b)))
+            typer.echo(f"\nwrote {dest}")
+        finish(findings(res), allow_nonfinite, lambda m: typer.echo(m, err=True))

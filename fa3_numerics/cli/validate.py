@@ -2,45 +2,68 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Optional
 
 import typer
+
+from .options import ALLOW_NONFINITE_HELP, finish
+
+
+def _grid_help() -> str:
+    from ..studies.validate import GRIDS
+
+    sizes = {name: len(fn()) for name, fn in GRIDS.items()}
+    return "case grid: " + ", ".join(f"{n} ({k} cases)" for n, k in sizes.items())
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:
     @app.command("validate")
     def validate_cmd(
-        grid: str = typer.Option("small", help="case grid: small (17 cases), full (~200 cases) or tiny"),
-        out: Path = typer.Option(Path("results/validate"), help="output folder for validation.nc and validation.md"),
+        grid: str = typer.Option("small", help=_grid_help()),
+        dist: Optional[str] = typer.Option(
+            None, help="data of every case: NAME or NAME:k=v,k=v as `run --dist` (e.g. outliers:p=0.01,sigma=30, "
+                       "student-t:df=3), or captured:FILE to check the emulator on a capture's recorded Q, K, V "
+                       "per layer x head with its softmax scale and causal flag (the grid is then per layer)"),
+        layers: Optional[str] = typer.Option(None, help="with --dist captured:FILE: layers to check, e.g. 0-4,10"),
+        rows: int = typer.Option(0, help="with --dist captured:FILE: query rows per head (0 = all)"),
+        out: str = typer.Option("results/validate", help="output folder for validation.nc and validation.md"),
         device: str = typer.Option("cuda", help="device of the kernel and the emulator (the kernel needs cuda)"),
-        backend: str = typer.Option("fa3", help="hardware backend to validate against"),
+        backend: str = typer.Option("fa3", help="hardware backend to validate against (fa3-mock: a CPU stand-in)"),
         acc: Optional[str] = typer.Option(None, help="emulator accumulator models, comma separated "
                                                      "(default: all: fp32, fp22, two-level)"),
+        allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=ALLOW_NONFINITE_HELP),
     ):
         """Same inputs through the emulator and the kernel: F = RMSE(emu, kernel) / RMSE(kernel, f64), bit-identical share."""
-        from ..engine.backends import get_backend
+        from ..engine.backends import check_device, get_backend
+        from ..engine.dataset import write
+        from ..engine.files import OutputFolder
         from ..errors import require
-        from ..studies.validate import accumulator_ranking, grid as make_grid, markdown_validation, run_validation
+        from ..report.validation import markdown_validation, write_validation
+        from ..studies.validate import accumulator_ranking, captured_cases, findings, run_validation, with_dist
+        from ..studies.validate import grid as make_grid
 
-        cases = make_grid(grid)
+        check_device(device)
+        folder = OutputFolder(out, "--out")
+        if dist and dist.strip().startswith("captured:"):
+            cases = captured_cases(dist.strip()[len("captured:"):], layers=layers, rows=rows)
+        else:
+            require(layers is None, "--layers is for --dist captured:FILE")
+            cases = make_grid(grid)
+            if dist:
+                cases = with_dist(cases, dist)
         kernel = get_backend(backend)
         why = kernel.check(device)
         require(why is None, f"backend {backend!r} cannot run on {device}: {why}")
         accs = [a.strip() for a in acc.split(",") if a.strip()] if acc else None
-        typer.echo(f"validate: {len(cases)} case(s), backend {backend} on {device}; writing to {out}", err=True)
-        ds = run_validation(cases, device=device, backend=backend, accs=accs, kernel=kernel,
-                            progress=lambda m: typer.echo(m, err=True))
-        from ..engine.dataset import write
-
-        path = write(ds, out / "validation.nc")
-        md = markdown_validation(ds)
-        tmp = out / "validation.md.tmp"
-        tmp.write_text(md)
-        os.replace(tmp, out / "validation.md")
-        typer.echo(md)
+        with folder as path:
+            typer.echo(f"validate: {len(cases)} case(s), backend {backend} on {device}; writing to {path}", err=True)
+            ds = run_validation(cases, device=device, backend=backend, accs=accs, kernel=kernel,
+                                progress=lambda m: typer.echo(m, err=True))
+            nc = write(ds, path / "validation.nc")
+            md = write_validation(ds, path)
+        typer.echo(markdown_validation(ds))
         rank = accumulator_ranking(ds)
         if rank:
             typer.echo(f"best accumulator model: {rank[0]['acc']} (max F {rank[0]['max_F']:.4f})")
-        typer.echo(f"wrote {path} and {out / 'validation.md'}")
+        typer.echo(f"wrote {nc} and {md}")
+        finish(findings(ds), allow_nonfinite, lambda m: typer.echo(m, err=True))

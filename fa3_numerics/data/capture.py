@@ -10,10 +10,17 @@ Exposed:
   ``k(i)``, ``v(i)`` giving float64 tensors of shape (heads, seq, head_dim) /
   (kv_heads, seq, head_dim); plus ``scale``, ``causal``, ``heads``, ``kv_heads``, ``head_dim``,
   ``tokens`` from the metadata.
-- ``parse_layers(spec, num_layers)``, ``default_text()``, ``resolve_model(model)``,
-  ``load_model(model)``, ``record_qkv(model, input_ids, layers)``, ``recording()`` (a context
-  manager for callers that run the model themselves), ``save_capture(...)``: the pieces, for
-  tests and for callers that already hold a model.
+- ``parse_layers(spec, num_layers)``, ``layer_ranges(layers)``, ``default_text()``,
+  ``read_text(path)``, ``tokenize(...)``, ``check_context(model, tokens)``,
+  ``resolve_model(model)``, ``load_model(model, device=...)``, ``model_sha256(source)``,
+  ``sha256_file(path)``, ``record_qkv(model, input_ids, layers)``, ``recording()`` (a context
+  manager for callers that run the model themselves), ``capture_from_record(...)`` (a
+  ``Capture`` in memory from a recorded pass), ``save_capture(...)``: the pieces, for tests and
+  for callers that already hold a model (``fa3_numerics.studies.impact``).
+- ``attention_override(fn)``: a context manager under which the ``fa3n_capture`` attention
+  calls ``fn`` instead of transformers' SDPA (recording still happens first), and
+  ``sdpa_attention(...)``, the stock SDPA function that it calls otherwise. This is how a study
+  computes a layer's attention with a recipe while the rest of the model runs unchanged.
 
 How the tensors are taken: a function is registered with transformers' ``AttentionInterface``
 under the name ``fa3n_capture`` (and transformers' SDPA mask builder under the same name), and
@@ -74,9 +81,10 @@ REQUIRED_META = (
 )
 
 __all__ = [
-    "Capture", "capture", "load_capture", "save_capture", "parse_layers", "default_text",
-    "read_text", "resolve_model", "load_model", "record_qkv", "recording", "FORMAT",
-    "DEFAULT_MODEL",
+    "Capture", "capture", "load_capture", "save_capture", "parse_layers", "layer_ranges",
+    "default_text", "read_text", "tokenize", "check_context", "resolve_model", "load_model",
+    "model_sha256", "sha256_file", "record_qkv", "recording", "capture_from_record",
+    "attention_override", "sdpa_attention", "FORMAT", "DEFAULT_MODEL",
 ]
 
 
@@ -163,14 +171,38 @@ def resolve_model(model: str) -> ModelSource:
     return ModelSource(model, str(p.resolve()), ggufs[0], "local")
 
 
-def _capture_attention(module, query, key, value, attention_mask, *args, **kwargs):
-    """The ``fa3n_capture`` attention function: record, then run transformers' stock SDPA."""
-    rec = _Recorder.active
-    if rec is not None:
-        rec.record(module, query, key, value, attention_mask, kwargs)
+def sdpa_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    """transformers' stock SDPA attention function (what ``attn_implementation="sdpa"`` runs)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+class _Override:
+    active: Callable | None = None  # the function that replaces SDPA, if any
+
+
+@contextmanager
+def attention_override(fn: Callable):
+    """Within the block, every ``fa3n_capture`` attention call returns
+    ``fn(module, query, key, value, attention_mask, *args, **kwargs)`` (same contract as
+    transformers' attention functions: ``(output (batch, seq, heads, dim), weights or None)``)
+    instead of the stock SDPA result. An active recorder still records first."""
+    prev = _Override.active
+    _Override.active = fn
+    try:
+        yield fn
+    finally:
+        _Override.active = prev
+
+
+def _capture_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    """The ``fa3n_capture`` attention function: record, then run the override or stock SDPA."""
+    rec = _Recorder.active
+    if rec is not None:
+        rec.record(module, query, key, value, attention_mask, kwargs)
+    fn = _Override.active or sdpa_attention
+    return fn(module, query, key, value, attention_mask, *args, **kwargs)
 
 
 def register_attention() -> None:
@@ -192,19 +224,23 @@ def register_attention() -> None:
 
 
 _MODEL_CACHE: dict[tuple, tuple] = {}
-_MODEL_CACHE_SIZE = 2
+# Least recently used models are dropped first; three fit a test session (SmolLM2 plus two tiny
+# test models) without reloading SmolLM2, whose GGUF takes ~15 s to dequantise.
+_MODEL_CACHE_SIZE = 3
 
 
-def load_model(model: str | ModelSource, log: Callable[[str], None] | None = None):
-    """Load ``(model, tokenizer, source)``: float32, CPU, eval, ``attn_implementation="fa3n_capture"``.
+def load_model(model: str | ModelSource, log: Callable[[str], None] | None = None, device: str = "cpu"):
+    """Load ``(model, tokenizer, source)``: float32, eval, ``attn_implementation="fa3n_capture"``,
+    on ``device`` (``capture`` uses the CPU; a study may put the model on a GPU).
 
-    The last two loaded models are kept in memory, so capturing several texts (or running the
+    The last three models used are kept in memory, so capturing several texts (or running the
     tests) in one process loads each once.
     """
     src = model if isinstance(model, ModelSource) else resolve_model(model)
     require_capture_deps(gguf=src.gguf_file is not None)
-    key = (src.folder, src.gguf_file)
+    key = (src.folder, src.gguf_file, device)
     if key in _MODEL_CACHE:
+        _MODEL_CACHE[key] = _MODEL_CACHE.pop(key)  # most recently used last
         return (*_MODEL_CACHE[key], src)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -221,7 +257,7 @@ def load_model(model: str | ModelSource, log: Callable[[str], None] | None = Non
         raise UsageError(f"could not load model {src.label} with transformers ({first}); pass a "
                          "causal LM whose attention uses transformers' AttentionInterface "
                          "(e.g. Llama, Mistral, Qwen2)") from exc
-    m = m.to(dtype=torch.float32, device="cpu").eval()
+    m = m.to(dtype=torch.float32, device=device).eval()
     if log:
         log(f"loaded {src.label} ({type(m).__name__}) in {time.perf_counter() - t0:.1f} s")
     while len(_MODEL_CACHE) >= _MODEL_CACHE_SIZE:
@@ -403,7 +439,7 @@ def record_qkv(model, input_ids: torch.Tensor, layers: list[int] | None = None,
 # file format
 # --------------------------------------------------------------------------------------------
 
-def _sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -612,18 +648,55 @@ def capture(model: str = DEFAULT_MODEL, out: str | os.PathLike = "capture.safete
     sel = parse_layers(layers, num_layers) if isinstance(layers, (str, type(None))) else layers
     require(sel[-1] < num_layers, f"--layers asks for layer {sel[-1]}, but the model has "
             f"{num_layers} layers; use indices 0-{num_layers - 1}")
-    max_pos = getattr(cfg, "max_position_embeddings", None)
-    if max_pos:
-        require(tokens <= int(max_pos), f"--tokens {tokens} exceeds the model's context of "
-                f"{max_pos} positions; use --tokens {max_pos} or less")
+    check_context(m, tokens)
     input_ids = tokenize(tok, src_text, tokens, text_source)
-    layer_str = ("all " if len(sel) == num_layers else "") + _layer_ranges(sel)
+    layer_str = ("all " if len(sel) == num_layers else "") + layer_ranges(sel)
     say(f"capturing {tokens} tokens of {text_source}, layers {layer_str} of {num_layers}")
 
     t0 = time.perf_counter()
     rec = record_qkv(m, input_ids, None if len(sel) == num_layers else sel)
     t_fwd = time.perf_counter() - t0
+    built = capture_from_record(rec, m, src, input_ids, src_text, text_source, sel)
+    tensors, meta = built.tensors, built.meta
+    save_capture(out_path, tensors, meta)
+    size = out_path.stat().st_size
+    say(f"wrote {out_path} ({size / 2**20:.1f} MiB, {len(sel)} layers); forward "
+        f"{t_fwd:.1f} s, total {time.perf_counter() - t_start:.1f} s")
+    return Capture(meta=meta, layers=sel, tensors=tensors, path=str(out_path))
 
+
+def check_context(model, tokens: int) -> None:
+    """UsageError when ``tokens`` exceeds the model's context (``max_position_embeddings``)."""
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos:
+        require(tokens <= int(max_pos), f"--tokens {tokens} exceeds the model's context of "
+                f"{max_pos} positions; use --tokens {max_pos} or less")
+
+
+def model_sha256(src: ModelSource) -> str:
+    """sha256 of the weights: the GGUF file, or for a folder of every weight file in it
+    (sorted by name, each name hashed with its bytes) and config.json."""
+    if src.gguf_file:
+        return sha256_file(Path(src.folder) / src.gguf_file)
+    folder = Path(src.folder)
+    files = sorted(p for p in folder.iterdir() if p.is_file() and (
+        p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf")))
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + bytes.fromhex(sha256_file(f)))
+    return h.hexdigest()
+
+
+def capture_from_record(rec: "_Recorder", model, src: ModelSource, input_ids: torch.Tensor, text: str,
+                        text_source: str, layers: list[int], *,
+                        attn_note: str = "records, then transformers sdpa_attention_forward") -> Capture:
+    """A ``Capture`` (in memory, no path) of the layers ``layers`` of a recorded pass, with the
+    same tensors and metadata ``capture`` writes. ``attn_note`` says what computed the layers'
+    attention in that pass (it decides the hidden states the later layers' Q, K, V come from)."""
+    cfg = model.config
+    num_layers = int(cfg.num_hidden_layers)
+    tokens = int(input_ids.shape[1])
+    sel = list(layers)
     q0, k0 = rec.q[sel[0]], rec.k[sel[0]]
     heads, kv_heads, head_dim = q0.shape[1], k0.shape[1], q0.shape[3]
     scales = {rec.scale[i] for i in sel}
@@ -637,17 +710,16 @@ def capture(model: str = DEFAULT_MODEL, out: str | os.PathLike = "capture.safete
             require(t.shape[0] == 1 and t.shape[2] == tokens,
                     f"layer {i} {w.upper()} has shape {tuple(t.shape)}; expected batch 1 and "
                     f"{tokens} positions")
-            tensors[f"layers.{i}.{w}"] = t[0].to(torch.float32)
+            tensors[f"layers.{i}.{w}"] = t[0].to(device="cpu", dtype=torch.float32)
     import transformers
 
-    weight_file = Path(src.folder) / src.gguf_file if src.gguf_file else None
     meta = {
         "format": FORMAT,
         "model": src.name,
         "model_file": src.gguf_file or Path(src.folder).name,
         "model_origin": src.origin,
-        "model_sha256": _sha256_file(weight_file) if weight_file else "",
-        "architecture": ",".join(getattr(cfg, "architectures", None) or [type(m).__name__]),
+        "model_sha256": sha256_file(Path(src.folder) / src.gguf_file) if src.gguf_file else "",
+        "architecture": ",".join(getattr(cfg, "architectures", None) or [type(model).__name__]),
         "model_type": str(getattr(cfg, "model_type", "")),
         "num_layers": str(num_layers),
         "layers": ",".join(map(str, sel)),
@@ -664,24 +736,24 @@ def capture(model: str = DEFAULT_MODEL, out: str | os.PathLike = "capture.safete
         "rope": json.dumps(_rope_info(cfg), sort_keys=True),
         "rope_theta": str(_rope_info(cfg).get("rope_theta", "")),
         "text_source": text_source,
-        "text_sha256": hashlib.sha256(src_text.encode("utf-8")).hexdigest(),
-        "token_ids_sha256": hashlib.sha256(
-            ",".join(map(str, input_ids[0].tolist())).encode()).hexdigest(),
+        "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        "token_ids_sha256": token_ids_sha256(input_ids),
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "fa3_numerics_version": _own_version(),
-        "attn_implementation": ATTN_NAME + " (records, then transformers sdpa_attention_forward)",
-        "device": "cpu",
+        "attn_implementation": f"{ATTN_NAME} ({attn_note})",
+        "device": str(next(model.parameters()).device),
     }
-    save_capture(out_path, tensors, meta)
-    size = out_path.stat().st_size
-    say(f"wrote {out_path} ({size / 2**20:.1f} MiB, {len(sel)} layers); forward "
-        f"{t_fwd:.1f} s, total {time.perf_counter() - t_start:.1f} s")
-    return Capture(meta=meta, layers=sel, tensors=tensors, path=str(out_path))
+    return Capture(meta=meta, layers=sel, tensors=tensors, path=None)
 
 
-def _layer_ranges(layers: list[int]) -> str:
+def token_ids_sha256(input_ids: torch.Tensor) -> str:
+    """sha256 of the token ids written as decimal numbers joined by commas (batch 1)."""
+    return hashlib.sha256(",".join(map(str, input_ids[0].tolist())).encode()).hexdigest()
+
+
+def layer_ranges(layers: list[int]) -> str:
     parts, start, prev = [], None, None
     for i in layers:
         if start is None:
@@ -704,3 +776,8 @@ def _own_version() -> str:
     except Exception:
         mod = sys.modules.get("fa3_numerics")
         return str(getattr(mod, "__version__", "unknown"))
+
+
+# Old private names, kept for modules that still import them (data/distributions/captured.py).
+_layer_ranges = layer_ranges
+_sha256_file = sha256_file

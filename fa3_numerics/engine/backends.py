@@ -1,6 +1,7 @@
 """Backends: where an attention variant is computed.
 
-Exposed: ``Backend``, ``BACKENDS``, ``register_backend``, ``get_backend``, ``available_backends``.
+Exposed: ``Backend``, ``BACKENDS``, ``register_backend``, ``get_backend``, ``available_backends``,
+``backend_table``, ``refusal``, ``check_device``, ``DEVICE_HELP``.
 
 A backend turns (recipe, float64 Q, K, V) into the attention output for the chosen query
 rows. ``emulate`` is the kernel-faithful emulator (CPU or CUDA, same code). Other backends
@@ -19,8 +20,19 @@ Registered:
   ``sdpa-math``: ``torch.nn.functional.scaled_dot_product_attention`` pinned to one of
   PyTorch's kernels, FP16/BF16 recipes only.
 
+- ``fa3-mock``: the ``fa3`` backend with a float32 stand-in for the kernel (CPU or CUDA), so the
+  whole hardware path (``validate``, ``run --backend``) is testable anywhere. Never hardware.
+
 A backend whose results come from hardware sets ``hardware = True``; recipes it cannot
-compute are refused by ``supports`` with the reason, never silently emulated.
+compute are refused with the reason, never silently emulated (``refusal``: the backend's own
+``supports``, and every recipe key whose non-default value the backend is not listed for in the
+key registry, so a key added later is refused everywhere but the emulator until a backend
+implements it).
+
+Add a backend: one module with a ``Backend`` subclass and one line in ``BACKENDS`` (or
+``register_backend`` from anywhere, or an entry point ``NAME = "module:Class"`` in the group
+``fa3_numerics.backends`` for a package of your own). The CLI's ``--backend`` help, ``backends``
+and every study read this registry.
 """
 
 from __future__ import annotations
@@ -31,8 +43,18 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import UsageError
+from ..errors import UsageError, require
 from ..numerics.recipe import Recipe
+
+ENTRY_POINT_GROUP = "fa3_numerics.backends"
+DEVICE_HELP = "cpu, cuda or cuda:N"
+
+
+def check_device(device: str, option: str = "--device") -> str:
+    """``device`` if it names a device this toolkit runs on (cpu, cuda, cuda:N), else UsageError."""
+    ok = device in ("cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())
+    require(ok, f"{option} {device!r} is not a device here; use {DEVICE_HELP}")
+    return device
 
 
 class Backend:
@@ -50,7 +72,9 @@ class Backend:
         return None
 
     def attention(self, recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                  q_index: torch.Tensor, rotation_seed: int, cache: dict) -> torch.Tensor:
+                  q_index: torch.Tensor, rotation_seed: int, cache: dict,
+                  softmax_scale: float | None = None) -> torch.Tensor:
+        """Output rows ``q_index`` ([B, H, R, Dv], float64). ``softmax_scale`` None = 1/sqrt(head_dim)."""
         raise NotImplementedError
 
 
@@ -59,14 +83,19 @@ class EmulateBackend(Backend):
     description = "kernel-faithful emulator in PyTorch (CPU or CUDA, float32 matmuls, TF32 off)"
 
     def check(self, device: str) -> str | None:
+        if not (device in ("cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())):
+            return f"device {device!r} is not one the emulator runs on; use {DEVICE_HELP}"
         if device.startswith("cuda") and not torch.cuda.is_available():
             return "no CUDA GPU is visible; use --device cpu"
+        if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+            return f"{device}: only {torch.cuda.device_count()} GPU(s) are visible"
         return None
 
-    def attention(self, recipe, q, k, v, *, causal, q_index, rotation_seed, cache):
+    def attention(self, recipe, q, k, v, *, causal, q_index, rotation_seed, cache, softmax_scale=None):
         from ..numerics.emulator import emulate
 
-        return emulate(recipe, q, k, v, causal=causal, q_index=q_index, rotation_seed=rotation_seed, cache=cache)
+        return emulate(recipe, q, k, v, causal=causal, softmax_scale=softmax_scale, q_index=q_index,
+                       rotation_seed=rotation_seed, cache=cache)
 
 
 # name -> (module that must import, "module:Class"); add entries to register new backends.
@@ -80,14 +109,39 @@ BACKENDS: dict[str, tuple[str | None, str]] = {
     "sdpa-cudnn": (None, "fa3_numerics.kernels.sdpa:SdpaCudnn"),
     "sdpa-efficient": (None, "fa3_numerics.kernels.sdpa:SdpaEfficient"),
     "sdpa-math": (None, "fa3_numerics.kernels.sdpa:SdpaMath"),
+    "fa3-mock": (None, "fa3_numerics.kernels.fa3:MockFa3Backend"),
+    "triton": (None, "fa3_numerics.kernels.triton_.backend:TritonBackend"),
+    "triton-two-level": (None, "fa3_numerics.kernels.triton_.backend:TritonTwoLevelBackend"),
+    "triton-fused": (None, "fa3_numerics.kernels.triton_.backend:TritonFusedBackend"),
 }
 
 
 def register_backend(name: str, requires: str | None, target: str) -> None:
+    """One line registers a backend: its name, the module it needs (or None), "module:Class"."""
     BACKENDS[name] = (requires, target)
 
 
+_entry_points_loaded = False
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if not _entry_points_loaded:
+        _entry_points_loaded = True
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            BACKENDS.setdefault(ep.name, (None, ep.value))
+
+
+def names() -> list[str]:
+    """Every registered backend name."""
+    _load_entry_points()
+    return list(BACKENDS)
+
+
 def get_backend(name: str) -> Backend:
+    _load_entry_points()
     if name not in BACKENDS:
         raise UsageError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
     requires, target = BACKENDS[name]
@@ -98,10 +152,29 @@ def get_backend(name: str) -> Backend:
     return getattr(importlib.import_module(mod), cls)()
 
 
+def refusal(backend: Backend, recipe: Recipe) -> str | None:
+    """Why ``backend`` cannot compute ``recipe`` (None: it can): its own ``supports``, then every
+    key set away from its default that the key registry does not list the backend for."""
+    why = backend.supports(recipe)
+    if why is not None or backend.name == "emulate":
+        return why
+    for k, value in recipe.nondefault():
+        if k.backends != "any" and backend.name not in k.backends:
+            from ..numerics.keys import fmt_value
+
+            return (f"{k.key}={fmt_value(value)} is not implemented by backend {backend.name!r} "
+                    f"(only {', '.join(('emulate',) + tuple(k.backends))}); drop it or use --backend emulate")
+    return None
+
+
 def available_backends(device: str) -> dict[str, str | None]:
     """name -> None if usable on ``device``, else the reason and fix."""
+    try:
+        check_device(device)
+    except UsageError as exc:
+        return {name: str(exc) for name in names()}
     out = {}
-    for name in BACKENDS:
+    for name in names():
         try:
             out[name] = get_backend(name).check(device)
         except (UsageError, ImportError) as exc:
@@ -113,7 +186,7 @@ def backend_table(device: str) -> list[dict]:
     """One row per registered backend: name, usable, reason/fix, hardware, description."""
     rows = []
     status = available_backends(device)
-    for name in BACKENDS:
+    for name in names():
         try:
             b = get_backend(name)
             desc, hw = b.description, b.hardware

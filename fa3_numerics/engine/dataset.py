@@ -1,6 +1,7 @@
 """Results as xarray Datasets: layout, netCDF I/O (atomic), and validation.
 
-Exposed: ``FORMAT``, ``SAMPLE_DIMS``, ``to_dataset``, ``write``, ``read``, ``summary_table``.
+Exposed: ``FORMAT``, ``VALIDATION_FORMAT``, ``SAMPLE_DIMS``, ``to_dataset``, ``results_dataset``,
+``write``, ``read``, ``dataset_kind``, ``summary_table``, ``paper_setting``, ``PAPER_SETTING``.
 
 Layout of a run's dataset: one data variable per metric (``fa3_numerics.numerics.metrics``) with
 dims (*swept parameters, variant, seed, batch, head); coordinates for every parameter
@@ -12,64 +13,84 @@ provenance. Plotting and reports live elsewhere and only read this layout.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import xarray as xr
 
 from ..errors import UsageError
-from ..numerics.metrics import METRICS, bootstrap_ci, pooled
+from ..numerics.metrics import METRICS, bootstrap_ci, nonfinite_samples, pooled
+from .files import atomic_path
+from .inputs import HIST_EDGES
 
 FORMAT = "fa3-numerics-dataset/1"
+VALIDATION_FORMAT = "fa3-numerics-validation/1"
 SAMPLE_DIMS = ("seed", "batch", "head")
+KINDS = ("run", "ablation", "audit", "validation")
 
 
 def write(ds: xr.Dataset, path: str | Path) -> Path:
     """Write ``ds`` as netCDF (h5netcdf) to ``path`` whole or not at all (temp file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         ds.to_netcdf(tmp, engine="h5netcdf")
-        # mkstemp makes the file private (0600); give it the mode a plain open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return Path(path)
 
 
-def read(path: str | Path) -> xr.Dataset:
-    """Open a dataset written by ``write``; one-line errors for anything else."""
+def dataset_kind(ds: xr.Dataset) -> str | None:
+    """Which study wrote ``ds``: run, ablation, audit or validation (None: not ours)."""
+    if ds.attrs.get("format") == VALIDATION_FORMAT:
+        return "validation"
+    if ds.attrs.get("format") != FORMAT or "rmse" not in ds or "variant" not in ds.dims:
+        return None
+    if ds.attrs.get("kind") == "audit":
+        return "audit"
+    return "ablation" if "stage" in ds.coords else "run"
+
+
+def read(path: str | Path, kinds: tuple[str, ...] = KINDS) -> xr.Dataset:
+    """Open a dataset written by ``write``; one-line errors for anything else (or another kind)."""
     path = Path(path)
+    hint = "give the .nc written by `fa3-numerics run`, `audit` or `validate`"
     if not path.is_file():
-        raise UsageError(f"no such file: {path}; give the .nc written by `fa3-numerics run`")
+        raise UsageError(f"no such file: {path}; {hint}")
     try:
         ds = xr.load_dataset(path, engine="h5netcdf")
     except Exception:  # noqa: BLE001 - any decoder failure means "not our file"
-        raise UsageError(f"{path} is not a netCDF dataset; give the .nc written by `fa3-numerics run`") from None
-    if ds.attrs.get("format") != FORMAT or "rmse" not in ds or "variant" not in ds.dims:
-        raise UsageError(f"{path} is not an fa3-numerics dataset (no '{FORMAT}' marker); give the .nc written by `fa3-numerics run`")
+        raise UsageError(f"{path} is not a netCDF dataset; {hint}") from None
+    kind = dataset_kind(ds)
+    if kind is None:
+        raise UsageError(f"{path} is not an fa3-numerics dataset (no '{FORMAT}' marker); {hint}")
+    if kind not in kinds:
+        raise UsageError(f"{path} is a {kind} dataset; this command takes {' or '.join(kinds)} datasets")
     return ds
 
 
 def to_dataset(metrics: dict[str, np.ndarray], *, dims: list[str], coords: dict, attrs: dict) -> xr.Dataset:
-    data_vars = {m: (dims, np.asarray(metrics[m], dtype=np.float64), {"description": METRICS[m]}) for m in metrics}
+    data_vars = {m: (dims, np.asarray(metrics[m], dtype=np.float64), {"description": METRICS.get(m, "")})
+                 for m in metrics}
     ds = xr.Dataset(data_vars, coords=coords)
     ds.attrs.update({k: (json.dumps(v) if not isinstance(v, (str, int, float)) else v) for k, v in attrs.items()})
     ds.attrs["format"] = FORMAT
     return ds
 
 
+def results_dataset(metrics: dict[str, np.ndarray], *, dims: list[str], coords: dict, attrs: dict,
+                    hist: np.ndarray | None = None, hist_dims: list[str] | None = None) -> xr.Dataset:
+    """A study's dataset: one variable per metric over ``dims``, and the inputs' |x| histogram
+    (``hist`` over ``hist_dims`` + [tensor, abs_bin]) when given."""
+    ds = to_dataset(metrics, dims=dims, coords=coords, attrs=attrs)
+    if hist is not None:
+        ds["abs_hist"] = (list(hist_dims) + ["tensor", "abs_bin"], hist,
+                          {"description": "count of entries with |x| in [abs_bin_lo, next abs_bin_lo) for Q, K, V"})
+        ds = ds.assign_coords(tensor=["Q", "K", "V"], abs_bin_lo=("abs_bin", HIST_EDGES))
+    return ds
+
+
 def summary_table(ds: xr.Dataset, metric: str = "rmse", level: float = 0.95) -> list[dict]:
     """One row per (swept cell, variant): pooled metric, bootstrap interval over samples,
-    paper value and ratio. Samples are (seed, batch, head)."""
+    paper value and ratio. Samples are (seed, batch, head); ``n`` counts them and
+    ``nonfinite`` how many hold NaN, in which case value and interval are NaN (not an estimate
+    over the rest)."""
     sweep = [d for d in ds[metric].dims if d not in SAMPLE_DIMS and d != "variant"]
     stacked = ds[metric].stack(cell=sweep) if sweep else ds[metric].expand_dims(cell=[0])
     rows = []
@@ -81,8 +102,9 @@ def summary_table(ds: xr.Dataset, metric: str = "rmse", level: float = 0.95) -> 
             est = pooled(metric, vals)
             lo, hi = bootstrap_ci(metric, vals, level=level)
             paper = float(ds["paper_rmse"].sel(variant=variant)) if paper_setting(ds, where) else float("nan")
+            bad, n = nonfinite_samples(vals)
             rows.append({**where, "variant": str(variant), "value": est, "lo": lo, "hi": hi,
-                         "n": int(np.isfinite(vals).sum()), "paper": paper,
+                         "n": n, "nonfinite": bad, "paper": paper,
                          "ratio": est / paper if metric == "rmse" and np.isfinite(paper) else float("nan")})
     return rows
 

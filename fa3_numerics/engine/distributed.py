@@ -1,8 +1,8 @@
 """Running a sweep's tasks on dask.distributed.
 
-Exposed: ``default_workers``, ``worker_device``, ``run_dask``.
+Exposed: ``default_workers``, ``worker_device``, ``check_scheduler``, ``run_dask``.
 
-A sweep (``fa3_numerics.engine.experiment.run_tasks``) is a list of independent tasks, one per
+A sweep (``fa3_numerics.engine.runner.run_tasks``) is a list of independent tasks, one per
 (cell, seed). ``run_dask`` submits them to a ``LocalCluster`` of single-threaded worker
 processes (one per CPU core, or one per GPU with worker i on GPU i mod count) or to an
 existing cluster at a scheduler address. Workers write each finished variant's cache file
@@ -48,10 +48,26 @@ def worker_device(device: str) -> str:
         return device
 
 
+def check_scheduler(address: str | None) -> None:
+    """Refuse a scheduler address that is not ``scheme://host:port`` before anything runs."""
+    if address is None:
+        return
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(address)
+        ok = bool(parts.scheme and parts.hostname and parts.port)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise UsageError(f"--scheduler {address!r} is not a dask scheduler address; write it as tcp://HOST:PORT "
+                         "(e.g. tcp://10.0.0.5:8786)")
+
+
 def run_dask(todo: list, compute: Callable, *, cache_dir: Path | None, workers: int, scheduler: str | None,
              finish: Callable, progress: Callable[[str], None]) -> None:
     """Compute ``todo`` ([(index, task)]) with ``compute(task, cache_dir, threads)`` on dask;
-    call ``finish(index, task, results, hist)`` on the driver as each task completes."""
+    call ``finish(index, task, result)`` on the driver as each task completes."""
     try:
         from distributed import Client, LocalCluster, as_completed
     except ImportError:
@@ -61,9 +77,10 @@ def run_dask(todo: list, compute: Callable, *, cache_dir: Path | None, workers: 
     cdir = str(cache_dir) if cache_dir else None
     cluster = None
     if scheduler:
+        check_scheduler(scheduler)
         try:
             client = Client(scheduler, timeout="20s")
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, ValueError) as exc:
             raise UsageError(f"cannot reach the dask scheduler at {scheduler}: {exc}") from None
         threads = 0  # an existing cluster's workers keep their own thread settings
         progress(f"dask: connected to {scheduler} ({len(client.scheduler_info()['workers'])} worker(s))")
@@ -88,8 +105,7 @@ def run_dask(todo: list, compute: Callable, *, cache_dir: Path | None, workers: 
                    for ti, sub in todo}
         for fut in as_completed(futures):
             ti, sub = futures[fut]
-            res, hist = fut.result()
-            finish(ti, sub, res, hist)
+            finish(ti, sub, fut.result())
     finally:
         client.close()
         if cluster is not None:

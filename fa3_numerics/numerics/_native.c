@@ -295,6 +295,13 @@ void fa3n_round_f64(int64_t n, const double *restrict x, float *restrict out, in
     for (int64_t i = 0; i < n; i++) out[i] = (float)round_fmt(x[i], mbits, emin, fmax, ovf, sat);
 }
 
+void fa3n_round_f32(int64_t n, const float *x, float *out, int mbits, int emin, double fmax, double ovf, int sat,
+                    int nthreads) {
+    /* float32 -> a narrower format, ties to even (out may alias x) */
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t i = 0; i < n; i++) out[i] = (float)round_fmt((double)x[i], mbits, emin, fmax, ovf, sat);
+}
+
 /* One KV tile of the flash algorithm for L x R rows (L = batch x heads) and N keys.
  *
  * s [L, R, N]: in, S = Q K^T of the tile (float32; descales not yet applied when qd/kd are
@@ -400,5 +407,23 @@ void fa3n_fwht(int64_t rows, int64_t d, const double *restrict x, const double *
         }
         double *o = out + r * d;
         for (int64_t i = 0; i < d; i++) o[i] = buf[i] / root;
+    }
+}
+
+/* ---- one-byte formats (FP8) to float32 by table lookup: exact, ~20x torch's conversion ---- */
+void fa3n_decode_u8(int64_t n, const uint8_t *restrict x, const float *restrict lut, float *restrict out,
+                    int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t i = 0; i < n; i++) out[i] = lut[x[i]];
+}
+
+/* ---- O *= rescale per row, in place, with the kernel's flush of subnormal products ---- */
+void fa3n_rescale_rows(int64_t rows, int64_t d, float *restrict acc, const float *restrict scale, int ftz,
+                       int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < rows; r++) {
+        const float s = scale[r];
+        float *a = acc + r * d;
+        for (int64_t j = 0; j < d; j++) a[j] = flush32(a[j] * s, ftz);
     }
 }

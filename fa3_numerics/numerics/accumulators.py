@@ -6,7 +6,8 @@ An accumulator is ``fn(acc, p, v, fmts) -> acc``: ``acc`` [.., R, Dv] float32 ho
 running output already multiplied by this KV tile's online-softmax correction (the kernel's
 ``rescale_o``, a float32 multiply that the emulator performs, flush-to-zero included), ``p``
 [.., R, bn] and ``v`` [.., bn, Dv] are the tile's P (already cast) and V as float32,
-``fmts`` the (P, V) formats. It returns acc + P V under its model.
+``fmts`` the (P, V) formats. It returns acc + P V under its model, and may update ``acc``
+in place (the emulator's own buffer).
 
 - ``fp32``: acc + P V with a float32 sum (an ideal tensor core).
 - ``fp22``: Hopper's tensor core as fitted to the FA3 kernel (``fa3_numerics.numerics.mma``): the
@@ -63,7 +64,7 @@ def _mma(p, v, c, fmts):
 
 @register_accumulator("fp32", "float32 accumulation (an ideal tensor core)")
 def fp32(acc, p, v, fmts):
-    return acc + torch.matmul(p, v)
+    return acc.add_(torch.matmul(p, v))  # acc is the emulator's own buffer
 
 
 @register_accumulator("fp22", "Hopper tensor-core model: aligned truncating accumulation (FP8: 13 bits per "

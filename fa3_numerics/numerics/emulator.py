@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 
@@ -42,7 +43,7 @@ from .rotation import make_rotation
 
 LOG2E = math.log2(math.e)
 FLT_MIN_NORMAL = float.fromhex("0x1p-126")  # smallest normal float32
-# Elements of one materialised S chunk in the standard algorithm; bounds its memory.
+# Elements of one materialised S chunk (one head) in the standard algorithm; bounds its memory.
 _STD_CHUNK_ELEMS = 1 << 22
 
 
@@ -80,9 +81,12 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     g = recipe.gran
 
     def memo(key, fn):
-        if key not in cache:
-            cache[key] = fn()
-        return cache[key]
+        if key in cache:
+            cache[key] = cache.pop(key)  # most recently used last
+            return cache[key]
+        cache[key] = val = fn()
+        _trim(cache, keep=key)
+        return val
 
     rot = make_rotation(recipe.rot, d, rotation_seed)
     rq = lambda: memo(("rot", "q", recipe.rot, rotation_seed), lambda: rot.apply(q.to(torch.float64)))  # noqa: E731
@@ -91,9 +95,10 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     group = h // hkv if isinstance(g, PerHead) else 1
 
     def expand(t: Quantized) -> Quantized:
-        # Values go to float32 once here (exact for every narrow format) rather than per tile.
+        # Values stay in their narrow storage dtype here (the cache holds a quarter of float32
+        # for FP8); each algorithm widens them once per call.
         ex = lambda x: expand_kv(x, h) if x.shape[1] not in (1, h) else x  # noqa: E731
-        return Quantized(ex(t.values.to(torch.float32)), ex(t.descale), t.fmt)
+        return Quantized(ex(t.values), ex(t.descale), t.fmt)
 
     qkey = (recipe.rot, rotation_seed, recipe.qk, g, recipe.pow2, bm, group, q_index.numel())
     qq = memo(("q",) + qkey, lambda: quantize(rq(), recipe.qk, g, block_rows=bm, group=group,
@@ -103,6 +108,27 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     vq = memo(("v", recipe.v, g, recipe.pow2, bn),
               lambda: expand(quantize(v, recipe.v, g, block_rows=bn, pow2=recipe.pow2)))
     return Prepared(qq, kq, vq, h, n, k.shape[2], bm, bn)
+
+
+def _nbytes(v) -> int:
+    if isinstance(v, torch.Tensor):
+        return v.numel() * v.element_size()
+    if isinstance(v, Quantized):
+        return _nbytes(v.values) + _nbytes(v.descale)
+    return 0
+
+
+def _trim(cache: dict, keep) -> None:
+    """Evict least recently used prepared tensors past the byte budget (``FA3N_PREP_CACHE_MB``,
+    default 768): a sweep of many recipes on paper-shape inputs would otherwise keep every
+    rotation and quantization alive (4.4 GB for the seven Table 3 rows)."""
+    budget = int(os.environ.get("FA3N_PREP_CACHE_MB", "768")) << 20
+    total = sum(_nbytes(v) for v in cache.values())
+    for key in list(cache):
+        if total <= budget:
+            break
+        if key != keep and _nbytes(cache[key]):
+            total -= _nbytes(cache.pop(key))
 
 
 def emulate(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -153,10 +179,10 @@ def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | float) -> torch.T
 
 def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
     dev = pre.q.values.device
-    qv = pre.q.values.to(torch.float32)
+    qv = native.to_float32(pre.q.values)
     qd = pre.q.descale
-    kv, kd = pre.k.values, pre.k.descale
-    vv, vd = pre.v.values, pre.v.descale
+    kv, kd = native.to_float32(pre.k.values), pre.k.descale
+    vv, vd = native.to_float32(pre.v.values), pre.v.descale
     b, h, r, _ = qv.shape
     nk = pre.seqlen_k
     accumulate = get_accumulator(recipe.acc)
@@ -214,7 +240,8 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
         v_t = vv[:, :, s0:s1]
         if v_end is None:
             v_t = v_t * _rows_k(vd, s0, s1)
-        acc = accumulate(flush(acc * rescale), p8, v_t, (p_fmt, v_fmt))
+        scaled = native.rescale_rows(acc, rescale, ftz)  # in place, when compiled
+        acc = accumulate(scaled if scaled is not None else flush(acc * rescale), p8, v_t, (p_fmt, v_fmt))
     # The kernel's final quad reduction (shuffle-xor by 2, then by 1).
     row_sum = ((rs4[..., 0] + rs4[..., 2]) + (rs4[..., 1] + rs4[..., 3])).unsqueeze(-1)
     inv = torch.where((row_sum > 0) & torch.isfinite(row_sum), 1.0 / row_sum, torch.zeros_like(row_sum))
@@ -246,15 +273,23 @@ def _rows_k(d: torch.Tensor, s0: int, s1: int) -> torch.Tensor:
 def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
     dev = pre.q.values.device
     s_fmt, sm_fmt, p_fmt = get_format(recipe.s), get_format(recipe.softmax), get_format(recipe.p)
-    kv = pre.k.values.to(torch.float32)
-    vv = pre.v.values.to(torch.float32)
-    kd, vd = pre.k.descale, pre.v.descale
+    kv = native.to_float32(pre.k.values)
+    vv = native.to_float32(pre.v.values)
     # Q decides the output's heads: K and V of one KV head (MQA) stay unexpanded and broadcast.
     b, h = pre.q.values.shape[:2]
-    nk = pre.seqlen_k
+    nk, dv = pre.seqlen_k, vv.shape[-1]
     r = q_index.numel()
-    chunk = max(1, _STD_CHUNK_ELEMS // max(1, b * h * nk))
+    # One (batch, head) and as many query rows as fit a chunk of S at a time: large GEMMs and
+    # cache-sized temporaries (the batched form multiplied 16-row blocks).
+    chunk = max(1, _STD_CHUNK_ELEMS // max(1, nk))
     narrow_s = s_fmt.mbits < 23
+    qv_all = pre.q.values
+    qd_all = pre.q.descale.expand(b, h, -1, 1)
+    kd_all = pre.k.descale.expand(b, h, -1, 1)
+    vd_all = pre.v.descale.expand(b, h, -1, -1)
+
+    def head(t: torch.Tensor, bi: int, hi: int) -> torch.Tensor:
+        return t[bi if t.shape[0] > 1 else 0, hi if t.shape[1] > 1 else 0]
 
     split = recipe.sscale == "split"
     if split:
@@ -263,13 +298,14 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
         qk_fmt = get_format(recipe.qk)
         kv = quantize_dequantize(kv * root, qk_fmt)
 
-    def softmax_rows(c: int) -> torch.Tensor:
+    def softmax_rows(bi: int, hi: int, c: int) -> torch.Tensor:
         idx = q_index[c:c + chunk]
-        qv = pre.q.values[:, :, c:c + chunk].to(torch.float32)
+        qv = head(qv_all, bi, hi)[c:c + chunk].to(torch.float32)
         if split:
             qv = quantize_dequantize(qv * root, qk_fmt)
-        qd = _rows_k(pre.q.descale, c, c + chunk)
-        s = torch.matmul(qv, kv.transpose(-1, -2)) * (qd * kd.transpose(-1, -2))
+        qd = head(qd_all, bi, hi)
+        qd = qd[c:c + chunk] if qd.shape[0] > 1 else qd
+        s = torch.matmul(qv, head(kv, bi, hi).transpose(-1, -2)) * (qd * head(kd_all, bi, hi).transpose(-1, -2))
         s = quantize_dequantize(s, s_fmt)
         if not split:
             # A narrow S is scaled after the matmul, in its own format (a second rounding).
@@ -278,18 +314,18 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
             s = s.masked_fill(~causal_mask(idx, 0, nk, pre.seqlen_q, nk), -math.inf)
         return quantize_dequantize(torch.softmax(s, dim=-1), sm_fmt)
 
+    blocks = [(bi, hi, c) for bi in range(b) for hi in range(h) for c in range(0, r, chunk)]
     p_mult = 1.0
     if recipe.p_scale == "tensor" and p_fmt.saturate:
         # Per-tensor P scale needs the amax of P over every evaluated row first.
-        p_amax = max(softmax_rows(c).amax().item() for c in range(0, r, chunk))
+        p_amax = max(softmax_rows(*blk).amax().item() for blk in blocks)
         p_mult = p_fmt.max / p_amax if p_amax > 0 else 1.0
     elif recipe.p_scale == "offset":
         p_mult = 2.0 ** recipe.p_offset if p_fmt.saturate else 1.0
-    out = torch.empty((b, h, r, vv.shape[-1]), dtype=torch.float64, device=dev)
-    v_deq = vv * vd
-    for c in range(0, r, chunk):
-        p = softmax_rows(c)
-        p8 = quantize_dequantize(p * p_mult, p_fmt)
+    out = torch.empty((b, h, r, dv), dtype=torch.float64, device=dev)
+    for bi, hi, c in blocks:
+        p8 = quantize_dequantize(softmax_rows(bi, hi, c) * p_mult, p_fmt)
+        v_deq = head(vv, bi, hi) * head(vd_all, bi, hi)
         o = torch.matmul(p8, v_deq) / p_mult
-        out[:, :, c:c + chunk] = quantize_dequantize(o, recipe.out, torch.float64)
+        out[bi, hi, c:c + chunk] = quantize_dequantize(o, recipe.out, torch.float64)
     return out

@@ -165,6 +165,12 @@ def quantize_dequantize(x: torch.Tensor, fmt: str | Format, dtype: torch.dtype =
         return x.to(dtype)
     if f.name == "fp32" and x.dtype == torch.float32:
         return x.to(dtype)
+    if f.dtype is not None and x.dtype == torch.float32:
+        from . import native  # one pass in C, without the round trip through the narrow dtype
+
+        fast = native.round_f32(x, f)
+        if fast is not None:
+            return fast.to(dtype)
     return cast(x, f).to(dtype)
 
 

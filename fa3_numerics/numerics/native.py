@@ -1,6 +1,7 @@
 """Compiled fast paths of the emulator's hot loops (CPU), each with a PyTorch reference.
 
-Exposed: ``mma``, ``softmax_step``, ``round_f64``, ``fwht``, ``status``, ``build``.
+Exposed: ``mma``, ``softmax_step``, ``round_f64``, ``round_f32``, ``fwht``, ``to_float32``, ``status``,
+``build``.
 
 The emulator's inner loops are elementwise work over every S entry (the online softmax) or
 every product of a GEMM (the Hopper MMA model). PyTorch expresses them as a dozen full-size
@@ -10,8 +11,11 @@ vectorises it for the CPU it runs on):
 
 - ``fa3n_mma_fp22``: the Hopper FP8 MMA model (``numerics/mma.py``), exact integers;
 - ``fa3n_softmax_step``: one KV tile of the flash algorithm (``numerics/emulator.py``);
-- ``fa3n_round_f64``: float64 to a narrow format with one rounding (``numerics/formats.py``);
-- ``fa3n_fwht``: the random Hadamard rotation (``numerics/rotation.py``), same butterflies.
+- ``fa3n_round_f64``, ``fa3n_round_f32``: float64 or float32 to a narrow format with one
+  rounding (``numerics/formats.py``);
+- ``fa3n_fwht``: the random Hadamard rotation (``numerics/rotation.py``), same butterflies;
+- ``fa3n_decode_u8``: FP8 to float32 by table lookup;
+- ``fa3n_rescale_rows``: the O rescale between KV tiles, with the kernel's flush to zero.
 
 Each returns what its PyTorch reference returns; tests/test_native.py compares them. (The
 softmax's float32 exp2 is computed in double by each path's own exp2, so the two could differ
@@ -115,8 +119,12 @@ def _lib():
     lib.fa3n_softmax_step.argtypes = [i64, i64, i64, p, p, p, p, f32, p, p, p, p, f64, i32, i32, i32, i32, f64, f64,
                                       i32, i32]
     lib.fa3n_round_f64.argtypes = [i64, p, p, i32, i32, f64, f64, i32, i32]
+    lib.fa3n_round_f32.argtypes = [i64, p, p, i32, i32, f64, f64, i32, i32]
     lib.fa3n_fwht.argtypes = [i64, i64, p, p, f64, p, i32]
-    for fn in (lib.fa3n_mma_fp22, lib.fa3n_softmax_step, lib.fa3n_round_f64, lib.fa3n_fwht):
+    lib.fa3n_decode_u8.argtypes = [i64, p, p, p, i32]
+    lib.fa3n_rescale_rows.argtypes = [i64, i64, p, p, i32, i32]
+    for fn in (lib.fa3n_mma_fp22, lib.fa3n_softmax_step, lib.fa3n_round_f64, lib.fa3n_round_f32, lib.fa3n_fwht,
+               lib.fa3n_decode_u8, lib.fa3n_rescale_rows):
         fn.restype = None
     _STATE["lib"] = lib
     _STATE["why"] = None
@@ -210,6 +218,41 @@ def round_f64(x: torch.Tensor, fmt) -> torch.Tensor | None:
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=torch.float32)
     _lib().fa3n_round_f64(x.numel(), _ptr(x), _ptr(out), mbits, emin, fmax, ovf, sat, _threads())
+    return out
+
+
+def round_f32(x: torch.Tensor, fmt) -> torch.Tensor | None:
+    """float32 ``x`` rounded to a narrower ``fmt`` (as ``formats.cast``), as float32; None
+    when the compiled path does not apply."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or _lib() is None:
+        return None
+    kind, mbits, emin, fmax, ovf, sat = _fmt_args(fmt)
+    if kind == 0:
+        return None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _lib().fa3n_round_f32(x.numel(), _ptr(x), _ptr(out), mbits, emin, fmax, ovf, sat, _threads())
+    return out
+
+
+def rescale_rows(acc: torch.Tensor, scale: torch.Tensor, ftz: bool) -> torch.Tensor | None:
+    """``flush(acc * scale)`` for float32 acc [.., R, D] and scale [.., R, 1], in place on a
+    contiguous acc; None when the compiled path does not apply (then nothing was changed)."""
+    if acc.device.type != "cpu" or acc.dtype != torch.float32 or not acc.is_contiguous() or _lib() is None:
+        return None
+    s = scale.to(torch.float32).expand(*acc.shape[:-1], 1).contiguous()
+    _lib().fa3n_rescale_rows(acc.numel() // acc.shape[-1], acc.shape[-1], _ptr(acc), _ptr(s), int(ftz), _threads())
+    return acc
+
+
+def to_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x.to(torch.float32)``; one-byte (FP8) tensors on the CPU by a 256-entry table."""
+    if x.device.type != "cpu" or x.element_size() != 1 or not x.is_floating_point() or _lib() is None:
+        return x.to(torch.float32)
+    lut = torch.arange(256, dtype=torch.uint8).view(x.dtype).to(torch.float32)
+    xc = x.contiguous()
+    out = torch.empty(xc.shape, dtype=torch.float32)
+    _lib().fa3n_decode_u8(xc.numel(), _ptr(xc), _ptr(lut), _ptr(out), _threads())
     return out
 
 

@@ -1,6 +1,6 @@
 """Recipes: one frozen spec object that drives every quantizer and the emulator.
 
-Exposed: ``Recipe``, ``PRESETS``, ``get_recipe``, ``parse_recipes``.
+Exposed: ``Recipe``, ``PRESETS``, ``TABLE3``, ``Preset``, ``get_recipe``, ``parse_recipes``.
 
 A recipe is written as a preset name, a spec string, or a preset followed by overrides:
 
@@ -10,68 +10,29 @@ A recipe is written as a preset name, a spec string, or a preset followed by ove
 
 ``short_str`` gives the canonical spec string (stored in datasets); ``from_str`` parses
 it back, so a dataset's variant names always reproduce their numbers.
+
+The keys themselves (names, defaults, parsing, help) are a registry,
+``fa3_numerics.numerics.keys``: ``Recipe`` is a frozen dataclass built from it, so a new key is
+one module there and this file does not change.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from ..errors import UsageError
+from . import keys as _keys
 from .formats import get_format
-from .granularity import Granularity, PerBlock, PerHead, PerTensor, parse_granularity
-from .rotation import ROTATIONS
+from .granularity import PerBlock, PerHead, PerTensor
 from .tiles import fa3_tiles
 
-ALGOS = ("flash", "standard")
-ACCUMULATORS = ("fp32", "fp22", "two-level")
-P_SCALES = ("offset", "tensor")
-ORDERS = ("reverse", "forward")
-S_SCALES = ("after", "split")
 
-
-@dataclasses.dataclass(frozen=True)
-class Recipe:
-    # "flash": tile by tile with online softmax (FA2/FA3). "standard": S and P materialised.
-    algo: str = "flash"
-    qk: str = "e4m3"  # format Q and K are cast to
-    v: str = "e4m3"  # format V is cast to
-    p: str = "e4m3"  # format P is cast to before the P.V product
-    gran: Granularity = PerHead()  # scale granularity of Q, K and V (FP8 formats only)
-    pow2: bool = False  # round descales up to powers of two
-    rot: str = "none"  # rotation applied to Q and K before quantization
-    # P handling. "offset": P~ = exp2(x - (max - p_offset)), so P~ lies in [0, 2^p_offset]
-    # (FA3 FP8 uses 8; log2(448) fills e4m3 exactly). "tensor": P scaled by fmt.max/amax(P)
-    # over the whole tensor, as a plain PyTorch FP8 baseline would.
-    p_scale: str = "offset"
-    p_offset: float = 8.0
-    s: str = "fp32"  # format S is held in (standard algo materialises it)
-    # Where the standard algo applies softmax_scale: "after" the Q K^T product, or "split" as
-    # sqrt(scale) on Q and on K before it (what PyTorch's math SDPA does, rounding each in
-    # the Q/K format).
-    sscale: str = "after"
-    softmax: str = "fp32"  # format of softmax intermediates (standard algo)
-    acc: str = "fp32"  # P.V accumulator model
-    out: str = "bf16"  # output format
-    bm: int = 0  # query tile (kBlockM); 0 = the FA3 kernel's for this head dim and dtype
-    bn: int = 0  # key tile (kBlockN); 0 = likewise
-    order: str = "reverse"  # order the KV tiles are visited in (FA3: last to first)
+class _RecipeMethods:
+    """Methods of ``Recipe``; its fields come from the key registry (``fa3_numerics.numerics.keys``)."""
 
     def __post_init__(self):
-        for f in ("qk", "v", "p", "s", "softmax", "out"):
-            object.__setattr__(self, f, get_format(getattr(self, f)).name)
-        if isinstance(self.gran, str):
-            object.__setattr__(self, "gran", parse_granularity(self.gran))
-        checks = [(self.algo, ALGOS, "algo"), (self.acc, ACCUMULATORS, "acc"), (self.p_scale, P_SCALES, "p_scale"),
-                  (self.order, ORDERS, "order"), (self.rot, tuple(ROTATIONS), "rot"),
-                  (self.sscale, S_SCALES, "sscale")]
-        for value, allowed, name in checks:
-            if value not in allowed:
-                raise UsageError(f"recipe field {name}={value!r} is not one of {', '.join(allowed)}")
-        if not (math.isfinite(self.p_offset) and 0 <= self.p_offset <= 15):
-            raise UsageError(f"recipe field poff={self.p_offset} must lie in [0, 15]")
-        if self.bm < 0 or self.bn < 0:
-            raise UsageError("recipe tiles bm and bn must be >= 0 (0 = the kernel's)")
+        for k in _KEYS:
+            object.__setattr__(self, k.field, k.check(getattr(self, k.field)))
 
     @property
     def fp8(self) -> bool:
@@ -82,20 +43,35 @@ class Recipe:
         m, n = fa3_tiles(head_dim, fp8=self.fp8, causal=causal)
         return (self.bm or m, self.bn or n)
 
+    def get(self, key: str):
+        """The value of recipe key ``key`` (as spelled in specs: ``poff``, not ``p_offset``)."""
+        return getattr(self, _keys.key(key).field)
+
+    def nondefault(self) -> list[tuple[_keys.RecipeKey, object]]:
+        """(key, value) of every key that differs from its default, in key order."""
+        return [(k, getattr(self, k.field)) for k in _KEYS if getattr(self, k.field) != k.default]
+
+    def prepare_key(self, tensor: str) -> tuple:
+        """Everything that decides the prepared (rotated, quantized) ``tensor`` ("q", "k", "v"):
+        the values of the keys that declare it. A prepare cache keyed on this cannot hand one
+        recipe another's tensors, whatever keys are added later."""
+        return tuple((k.key, getattr(self, k.field)) for k in _KEYS if tensor in k.tensors)
+
+    def cache_namespace(self) -> tuple:
+        """Values of keys that change prepared tensors but that the emulator's own prepare cache
+        does not key on (keys added after it): callers keep such recipes' caches apart."""
+        return tuple((k.key, getattr(self, k.field)) for k in _KEYS
+                     if k.tensors and not k.emulator_cache and getattr(self, k.field) != k.default)
+
     # -- strings -------------------------------------------------------------------------
     def short_str(self) -> str:
-        """Canonical spec: every field that differs from the defaults, in field order."""
-        default = Recipe()
-        parts = []
-        for f in dataclasses.fields(self):
-            val = getattr(self, f.name)
-            if val != getattr(default, f.name):
-                parts.append(f"{_KEY_OF[f.name]}={_fmt(val)}")
-        return ",".join(parts) or "algo=flash"
+        """Canonical spec: every key that differs from its default, in key order."""
+        return ",".join(f"{k.key}={_keys.fmt_value(v)}" for k, v in self.nondefault()) or "algo=flash"
 
     def spec(self) -> str:
-        """Every field, for provenance."""
-        return ",".join(f"{_KEY_OF[f.name]}={_fmt(getattr(self, f.name))}" for f in dataclasses.fields(self))
+        """Every original key, and newer keys where set: for provenance (stored in datasets)."""
+        return ",".join(f"{k.key}={_keys.fmt_value(getattr(self, k.field))}" for k in _KEYS
+                        if k.in_spec or getattr(self, k.field) != k.default)
 
     @classmethod
     def from_str(cls, text: str) -> "Recipe":
@@ -107,50 +83,28 @@ class Recipe:
         if "=" not in parts[0]:
             base = get_recipe(parts[0]).recipe
             parts = parts[1:]
-        kw = {}
+        names = ", ".join(sorted(k.key for k in _KEYS))
+        kw: dict = {}
         for part in parts:
             if "=" not in part:
-                raise UsageError(f"recipe part {part!r} is not key=value; keys: {', '.join(sorted(_FIELD_OF))}")
-            k, v = (s.strip() for s in part.split("=", 1))
-            if k not in _FIELD_OF:
-                raise UsageError(f"unknown recipe key {k!r}; keys: {', '.join(sorted(_FIELD_OF))}")
-            kw[_FIELD_OF[k]] = _parse(_FIELD_OF[k], v)
+                raise UsageError(f"recipe part {part!r} is not key=value; keys: {names}")
+            name, value = (s.strip() for s in part.split("=", 1))
+            k = next((k for k in _KEYS if k.key == name), None)
+            if k is None:
+                raise UsageError(f"unknown recipe key {name!r}; keys: {names}")
+            if k.field in kw:
+                raise UsageError(f"recipe key {name} is given twice in {text!r}; give each key once")
+            kw[k.field] = k.from_text(value)
         return dataclasses.replace(base, **kw)
 
 
-_KEY_OF = {"algo": "algo", "qk": "qk", "v": "v", "p": "p", "gran": "gran", "pow2": "pow2", "rot": "rot",
-           "p_scale": "pscale", "p_offset": "poff", "s": "s", "sscale": "sscale", "softmax": "softmax", "acc": "acc", "out": "out",
-           "bm": "bm", "bn": "bn", "order": "order"}
-_FIELD_OF = {v: k for k, v in _KEY_OF.items()}
-
-
-def _fmt(val) -> str:
-    if hasattr(val, "short_str"):
-        return val.short_str()
-    if isinstance(val, bool):
-        return "1" if val else "0"
-    if isinstance(val, float):
-        return f"{val:g}"
-    return str(val)
-
-
-def _parse(field: str, text: str):
-    try:
-        if field == "gran":
-            return parse_granularity(text)
-        if field == "pow2":
-            if text.lower() not in ("0", "1", "true", "false"):
-                raise ValueError
-            return text.lower() in ("1", "true")
-        if field == "p_offset":
-            return float(text)
-        if field in ("bm", "bn"):
-            return int(text)
-    except UsageError:
-        raise
-    except ValueError:
-        raise UsageError(f"recipe value {text!r} is not valid for {_KEY_OF[field]}") from None
-    return text
+_KEYS = _keys.freeze()
+Recipe = dataclasses.make_dataclass(
+    "Recipe", [(k.field, object, dataclasses.field(default=k.default)) for k in _KEYS],
+    bases=(_RecipeMethods,), frozen=True)
+Recipe.__module__ = __name__  # pickle (dask workers) finds it here
+Recipe.__doc__ = ("A frozen attention recipe: one field per registered key (``fa3_numerics.numerics.keys``); "
+                  "``fa3-numerics variants`` lists them.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,10 +17,18 @@ import numpy as np
 import xarray as xr
 
 from ..engine.dataset import paper_setting, summary_table
-from .summary import _e, markdown_table, provenance_block
+from .format import fmt_e as _e
+from .format import nonfinite_text
+from .summary import markdown_table, nonfinite_block, provenance_block
 from .figures import SYMBOL, Figure, _eq, _fmt_val, paper_setting_text, reference_cell, swept_dims
 
-OTHER_METRICS = ("rel_l2", "rel_l1", "max_abs", "cosine", "sqnr_db", "nonfinite")
+
+
+def other_metrics(ds: xr.Dataset, metric: str) -> list[str]:
+    """Every registered metric the dataset holds besides the headline, in registry order."""
+    from ..numerics.metrics import metrics
+
+    return [m for m in metrics() if m != metric and m in ds]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +50,10 @@ def build_document(ds: xr.Dataset, figures: list[Figure], rows: list[dict], metr
     sw = swept_dims(ds)
     ref = reference_cell(ds)
     blocks = [Block("h1", f"{exp}: {desc}" if desc else exp), Block("p", where_line(ds))]
+    flag = nonfinite_block(ds)
+    if flag:
+        head_, _, items = flag.partition("\n\n")
+        blocks += [Block("p", head_), Block("list", items)]
     shape = " × ".join(f"{ds.sizes[d]} {SYMBOL.get(d, d)}" for d in sw) or "a single cell"
     nsamp = int(np.prod([ds.sizes.get(d, 1) for d in ("seed", "batch", "head")]))
     blocks.append(Block("p", f"{ds.sizes['variant']} variant(s) over {shape}; {nsamp} samples per "
@@ -62,7 +74,7 @@ def build_document(ds: xr.Dataset, figures: list[Figure], rows: list[dict], metr
                              "Paper values (FA3 paper, Table 3) are listed only for cells in the paper's setting "
                              f"({paper_setting_text()})."))
     blocks.append(Block("table", markdown_table(ds, metric)))
-    other = _other_metrics(ds, ref)
+    other = _other_metrics(ds, ref, metric)
     if other:
         where = ", ".join(f"{SYMBOL.get(d, d)}={_fmt_val(v)}" for d, v in ref.items())
         blocks.append(Block("h2", "Other metrics" + (f" at {where}" if where else "")))
@@ -93,8 +105,8 @@ def _headline(ds: xr.Dataset, rows: list[dict], ref: dict) -> str:
     return out + "."
 
 
-def _other_metrics(ds: xr.Dataset, ref: dict) -> str:
-    ms = [m for m in OTHER_METRICS if m in ds]
+def _other_metrics(ds: xr.Dataset, ref: dict, metric: str = "rmse") -> str:
+    ms = other_metrics(ds, metric)
     if not ms:
         return ""
     tables = {m: {r["variant"]: r for r in summary_table(ds, m) if all(_eq(r[d], v) for d, v in ref.items())}
@@ -109,6 +121,8 @@ def _other_metrics(ds: xr.Dataset, ref: dict) -> str:
                 cols.append("-")
             elif m == "nonfinite":
                 cols.append(f"{int(r['value'])}" if math.isfinite(r["value"]) else "-")
+            elif r["nonfinite"]:
+                cols.append(nonfinite_text(r["nonfinite"], r["n"]))
             else:
                 cols.append(f"{_e(r['value'])} [{_e(r['lo'])}, {_e(r['hi'])}]")
         lines.append(f"| `{v}` | " + " | ".join(cols) + " |")

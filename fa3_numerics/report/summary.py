@@ -1,6 +1,11 @@
 """Plain-text and Markdown summaries of a run's dataset (tables only; figures live in report/).
 
-Exposed: ``text_table``, ``markdown_table``, ``markdown_summary``, ``provenance_block``.
+Exposed: ``text_table``, ``markdown_table``, ``markdown_summary``, ``provenance_block``,
+``nonfinite_block``.
+
+A variant whose samples hold NaN or Inf shows "non-finite (k of n samples)" in place of its
+value, and the summary opens with the list of such results: never an estimate over the finite
+rest that would read as complete.
 """
 
 from __future__ import annotations
@@ -10,22 +15,22 @@ import math
 import xarray as xr
 
 from ..engine.dataset import summary_table
-
-
-def _e(x: float) -> str:
-    return "-" if x is None or not math.isfinite(x) else f"{x:.3g}" if abs(x) >= 0.01 and abs(x) < 1000 else f"{x:.2e}"
+from .format import fmt_e as _e
+from .format import fmt_value
 
 
 def _rows(ds: xr.Dataset, metric: str):
     rows = summary_table(ds, metric)
-    keys = [k for k in rows[0] if k not in ("variant", "value", "lo", "hi", "n", "paper", "ratio")] if rows else []
+    keys = [k for k in rows[0] if k not in ("variant", "value", "lo", "hi", "n", "nonfinite", "paper", "ratio")] \
+        if rows else []
     return rows, keys
 
 
 def text_table(ds: xr.Dataset, metric: str = "rmse") -> str:
     rows, keys = _rows(ds, metric)
     head = keys + ["variant", metric, "95% CI", "samples", "paper", "ours/paper"]
-    body = [[str(r[k]) for k in keys] + [r["variant"], _e(r["value"]), f"[{_e(r['lo'])}, {_e(r['hi'])}]", str(r["n"]),
+    body = [[str(r[k]) for k in keys] + [r["variant"], fmt_value(r["value"], r["nonfinite"], r["n"]),
+                                           f"[{_e(r['lo'])}, {_e(r['hi'])}]", str(r["n"]),
                                            _e(r["paper"]), "-" if not math.isfinite(r["ratio"]) else f"{r['ratio']:.2f}"]
             for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
@@ -38,7 +43,9 @@ def markdown_table(ds: xr.Dataset, metric: str = "rmse") -> str:
     head = keys + ["variant", metric, "95% CI", "samples", "paper (Table 3)", "ours / paper"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cols = [str(r[k]) for k in keys] + [f"`{r['variant']}`", _e(r["value"]), f"[{_e(r['lo'])}, {_e(r['hi'])}]",
+        value = fmt_value(r["value"], r["nonfinite"], r["n"])
+        cols = [str(r[k]) for k in keys] + [f"`{r['variant']}`", f"**{value}**" if r["nonfinite"] else value,
+                                            f"[{_e(r['lo'])}, {_e(r['hi'])}]",
                                             str(r["n"]), _e(r["paper"]),
                                             "-" if not math.isfinite(r["ratio"]) else f"{r['ratio']:.2f}"]
         lines.append("| " + " | ".join(cols) + " |")
@@ -61,10 +68,23 @@ def provenance_block(ds: xr.Dataset) -> str:
     return "\n".join(lines)
 
 
+def nonfinite_block(ds: xr.Dataset) -> str:
+    """Markdown list of the results holding NaN or Inf ('' when there are none)."""
+    from ..engine.nonfinite import scan
+
+    found = scan(ds)
+    if not found:
+        return ""
+    return ("**Non-finite results.** These variants produced NaN or Inf outputs (or the float64 reference did); "
+            "their pooled values read \"non-finite (k of n samples)\":\n\n" + "\n".join(f"- {f.line()}" for f in found))
+
+
 def markdown_summary(ds: xr.Dataset) -> str:
     title = ds.attrs.get("description") or ds.attrs.get("experiment", "run")
     spec_lines = "\n".join(f"- `{v}`: `{s}`" for v, s in zip(ds["variant"].values, ds["spec"].values))
-    return (f"# {ds.attrs.get('experiment', 'run')}: {title}\n\n## RMSE against the float64 reference\n\n"
+    flag = nonfinite_block(ds)
+    return (f"# {ds.attrs.get('experiment', 'run')}: {title}\n\n" + (f"{flag}\n\n" if flag else "") +
+            "## RMSE against the float64 reference\n\n"
             f"{markdown_table(ds)}\n\n## Provenance\n\n{provenance_block(ds)}\n\n## Variants (full recipe specs)\n\n"
             f"{spec_lines}\n")
 

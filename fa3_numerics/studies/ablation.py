@@ -1,10 +1,12 @@
 """The factorial ablation: recipe factors x data x shape, as data (experiments/ablation.toml).
 
-Exposed: ``FACTORS``, ``DEFAULT_LEVEL``, ``DataItem``, ``Design``, ``Ablation``, ``load_ablation``,
-``run_ablation``, ``tasks``, ``factor_recipe``, ``variant_label``, ``with_tiles``, and the
-``capture-file:PATH`` distribution (a capture file's raw Q, K, V as data: ``capture_item``).
+Exposed: ``FACTORS``, ``DEFAULT_LEVEL`` (both read live from the factor registry,
+``fa3_numerics.numerics.keys``), ``DataItem``, ``Design``, ``Ablation``, ``load_ablation``,
+``run_ablation``, ``tasks``, ``factor_recipe``, ``variant_label``, ``with_tiles``,
+``capture_item`` (a capture file's recorded Q, K, V as data, through the ``capture-file:``
+distribution).
 
-Recipe factors and their levels (each level is a recipe fragment over the public FA3 FP8
+Recipe factors and their levels, as registered (each level is a recipe fragment over the public FA3 FP8
 kernel's recipe ``fa3-fp8-kernel``: flash, e4m3, per-head scales, no rotation, P offset 8,
 BF16 output; every variant sets every factor, so the accumulator is the ``acc`` level, fp32
 unless a design crosses it):
@@ -19,6 +21,9 @@ unless a design crosses it):
 - ``fmt``: e4m3 (Q, K, V, P all e4m3), v-e5m2, p-e5m2, vp-e5m2;
 - ``scale``: amax (descale = amax / fmt max, so each scale group's largest value is exact)
   or pow2 (descale rounded up to a power of two, as the paper's FA3 FP8 presets use).
+
+A factor registered by a recipe-key module (``register_factor``) becomes an axis here, a
+``run ablation`` option and a column of the report without touching this file.
 
 A *design* is a full factorial over some factors (the others at their default level), on
 a subset of the data and shapes (seqlen, head_dim, causal); the ablation is the union of its designs, so
@@ -47,48 +52,63 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import torch
 
 from ..data import distributions
-from .attribution import STAGES, exact_recipe, stage_label, stage_recipe
-from ..errors import require
+from ..data.distributions.capture_file import _capture, capture_info
+from ..engine.cache import cache_key
+from ..engine.checks import check_backend, check_shape
+from ..engine.dataset import results_dataset
 from ..engine.distributed import default_workers
-from ..engine.experiment import (HIST_EDGES, ROWS_SEED, Task, _progress, cache_key, check_backend, check_shape, read_toml,
-                         run_tasks)
-from ..numerics.metrics import METRICS
+from ..engine.inputs import HIST_EDGES, DistInputs
 from ..engine.provenance import provenance
+from ..engine.runner import Job, Task, run_tasks
+from ..engine.sampling import ROWS_SAMPLING
+from ..errors import require
+from ..numerics.keys import factors
+from ..numerics.metrics import METRICS
 from ..numerics.recipe import Recipe
 from ..numerics.tiles import fa3_tiles
+from .attribution import STAGES, exact_recipe, stage_label, stage_recipe
+from .outliers import _progress, read_toml
 
 BASE = "fa3-fp8-kernel"
-FACTORS: dict[str, dict[str, str] | None] = {
-    "gran": None,  # level is the granularity itself: gran=<level>
-    "rot": None,
-    "p": {"offset8": "poff=8", "no-offset": "poff=0", "scale448": "poff=8.80735"},
-    "acc": None,
-    "fmt": {"e4m3": "", "v-e5m2": "v=e5m2", "p-e5m2": "p=e5m2", "vp-e5m2": "v=e5m2,p=e5m2"},
-    "scale": {"amax": "pow2=0", "pow2": "pow2=1"},
-}
-DEFAULT_LEVEL = {"gran": "head", "rot": "none", "p": "offset8", "acc": "fp32", "fmt": "e4m3", "scale": "amax"}
 # The FA3 paper's Table 3 data: outliers with p = 0.001, sigma = 10.
 PAPER_DATA = {"dist": "outliers", "p": 0.001, "sigma": 10.0}
+# Keys of a [[design]] table besides factor names.
+DESIGN_KEYS = ("name", "data", "seqlen", "head_dim", "causal")
+
+
+def __getattr__(name: str):
+    # FACTORS and DEFAULT_LEVEL are views of the registry, read when used: a factor registered
+    # after this module was imported is still an axis.
+    if name == "FACTORS":
+        return {n: f.levels for n, f in factors().items()}
+    if name == "DEFAULT_LEVEL":
+        return {n: f.default for n, f in factors().items()}
+    raise AttributeError(name)
 
 
 def factor_recipe(levels: dict[str, str]) -> Recipe:
+    """The base recipe with each factor's level applied; factors must set disjoint keys."""
+    reg = factors()
     parts = [BASE]
+    owner: dict[str, str] = {}
     for f, lvl in levels.items():
-        table = FACTORS[f]
-        if table is None:
-            parts.append(f"{f}={lvl}")
-        else:
-            require(lvl in table, f"unknown level {lvl!r} of factor {f}; levels: {', '.join(table)}")
-            if table[lvl]:
-                parts.append(table[lvl])
+        require(f in reg, f"unknown ablation factor {f!r}; factors: {', '.join(reg)}")
+        frag = reg[f].fragment(lvl)
+        for part in filter(None, frag.split(",")):
+            key = part.split("=", 1)[0].strip()
+            require(key not in owner, f"ablation factors {owner.get(key)} and {f} both set recipe key {key}; "
+                    "a factor's levels must set keys no other factor sets")
+            owner[key] = f
+        if frag:
+            parts.append(frag)
     return Recipe.from_str(",".join(parts))
 
 
 def variant_label(levels: dict[str, str]) -> str:
-    return "|".join(levels[f] for f in FACTORS)
+    """``gran|rot|...``: every registered factor's level, defaults filled in, in registry order."""
+    return "|".join(levels.get(n, f.default) for n, f in factors().items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,10 +281,10 @@ def load_ablation(name: str = "ablation", overrides: dict | None = None) -> Abla
     """Read experiments/NAME.toml (or a .toml path) and apply overrides.
 
     Overrides: seqlen, head_dim, causal, batch, heads, rows, seeds (lists or scalars as in
-    the TOML); a factor name (gran, rot, p, acc, fmt) replaces that factor's levels in every
-    design that varies it; ``designs`` keeps only the named designs; ``data`` keeps only
-    data whose label starts with one of the given strings; ``capture`` adds a capture file
-    as data; ``attribution``, ``backend``, ``device``.
+    the TOML); a factor name (gran, rot, p, acc, fmt, scale, or any registered factor) replaces
+    that factor's levels in every design that varies it; ``designs`` keeps only the named
+    designs; ``data`` keeps only data whose label starts with one of the given strings;
+    ``capture`` adds a capture file as data; ``attribution``, ``backend``, ``device``.
 
     Shape: [shape] gives every design's seqlen, head_dim and causal lists; a design may set
     its own (e.g. a few head dims on one seqlen). A list given as an override replaces
@@ -272,6 +292,7 @@ def load_ablation(name: str = "ablation", overrides: dict | None = None) -> Abla
     override's first value when nothing is left). The dataset's dims hold every value used.
     """
     path, spec = read_toml(name)
+    reg = factors()
     ov = {k: v for k, v in (overrides or {}).items() if v is not None}
     shape = spec.get("shape", {})
     cast = {"seqlen": int, "head_dim": int, "causal": bool}
@@ -286,9 +307,12 @@ def load_ablation(name: str = "ablation", overrides: dict | None = None) -> Abla
         require(data, f"--data {','.join(keep)} matches no data label")
     designs = []
     for i, d in enumerate(spec.get("design", [])):
+        unknown = [k for k in d if k not in reg and k not in DESIGN_KEYS]
+        require(not unknown, f"{path.name}: design {d.get('name', i)!r} sets {', '.join(unknown)}, which is no "
+                f"factor; factors: {', '.join(reg)} (and {', '.join(DESIGN_KEYS)})")
         levels = {}
-        for f in FACTORS:
-            given = _as_list(d.get(f, [DEFAULT_LEVEL[f]]))
+        for f, fac in reg.items():
+            given = _as_list(d.get(f, [fac.default]))
             if f in ov and len(given) > 1:
                 given = _as_list(ov[f])
             levels[f] = [str(x) for x in given]
@@ -325,7 +349,6 @@ def tasks(ab: Ablation) -> tuple[list[Task], list[tuple[int, int, int, int, int]
     on = ab.runs_on()
     out, where = [], []
     di = {d.label: i for i, d in enumerate(ab.data)}
-    modules = ("fa3_numerics.studies.ablation",) if any(d.dist.startswith("capture-file:") for d in ab.data) else ()
     for data, n, d, causal in ab.cells():
         params = dict(data.params)
         cell = {**params, "seqlen": n, "head_dim": d, "causal": causal}
@@ -336,10 +359,10 @@ def tasks(ab: Ablation) -> tuple[list[Task], list[tuple[int, int, int, int, int]
         for si, seed in enumerate(ab.seeds):
             key = functools.partial(cache_key, data.dist, cell, seed, batch=ab.batch, heads=ab.heads,
                                     kv_heads=ab.heads, rows=ab.rows, backend=ab.backend, device=ab.device)
-            recipes = [(vi, r, key(r.spec())) for vi, r in todo]
-            out.append(Task(data.dist, params, n, d, causal, seed, ab.batch, ab.heads, ab.heads, ab.rows, ab.backend,
-                            ab.device, recipes, key("hist"), f"{data.label}, seqlen={n}, head_dim={d}, causal={causal}",
-                            modules))
+            inputs = DistInputs(data.dist, tuple(params.items()), ab.batch, ab.heads, ab.heads, n, d, seed)
+            out.append(Task(inputs, causal, seed, ab.rows, ab.backend, ab.device,
+                            [Job(vi, r, key(r.spec())) for vi, r in todo], key("hist"),
+                            f"{data.label}, seqlen={n}, head_dim={d}, causal={causal}"))
             where.append((di[data.label], ab.seqlen.index(n), ab.head_dim.index(d), ab.causal.index(causal), si))
     return out, where
 
@@ -347,33 +370,29 @@ def tasks(ab: Ablation) -> tuple[list[Task], list[tuple[int, int, int, int, int]
 def run_ablation(ab: Ablation, *, cache_dir: Path | None = None, workers: int | None = None,
                  scheduler: str | None = None, progress: Callable[[str], None] = _progress):
     """Run (or resume) the ablation and return its dataset (see module docstring)."""
-    import xarray as xr
-
-    from ..engine.dataset import FORMAT
-
     if workers is None:
         workers = default_workers(ab.device)
     ts, where = tasks(ab)
     labels = ab.variant_labels()
     progress(f"{ab.name}: {len(ab.full)} recipe(s) + {len(ab.stage_variants)} attribution recipe(s), "
              f"{len(ts)} task(s) of (data, seqlen, head_dim, causal, seed), "
-             f"{sum(len(t.recipes) for t in ts)} variant run(s); "
+             f"{sum(len(t.jobs) for t in ts)} variant run(s); "
              f"{'scheduler ' + scheduler if scheduler else str(workers) + ' worker(s)'}")
     load0 = _loadavg()
     t0 = time.perf_counter()
-    results, hists, reused = run_tasks(ts, cache_dir=cache_dir, workers=workers, scheduler=scheduler,
-                                       progress=progress)
+    run = run_tasks(ts, cache_dir=cache_dir, workers=workers, scheduler=scheduler, progress=progress)
     wall = time.perf_counter() - t0
     load1 = _loadavg()
     shape = (len(ab.data), len(ab.seqlen), len(ab.head_dim), len(ab.causal))
     out = {m: np.full(shape + (len(labels), len(ab.seeds), ab.batch, ab.heads), np.nan) for m in METRICS}
     hist = np.full(shape + (len(ab.seeds), 3, len(HIST_EDGES)), np.nan)
-    for (a, b, c, d, si), res, h in zip(where, results, hists):
+    for (a, b, c, d, si), res, h in zip(where, run.results, run.hists):
         hist[a, b, c, d, si] = h
         for vi, vals in res.items():
             for m in METRICS:
                 out[m][a, b, c, d, vi, si] = vals[m]
     dims = ["data", "seqlen", "head_dim", "causal", "variant", "seed", "batch", "head"]
+    reg = factors()
     coords = {
         "data": [d.label for d in ab.data], "seqlen": ab.seqlen, "head_dim": ab.head_dim, "causal": ab.causal,
         "variant": labels, "seed": ab.seeds, "batch": np.arange(ab.batch), "head": np.arange(ab.heads),
@@ -385,7 +404,7 @@ def run_ablation(ab: Ablation, *, cache_dir: Path | None = None, workers: int | 
         "stage": ("variant", ["full"] * len(ab.full) + [ab.stage_variants[v][1] for v in ab.stage_variants]),
         "heads": ab.heads, "kv_heads": ab.heads, "batch_size": ab.batch, "rows": ab.rows,
     }
-    for f in FACTORS:
+    for f in reg:
         coords[f] = ("variant", [ab.full[v][1][f] if v in ab.full else "" for v in labels])
     for s in ("exact",) + tuple(STAGES):
         if ab.stage_of:
@@ -396,20 +415,16 @@ def run_ablation(ab: Ablation, *, cache_dir: Path | None = None, workers: int | 
     attrs.update({
         "experiment": ab.name, "description": ab.description, "dist": "several (see coords dist, data_params)",
         "backend": ab.backend, "seeds": json.dumps(ab.seeds), "designs": json.dumps(designs),
-        "rows_sampling": f"torch.randperm(seqlen, generator=manual_seed({ROWS_SEED}))[:rows]",
+        "factors": json.dumps(list(reg)),
+        "rows_sampling": ROWS_SAMPLING,
         "rotation_seed": "seed", "data_seed": "seed (torch.Generator on CPU, float64)",
         "base_shape": json.dumps({"head_dim": ab.head_dim[0], "causal": ab.causal[0]}),
         "base_recipe": BASE, "tiles": "every recipe at the FP8 kernel's tiles for its head dim (bm, bn explicit)",
-        "workers": scheduler or workers, "wall_seconds": round(wall, 3), "cells_reused": reused,
+        "workers": scheduler or workers, "wall_seconds": round(wall, 3), "cells_reused": run.reused,
         "cpu_cores": os.cpu_count() or 0, "loadavg_start": load0, "loadavg_end": load1,
-        "reference": "float64 attention, chunked over queries", "format": FORMAT,
+        "reference": "float64 attention, chunked over queries",
     })
-    data_vars = {m: (dims, out[m], {"description": METRICS[m]}) for m in METRICS}
-    ds = xr.Dataset(data_vars, coords=coords)
-    ds.attrs.update({k: (json.dumps(v) if not isinstance(v, (str, int, float)) else v) for k, v in attrs.items()})
-    ds["abs_hist"] = (dims[:4] + ["seed", "tensor", "abs_bin"], hist,
-                      {"description": "count of entries with |x| in [abs_bin_lo, next abs_bin_lo) for Q, K, V"})
-    return ds.assign_coords(tensor=["Q", "K", "V"], abs_bin_lo=("abs_bin", HIST_EDGES))
+    return results_dataset(out, dims=dims, coords=coords, attrs=attrs, hist=hist, hist_dims=dims[:4] + ["seed"])
 
 
 def _loadavg() -> str:
@@ -429,53 +444,12 @@ def _stage_of(ab: Ablation, label: str, stage: str) -> str:
     return ab.stage_of[label][stage]
 
 
-# -- a capture file as data -----------------------------------------------------------------
-
-@functools.lru_cache(maxsize=4)
-def _capture(path: str):
-    from ..data.capture import load_capture
-
-    return load_capture(path)
-
-
-def capture_info(path: str) -> tuple[int, int]:
-    """(tokens, head_dim) of a capture file."""
-    cap = _capture(path)
-    return cap.tokens, cap.head_dim
-
-
 def capture_item(path: str, layer: int = 0) -> DataItem:
+    """A capture file's layer as ablation data (the ``capture-file:`` distribution)."""
     require(Path(path).is_file(), f"--capture {path}: no such file; write one with `fa3-numerics capture`")
     cap = _capture(path)
     require(int(layer) in cap.layers, f"--capture-layer {layer} is not in {path} (layers {cap.layers})")
     return DataItem(f"capture {Path(path).stem} layer {int(layer)}", f"capture-file:{path}", (("layer", int(layer)),))
-
-
-@distributions.register(
-    "capture-file:",
-    description="a capture file's post-RoPE Q, K, V (capture-file:PATH); seed and batch pick the heads",
-    params={"layer": (0, "layer of the capture file")},
-)
-def capture_file(shape: distributions.AttnShape, seed: int, *, layer: float, arg: str):
-    """The first ``seqlen`` tokens of one layer; batch element b of seed s takes the query
-    heads starting at ((s * batch + b) * heads) mod H (wrapping), each with its K/V head."""
-    cap = _capture(arg)
-    q, k, v = cap.qkv(int(layer))
-    h, n, d = q.shape
-    group = h // k.shape[0]
-    require(shape.seqlen <= n and shape.head_dim == d,
-            f"capture {arg} has {n} tokens of head dim {d}; the cell asks for seqlen {shape.seqlen}, "
-            f"head dim {shape.head_dim}")
-    require(shape.kv_heads == shape.heads, "capture data are expanded to one K/V head per query head")
-    qs, ks, vs = [], [], []
-    for b in range(shape.batch):
-        start = (seed * shape.batch + b) * shape.heads
-        idx = [(start + i) % h for i in range(shape.heads)]
-        kv_idx = [i // group for i in idx]
-        qs.append(q[idx, : shape.seqlen])
-        ks.append(k[kv_idx, : shape.seqlen])
-        vs.append(v[kv_idx, : shape.seqlen])
-    return tuple(torch.stack(t).to(torch.float64) for t in (qs, ks, vs))
 
 
 __all__ = ["FACTORS", "DEFAULT_LEVEL", "DataItem", "Design", "Ablation", "load_ablation", "run_ablation", "tasks",

@@ -29,7 +29,7 @@ import dataclasses
 import numpy as np
 import xarray as xr
 
-from ..numerics.granularity import PerHead
+from ..numerics.keys import KEEP, keys
 from ..numerics.recipe import Recipe
 
 STAGES = {
@@ -42,26 +42,21 @@ STAGES = {
 
 
 def exact_recipe(r: Recipe) -> Recipe:
-    """R with every stage in float32: same algorithm, order and tiles."""
-    return dataclasses.replace(r, qk="fp32", v="fp32", p="fp32", acc="fp32", out="fp32", rot="none", gran=PerHead(),
-                               pow2=False, p_scale="offset", p_offset=8.0)
+    """R with every stage in float32: each key at its registered ``exact`` value (algorithm,
+    order and tiles keep R's)."""
+    return dataclasses.replace(r, **{k.field: k.exact for k in keys() if k.exact is not KEEP})
 
 
 def stage_recipe(r: Recipe, stage: str) -> Recipe:
-    """R with only ``stage`` in low precision (see module docstring)."""
+    """R with only ``stage`` in low precision: the float32 recipe with R's value of every key
+    registered for that stage (see module docstring; the accumulator is the exception)."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
     e = exact_recipe(r)
-    if stage == "qk":
-        return dataclasses.replace(e, qk=r.qk, gran=r.gran, rot=r.rot, pow2=r.pow2)
-    if stage == "v":
-        return dataclasses.replace(e, v=r.v, gran=r.gran, pow2=r.pow2)
-    if stage == "p":
-        return dataclasses.replace(e, p=r.p, p_scale=r.p_scale, p_offset=r.p_offset)
     if stage == "acc":
         # FP32: the float32 floor itself. MMA model: the baseline its error is measured against.
         return e if r.acc == "fp32" else dataclasses.replace(r, acc="fp32")
-    if stage == "out":
-        return dataclasses.replace(e, out=r.out)
-    raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+    return dataclasses.replace(e, **{k.field: getattr(r, k.field) for k in keys() if stage in k.stages})
 
 
 def stage_label(stage: str, r: Recipe) -> str:

@@ -1,6 +1,6 @@
 """Compare two runs' datasets: the same variants side by side with ratios B / A.
 
-Exposed: ``compare``, ``text_report``, ``markdown_report``.
+Exposed: ``compare``, ``findings`` (the rendering is ``fa3_numerics.report.compare``).
 
 For two machines, two backends, two seeds, or before/after a change. Variants are aligned
 by label, swept parameters by their common values (a parameter swept in one run and fixed
@@ -9,6 +9,9 @@ its (seed, batch, head) samples with the 95% percentile-bootstrap interval of
 ``fa3_numerics.numerics.metrics.bootstrap_ci``; the ratio's interval is the percentile interval of
 the ratio of independent bootstrap replicates of the two sides, so "covers 1" means the
 two runs agree within sampling noise.
+
+A side whose samples hold NaN (non-finite outputs) has no value and no interval: the row says
+"non-finite (k of n samples)" and ``findings`` lists it, never a ratio over the finite rest.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import xarray as xr
 
 from ..engine.dataset import SAMPLE_DIMS
 from ..errors import UsageError
-from ..numerics.metrics import bootstrap_ci, bootstrap_stats, pooled
+from ..numerics.metrics import bootstrap_ci, bootstrap_stats, get_metric, metrics, nonfinite_samples, pooled
 
 N_BOOT = 2000
 
@@ -52,10 +55,11 @@ def _boot(metric: str, values: np.ndarray, seed: int, n_boot: int = N_BOOT) -> n
 
 def compare(a: xr.Dataset, b: xr.Dataset, metric: str = "rmse", level: float = 0.95) -> dict:
     """Rows (cell, variant) with A, B, their intervals, ratio B/A, its interval and coverage of 1."""
+    get_metric(metric)  # a registered metric, or the one-line error listing them
     for name, ds in (("A", a), ("B", b)):
         if metric not in ds:
-            raise UsageError(f"dataset {name} has no metric {metric!r}; choose one of rmse, rel_l2, rel_l1, max_abs, "
-                             "cosine, sqnr_db")
+            raise UsageError(f"dataset {name} has no metric {metric!r}; choose one of "
+                             f"{', '.join(m for m in metrics() if m in ds)}")
     va = [str(v) for v in a["variant"].values]
     vb = [str(v) for v in b["variant"].values]
     common = [v for v in va if v in vb]
@@ -102,7 +106,8 @@ def compare(a: xr.Dataset, b: xr.Dataset, metric: str = "rmse", level: float = 0
             covers = bool(rlo <= 1.0 <= rhi) if math.isfinite(rlo) else None
             rows.append({**where, "variant": v, "a": pa, "a_lo": la, "a_hi": ha, "b": pb, "b_lo": lb, "b_hi": hb,
                          "ratio": ratio, "ratio_lo": rlo, "ratio_hi": rhi, "covers_1": covers,
-                         "n_a": int(np.isfinite(xa).sum()), "n_b": int(np.isfinite(xb).sum()),
+                         "n_a": xa.size, "n_b": xb.size, "nonfinite_a": nonfinite_samples(xa)[0],
+                         "nonfinite_b": nonfinite_samples(xb)[0],
                          "same_spec": spec_a.get(v) == spec_b.get(v)})
     return {"metric": metric, "dims": dims, "rows": rows, "differs": differs,
             "only_a": [v for v in va if v not in vb], "only_b": [v for v in vb if v not in va]}
@@ -116,63 +121,14 @@ def _at(da: xr.DataArray, where: dict) -> xr.DataArray:
     return da
 
 
-def _e(x: float) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    return f"{x:.3g}" if 0.01 <= abs(x) < 1000 else f"{x:.2e}"
-
-
-def _table(res: dict) -> tuple[list[str], list[list[str]]]:
-    m = res["metric"]
-    head = res["dims"] + ["variant", f"A {m}", "A 95% CI", f"B {m}", "B 95% CI", "B/A", "B/A 95% CI", "covers 1"]
-    body = []
+def findings(res: dict) -> list[str]:
+    """One line per compared row whose A or B samples hold non-finite values."""
+    out = []
     for r in res["rows"]:
-        cov = "-" if r["covers_1"] is None else ("yes" if r["covers_1"] else "NO")
-        body.append([str(r[d]) for d in res["dims"]] + [
-            r["variant"] + ("" if r["same_spec"] else " (*)"), _e(r["a"]), f"[{_e(r['a_lo'])}, {_e(r['a_hi'])}]",
-            _e(r["b"]), f"[{_e(r['b_lo'])}, {_e(r['b_hi'])}]",
-            "-" if not math.isfinite(r["ratio"]) else f"{r['ratio']:.3f}",
-            f"[{'-' if not math.isfinite(r['ratio_lo']) else format(r['ratio_lo'], '.3f')}, "
-            f"{'-' if not math.isfinite(r['ratio_hi']) else format(r['ratio_hi'], '.3f')}]", cov])
-    return head, body
-
-
-def _side(label: str, path: str, ds: xr.Dataset, code: str = "") -> str:
-    at = ds.attrs
-    return (f"{label}: {code}{path}{code} — {at.get('device_name', '?')} ({at.get('device', '?')}), backend "
-            f"{at.get('backend', '?')}, seeds {at.get('seeds', '?')}, commit {str(at.get('git_commit', '?'))[:12]}; "
-            f"command: {code}{at.get('command', '?')}{code}")
-
-
-def _notes(res: dict) -> list[str]:
-    rows = res["rows"]
-    n_cov = sum(1 for r in rows if r["covers_1"])
-    n_def = sum(1 for r in rows if r["covers_1"] is not None)
-    notes = [f"{n_cov} of {n_def} ratio intervals (95%, bootstrap of B/A over each side's samples) cover 1."]
-    if any(not r["same_spec"] for r in rows):
-        notes.append("(*) the variant's recipe spec differs between A and B.")
-    if res["differs"]:
-        notes.append("fixed parameters that differ: " + "; ".join(res["differs"]) + ".")
-    if res["only_a"]:
-        notes.append("only in A (not compared): " + ", ".join(res["only_a"]) + ".")
-    if res["only_b"]:
-        notes.append("only in B (not compared): " + ", ".join(res["only_b"]) + ".")
-    return notes
-
-
-def text_report(res: dict, a: xr.Dataset, b: xr.Dataset, path_a: str, path_b: str) -> str:
-    head, body = _table(res)
-    widths = [max(len(h), *(len(x[i]) for x in body)) for i, h in enumerate(head)]
-    fmt = lambda cols: "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()  # noqa: E731
-    lines = [_side("A", path_a, a), _side("B", path_b, b), "", fmt(head), fmt(["-" * w for w in widths])]
-    lines += [fmt(x) for x in body]
-    return "\n".join(lines + [""] + _notes(res))
-
-
-def markdown_report(res: dict, a: xr.Dataset, b: xr.Dataset, path_a: str, path_b: str) -> str:
-    head, body = _table(res)
-    lines = [f"# Comparison of {res['metric']}: B / A", "", f"- {_side('A', path_a, a, '`')}",
-             f"- {_side('B', path_b, b, '`')}", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(x) + " |" for x in body]
-    return "\n".join(lines + [""] + [f"- {n}" for n in _notes(res)]) + "\n"
+        for side in ("a", "b"):
+            k = r[f"nonfinite_{side}"]
+            if k:
+                cell = ", ".join(f"{d}={r[d]}" for d in res["dims"]) or "single cell"
+                out.append(f"non-finite results in {side.upper()}: variant {r['variant']!r}, {cell}: {k} of "
+                           f"{r[f'n_{side}']} samples")
+    return out

@@ -1,22 +1,34 @@
 """Validation of the emulator against a hardware backend (the compiled FA3 kernel).
 
-Exposed: ``Case``, ``GRIDS``, ``grid``, ``case_recipe``, ``run_validation``,
-``markdown_validation``, ``accumulator_ranking``, ``F_LIMIT``.
+Exposed: ``Case``, ``GRIDS``, ``grid``, ``case_recipe``, ``with_dist``, ``captured_cases``,
+``run_validation``, ``accumulator_ranking``, ``findings``, ``markdown_validation``, ``F_LIMIT``,
+``F_AIM``.
 
-For each case of a grid the same float64 inputs (the paper's outlier distribution) go
-through the kernel and through the emulator, every query row, and we report
+For each case the same float64 inputs go through the kernel and through the emulator, on the
+same query rows, and we report
 
 - the fidelity ``F = RMSE(emulator, kernel) / RMSE(kernel, float64)``: how much of the
-  kernel's own error the emulator fails to reproduce (0 = the emulator is the kernel; the
-  issue's bar is F <= 0.01 for every FP8 case, aim 0.001);
+  kernel's own error the emulator fails to reproduce (0 = the emulator is the kernel; the bar is
+  F <= 0.01 for every FP8 case, aim 0.001), over the outputs finite in both;
 - the fraction of outputs that are bit-identical;
-- both RMSEs against the float64 reference.
+- both RMSEs against the float64 reference;
+- non-finite outputs, counted apart: the kernel's, the emulator's, and the emulator's where the
+  kernel's are finite (the target is zero);
+- per (batch, head) sample, F and the bit-identical share (``fidelity_sample``,
+  ``identical_sample``; sample = batch * heads + head), so a capture's cases give them per
+  layer x head.
 
-The emulator is evaluated once per accumulator model (``acc=fp32``, ``fp22``, ``two-level``)
-on the same quantized inputs (the backends share ``prepare``'s cache), so the grid answers
-which model matches the hardware. The grid covers sequence lengths that are not multiples
-of the tile, causal and not, GQA, head dims 64/128/256, several p and sigma, per-tensor and
-per-head descales, with and without the Hadamard rotation, and BF16 beside FP8.
+The emulator runs once per accumulator model (``acc=fp32``, ``fp22``, ``two-level``) on the same
+quantized inputs (the backends share ``prepare``'s cache), so the grid answers which model
+matches the hardware. Each case is one task of the engine (``fa3_numerics.engine.runner``): the
+kernel job first, each emulator job compared against it output for output.
+
+Grids (``GRIDS``): ``tiny`` (CPU dry runs and tests, with the ``fa3-mock`` stand-in), ``small``
+(17 cases, the everyday check), ``stress`` (the regimes the kernel must survive: sigma up to
+300, p up to 0.05, all five head dims, MQA, ragged and long sequences, BF16 at 8192), ``full``.
+``with_dist`` puts a grid's shapes on another distribution (``--dist``); ``captured_cases``
+checks the emulator on a capture's recorded tensors, per layer, with the capture's softmax
+scale and causal flag (``--dist captured:FILE``).
 """
 
 from __future__ import annotations
@@ -29,12 +41,13 @@ import time
 from typing import Callable
 
 import numpy as np
-import torch
 
 from ..errors import UsageError, require
 
-F_LIMIT = 0.01  # the issue's bar for every FP8 case
+F_LIMIT = 0.01  # the bar for every FP8 case
 F_AIM = 0.001
+DTYPES = ("fp8", "bf16")
+GRANS = ("head", "tensor")  # the descales the public kernel takes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,14 +57,41 @@ class Case:
     kv_heads: int = 8
     head_dim: int = 128
     causal: bool = False
-    p: float = 0.001
-    sigma: float = 10.0
+    p: float = 0.001  # outliers only
+    sigma: float = 10.0  # outliers only
     gran: str = "head"  # descales: head = one per (batch, kv-head), tensor = one for all
     rot: str = "none"  # none or hadamard (applied to Q and K before quantizing)
     dtype: str = "fp8"  # fp8 (e4m3 in, BF16 out) or bf16
     batch: int = 1
     seed: int = 0
     rows: int = 0  # query rows compared per (batch, head), drawn at random (0 = every row)
+    dist: str = "outliers"  # any registered distribution (generate name, e.g. capture-file:PATH)
+    params: str = ""  # its parameters as k=v,k=v (outliers: p and sigma above)
+    scale: float = 0.0  # softmax scale; 0 = 1/sqrt(head_dim)
+
+    def __post_init__(self):
+        from ..numerics.rotation import ROTATIONS
+        from ..numerics.tiles import check_head_dim
+
+        require(self.dtype in DTYPES, f"validation case dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        require(self.gran in GRANS, f"validation case gran {self.gran!r} is not one of {', '.join(GRANS)} "
+                "(the descales the kernel takes)")
+        require(self.rot in ROTATIONS, f"validation case rot {self.rot!r} is not one of {', '.join(ROTATIONS)}")
+        check_head_dim(self.head_dim)
+        require(self.heads % self.kv_heads == 0, f"validation case: heads {self.heads} is not a multiple of "
+                f"kv_heads {self.kv_heads}")
+        self.data()  # parse now: a bad parameter fails where the case is made
+
+    def data(self) -> tuple[str, dict]:
+        """(distribution, parameters) of the case's inputs."""
+        if self.dist == "outliers":
+            return "outliers", {"p": self.p, "sigma": self.sigma}
+        params = {}
+        for part in filter(None, (x.strip() for x in self.params.split(","))):
+            k, eq, v = part.partition("=")
+            require(bool(eq), f"validation case params {self.params!r}: write k=v,k=v")
+            params[k.strip()] = float(v)
+        return self.dist, params
 
     @property
     def name(self) -> str:
@@ -60,7 +100,12 @@ class Case:
             parts.append(f"kv{self.kv_heads}")
         if self.causal:
             parts.append("causal")
-        parts.append(f"p{self.p:g}s{self.sigma:g}")
+        if self.dist == "outliers":
+            parts.append(f"p{self.p:g}s{self.sigma:g}")
+        elif self.dist.startswith("capture-file:"):
+            parts.append(f"layer{int(self.data()[1].get('layer', 0))}")
+        else:
+            parts.append(self.dist + ("[" + self.params + "]" if self.params else ""))
         if self.dtype == "fp8":
             parts.append(self.gran)
         if self.rot != "none":
@@ -76,10 +121,8 @@ def case_recipe(case: Case, acc: str | None = None):
 
     if case.dtype == "fp8":
         r = Recipe(qk="e4m3", v="e4m3", p="e4m3", gran=case.gran, rot=case.rot, out="bf16")
-    elif case.dtype == "bf16":
-        r = Recipe(qk="bf16", v="bf16", p="bf16", out="bf16", rot=case.rot, p_offset=0.0)
     else:
-        raise UsageError(f"validation case dtype {case.dtype!r} is not fp8 or bf16")
+        r = Recipe(qk="bf16", v="bf16", p="bf16", out="bf16", rot=case.rot, p_offset=0.0)
     return dataclasses.replace(r, acc=acc) if acc is not None else r
 
 
@@ -111,6 +154,41 @@ def _small() -> list[Case]:
     ]
 
 
+def _stress() -> list[Case]:
+    """The regimes where the Hopper MMA model once gave NaN (issue 9): heavy outliers, every head
+    dim, MQA, ragged and long sequences, and BF16 up to 8192. Sized so that the grid (kernel and
+    three accumulator models) takes a few minutes on one H200: 4-8 heads, every row up to
+    seqlen 4097, sampled rows beyond."""
+    c = Case(seqlen=2048, heads=8, kv_heads=8, p=0.01, sigma=30.0)
+    r = dataclasses.replace
+    return [
+        c,                                                                  # heavy outliers, the baseline shape
+        r(c, p=0.05),                                                       # dense outliers
+        r(c, sigma=100.0),
+        r(c, p=0.002, sigma=300.0),                                         # rare, huge outliers
+        r(c, sigma=300.0, rot="hadamard"),
+        r(c, head_dim=64, seqlen=1000, causal=True),                        # ragged, causal
+        r(c, head_dim=96, seqlen=1500),                                     # Paley-12 head dim
+        r(c, head_dim=192, seqlen=777, rot="hadamard"),
+        r(c, head_dim=256, seqlen=1000, causal=True),
+        r(c, head_dim=96, gran="tensor", rot="hadamard"),
+        r(c, kv_heads=1),                                                   # MQA
+        r(c, kv_heads=1, head_dim=64, seqlen=1000, causal=True, rot="hadamard"),
+        r(c, kv_heads=2, head_dim=192, gran="tensor"),                      # GQA 4:1
+        r(c, seqlen=16384, heads=4, kv_heads=4, rows=256),                  # long, sampled rows
+        r(c, seqlen=16384, heads=4, kv_heads=4, rows=256, causal=True, rot="hadamard"),
+        r(c, seqlen=333, p=0.05, sigma=300.0),                              # short, ragged, extreme
+        r(c, gran="tensor", p=0.02, sigma=100.0, causal=True),
+        r(c, p=0.001, sigma=15.0, seqlen=4097, heads=4, kv_heads=4),        # one key past a tile
+        r(c, head_dim=64, kv_heads=1, p=0.05, sigma=300.0, gran="tensor", rot="hadamard"),
+        r(c, dtype="bf16", seqlen=8192, heads=4, kv_heads=4, rows=1024),    # BF16 at the paper's length
+        r(c, dtype="bf16", seqlen=8192, heads=4, kv_heads=4, rows=1024, causal=True),
+        r(c, dtype="bf16", head_dim=96, seqlen=1000, p=0.05, sigma=300.0),
+        r(c, dtype="bf16", head_dim=256, kv_heads=1, seqlen=1500, causal=True),
+        r(c, dtype="bf16", head_dim=192, sigma=100.0),
+    ]
+
+
 def _full() -> list[Case]:
     out = []
     for n, causal, d, (h, hkv), gran, rot, (p, sigma) in itertools.product(
@@ -131,7 +209,7 @@ def _tiny() -> list[Case]:
             r(b, dtype="bf16")]
 
 
-GRIDS: dict[str, Callable[[], list[Case]]] = {"small": _small, "full": _full, "tiny": _tiny}
+GRIDS: dict[str, Callable[[], list[Case]]] = {"small": _small, "stress": _stress, "full": _full, "tiny": _tiny}
 
 
 def grid(name: str) -> list[Case]:
@@ -140,107 +218,160 @@ def grid(name: str) -> list[Case]:
     return GRIDS[name]()
 
 
-def _rms(x: torch.Tensor) -> float:
-    x = x.to(torch.float64)
-    return float(torch.sqrt(torch.mean(x * x)).item())
+def with_dist(cases: list[Case], spec: str) -> list[Case]:
+    """The grid's shapes, descales and rotations on the data of ``spec`` (``--dist`` syntax; not
+    ``captured:``, see ``captured_cases``): outliers parameters replace the cases' p and sigma
+    where given; another family replaces the data of every case."""
+    from ..data.dist_spec import parse_dist
+
+    ds = parse_dist(spec)
+    entry = ds.entry
+    full = {k: v for k, (v, _) in entry.params.items()} | ds.params
+    if entry.validate:
+        entry.validate(full)
+    if ds.family == "outliers":
+        return [dataclasses.replace(c, **ds.params) for c in cases]
+    params = ",".join(f"{k}={v:g}" for k, v in ds.params.items())
+    return [dataclasses.replace(c, dist=ds.name, params=params) for c in cases]
+
+
+def captured_cases(path: str, *, layers: str | None = None, rows: int = 0) -> list[Case]:
+    """Per captured layer: FP8 with per-head descales, without and with the Hadamard rotation,
+    and BF16, on the recorded Q, K, V with the capture's heads, softmax scale and causal flag."""
+    from ..data.capture import load_capture, parse_layers
+
+    cap = load_capture(path)
+    sel = parse_layers(layers) if layers else cap.layers
+    missing = [i for i in sel if i not in cap.layers]
+    require(not missing, f"--layers asks for {missing}, not in {path} (layers {','.join(map(str, cap.layers))})")
+    base = Case(seqlen=cap.tokens, heads=cap.heads, kv_heads=cap.kv_heads, head_dim=cap.head_dim,
+                causal=cap.causal, dist=f"capture-file:{path}", scale=cap.scale, rows=rows)
+    out = []
+    for layer in sel:
+        c = dataclasses.replace(base, params=f"layer={layer}")
+        out += [c, dataclasses.replace(c, rot="hadamard"), dataclasses.replace(c, dtype="bf16")]
+    return out
+
+
+def tasks(cases: list[Case], kernel: str, accs: list[str], device: str) -> list:
+    """One engine task per case: the kernel (slot 0), then the emulator per accumulator (slots
+    1.., each compared against slot 0)."""
+    from ..engine.inputs import DistInputs
+    from ..engine.runner import Job, Task
+
+    out = []
+    for c in cases:
+        dist, params = c.data()
+        inputs = DistInputs(dist, tuple(params.items()), c.batch, c.heads, c.kv_heads, c.seqlen, c.head_dim, c.seed)
+        jobs = [Job(0, case_recipe(c), backend=kernel)]
+        jobs += [Job(1 + j, case_recipe(c, a), backend="emulate", against=0) for j, a in enumerate(accs)]
+        out.append(Task(inputs, c.causal, c.seed, c.rows, kernel, device, jobs, hist_key=None, where=c.name,
+                        softmax_scale=c.scale or None))
+    return out
 
 
 def run_validation(cases: list[Case], *, device: str = "cuda", backend: str = "fa3", accs: list[str] | None = None,
                    kernel=None, progress: Callable[[str], None] = print, deadline: float | None = None):
     """Run every case through the kernel backend and the emulator (once per accumulator).
 
-    ``kernel`` overrides the backend object (tests and CPU dry runs pass a stand-in);
-    ``deadline`` (a ``time.perf_counter()`` value) stops before a case that would start
-    after it, leaving NaN for the cases not run. Returns an xarray Dataset (dims case, acc).
+    ``kernel``: a backend object to use in place of ``backend`` (its registered name is used);
+    ``deadline`` (a ``time.perf_counter()`` value) stops before a case that would start after
+    it, leaving NaN for the cases not run. Returns an xarray Dataset (dims case, acc, sample).
     """
     import xarray as xr
 
-    from ..data import distributions
-    from ..numerics.accumulators import ACCUMULATORS
-    from ..engine.backends import EmulateBackend, get_backend
+    from ..engine.backends import get_backend, refusal
     from ..engine.provenance import provenance
+    from ..engine.runner import run_tasks
+    from ..engine.sampling import effective_rows
+    from ..numerics.accumulators import ACCUMULATORS
     from ..numerics.recipe import Recipe
-    from ..numerics.reference import reference_attention
 
     accs = list(accs or ACCUMULATORS)
     for a in accs:
         require(a in ACCUMULATORS, f"unknown accumulator {a!r}; choose from {', '.join(ACCUMULATORS)}")
     require(len(cases) > 0, "the validation grid is empty")
-    if kernel is None:
-        kernel = get_backend(backend)
-        why = kernel.check(device)
-        require(why is None, f"backend {backend!r} cannot run: {why}")
+    name = getattr(kernel, "name", None) or backend
+    kernel = kernel or get_backend(name)
+    why = kernel.check(device)
+    require(why is None, f"backend {name!r} cannot run: {why}")
     for c in cases:
-        why = kernel.supports(case_recipe(c))
-        require(why is None, f"case {c.name} cannot run on backend {getattr(kernel, 'name', backend)!r}: {why}")
-    emu = EmulateBackend()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    nc, na = len(cases), len(accs)
-    fid = np.full((nc, na), np.nan)
-    ident = np.full((nc, na), np.nan)
-    rmse_emu = np.full((nc, na), np.nan)
-    rmse_ker = np.full(nc, np.nan)
-    max_rel = np.full((nc, na), np.nan)
-    secs = np.full(nc, np.nan)
+        why = refusal(kernel, case_recipe(c))
+        require(why is None, f"case {c.name} cannot run on backend {name!r}: {why}")
     t_start = time.perf_counter()
-    for i, c in enumerate(cases):
-        if deadline is not None and time.perf_counter() > deadline:
-            progress(f"[validate] deadline reached: {nc - i} case(s) not run")
-            break
-        t0 = time.perf_counter()
-        shape = distributions.AttnShape(c.batch, c.heads, c.seqlen, c.head_dim, kv_heads=c.kv_heads)
-        q, k, v = (t.to(device) for t in distributions.generate("outliers", shape, c.seed, p=c.p, sigma=c.sigma))
-        if c.rows and c.rows < c.seqlen:
-            g = torch.Generator().manual_seed(c.seed * 1000003 + 17)
-            rows = torch.randperm(c.seqlen, generator=g)[: c.rows].sort().values.to(device)
-        else:
-            rows = torch.arange(c.seqlen, device=device)
-        ref = reference_attention(q, k, v, causal=c.causal, q_index=rows)
-        cache: dict = {}
-        ko = kernel.attention(case_recipe(c), q, k, v, causal=c.causal, q_index=rows, rotation_seed=c.seed,
-                              cache=cache)
-        rmse_ker[i] = _rms(ko - ref)
-        fin = torch.isfinite(ko)
-        for j, a in enumerate(accs):
-            eo = emu.attention(case_recipe(c, a), q, k, v, causal=c.causal, q_index=rows, rotation_seed=c.seed,
-                               cache=cache)
-            diff = eo - ko
-            rmse_emu[i, j] = _rms(eo - ref)
-            fid[i, j] = _rms(diff) / rmse_ker[i] if rmse_ker[i] > 0 else (0.0 if _rms(diff) == 0 else math.inf)
-            ident[i, j] = float(((eo == ko) & fin).double().mean().item())
-            max_rel[i, j] = float((diff.abs() / ko.abs().clamp_min(1e-30)).masked_fill(ko == 0, 0).amax().item())
-        secs[i] = time.perf_counter() - t0
-        progress(f"[validate {i + 1}/{nc}] {c.name}: rmse(kernel) {rmse_ker[i]:.3e}; "
-                 + ", ".join(f"F[{a}] {fid[i, j]:.4f} ident {ident[i, j]:.1%}" for j, a in enumerate(accs))
-                 + f" ({secs[i]:.1f} s)")
-        del q, k, v, ref, ko, cache
-    coords = {"case": [c.name for c in cases], "acc": accs}
+    run = run_tasks(tasks(cases, name, accs, device), progress=progress, deadline=deadline)
+    nc, na = len(cases), len(accs)
+    ns = max(c.batch * c.heads for c in cases)
+    nan = lambda *shape: np.full(shape, np.nan)  # noqa: E731
+    v = {k: nan(nc, na) for k in ("fidelity", "identical", "rmse_emulator", "max_rel_diff", "nonfinite_emulator",
+                                  "nonfinite_emulator_only")}
+    v.update({k: nan(nc) for k in ("rmse_kernel", "nonfinite_kernel", "seconds")})
+    fs, ids = nan(nc, na, ns), nan(nc, na, ns)
+    for i, (c, res) in enumerate(zip(cases, run.results)):
+        if 0 not in res:
+            continue  # not run (deadline)
+        ker = res[0]
+        k_rmse = ker["rmse"].ravel()
+        positions = effective_rows(c.seqlen, c.rows) * c.head_dim  # outputs per (batch, head) sample
+        v["rmse_kernel"][i] = _rms_pool(k_rmse)
+        v["nonfinite_kernel"][i] = float(ker["nonfinite"].sum())
+        v["seconds"][i] = run.seconds[i]
+        for j in range(na):
+            e = res[1 + j]
+            se, n, ref_se = e["vs_se"].ravel(), e["vs_n"].ravel(), e["vs_ref_se"].ravel()
+            # F over the outputs finite in both: a NaN counted below does not hide the rest
+            rms_diff = math.sqrt(se.sum() / n.sum()) if n.sum() else math.nan
+            rms_kernel = math.sqrt(ref_se.sum() / n.sum()) if n.sum() else math.nan
+            v["fidelity"][i, j] = _ratio(rms_diff, rms_kernel)
+            v["identical"][i, j] = float(e["vs_identical"].sum()) / (positions * k_rmse.size)
+            v["rmse_emulator"][i, j] = _rms_pool(e["rmse"].ravel())
+            v["max_rel_diff"][i, j] = float(e["vs_max_rel"].max())
+            v["nonfinite_emulator"][i, j] = float(e["nonfinite"].sum())
+            v["nonfinite_emulator_only"][i, j] = float(e["vs_nonfinite_here"].sum())
+            with np.errstate(divide="ignore", invalid="ignore"):
+                nn = np.where(n > 0, n, np.nan)
+                fs[i, j, :k_rmse.size] = [_ratio(a, b) for a, b in zip(np.sqrt(se / nn), np.sqrt(ref_se / nn))]
+            ids[i, j, :k_rmse.size] = e["vs_identical"].ravel() / positions
+        progress(f"[validate {i + 1}/{nc}] {c.name}: rmse(kernel) {v['rmse_kernel'][i]:.3e}; "
+                 + ", ".join(f"F[{a}] {v['fidelity'][i, j]:.4f} ident {v['identical'][i, j]:.1%}"
+                             for j, a in enumerate(accs))
+                 + (f"; NON-FINITE kernel {int(v['nonfinite_kernel'][i])}, emulator-only "
+                    f"{[int(x) for x in v['nonfinite_emulator_only'][i]]}"
+                    if v["nonfinite_kernel"][i] or np.nansum(v["nonfinite_emulator"][i]) else ""))
+    coords = {"case": [c.name for c in cases], "acc": accs, "sample": np.arange(ns)}
     for f in dataclasses.fields(Case):
         vals = [getattr(c, f.name) for c in cases]
         coords[f.name] = ("case", [int(x) for x in vals] if isinstance(vals[0], bool) else vals)
     coords["spec"] = ("case", [case_recipe(c).short_str() for c in cases])
-    ds = xr.Dataset(
-        {
-            "fidelity": (("case", "acc"), fid, {"description": "RMSE(emulator, kernel) / RMSE(kernel, float64)"}),
-            "identical": (("case", "acc"), ident, {"description": "fraction of outputs bit-identical to the kernel's"}),
-            "rmse_emulator": (("case", "acc"), rmse_emu, {"description": "RMSE(emulator, float64)"}),
-            "max_rel_diff": (("case", "acc"), max_rel, {"description": "max |emulator - kernel| / |kernel|"}),
-            "rmse_kernel": (("case",), rmse_ker, {"description": "RMSE(kernel, float64)"}),
-            "seconds": (("case",), secs, {"description": "wall time of the case (inputs, reference, kernel, emulator)"}),
-        },
-        coords=coords,
-    )
+    desc = {
+        "fidelity": "RMSE(emulator, kernel) / RMSE(kernel, float64), over outputs finite in both",
+        "identical": "fraction of outputs bit-identical to the kernel's",
+        "rmse_emulator": "RMSE(emulator, float64)",
+        "max_rel_diff": "max |emulator - kernel| / |kernel| over outputs finite in both",
+        "nonfinite_emulator": "count of non-finite emulator outputs (or reference values)",
+        "nonfinite_emulator_only": "count of outputs non-finite in the emulator where the kernel's are finite",
+        "rmse_kernel": "RMSE(kernel, float64)",
+        "nonfinite_kernel": "count of non-finite kernel outputs (or reference values)",
+        "seconds": "wall time of the case (inputs, reference, kernel, emulator)",
+        "fidelity_sample": "F per (batch, head) sample; sample = batch * heads + head",
+        "identical_sample": "bit-identical share per (batch, head) sample",
+    }
+    data = {k: (("case", "acc") if a.ndim == 2 else ("case",), a) for k, a in v.items()}
+    data.update({"fidelity_sample": (("case", "acc", "sample"), fs), "identical_sample": (("case", "acc", "sample"), ids)})
+    ds = xr.Dataset({k: (dims, a, {"description": desc[k]}) for k, (dims, a) in data.items()}, coords=coords)
+    from ..engine.dataset import VALIDATION_FORMAT
+    from ..engine.sampling import ROWS_SAMPLING
+
     attrs = provenance(device)
-    kname = getattr(kernel, "name", backend)
-    attrs.update({"format": "fa3-numerics-validation/1", "backend": kname,
+    attrs.update({"format": VALIDATION_FORMAT, "kind": "validation", "backend": name,
                   "kernel_hardware": int(bool(getattr(kernel, "hardware", False))),
-                  "kernel_label": getattr(kernel, "label", kname),
+                  "kernel_label": getattr(kernel, "label", name),
                   "recipe_default_acc": Recipe().acc, "f_limit": F_LIMIT, "f_aim": F_AIM,
-                  "wall_seconds": round(time.perf_counter() - t_start, 3),
-                  "dist": "outliers", "rows": "all query rows, or the case's `rows` drawn by randperm(seqlen, seed*1000003+17)",
+                  "wall_seconds": round(time.perf_counter() - t_start, 3), "cases_not_run": run.not_run,
+                  "dist": ", ".join(sorted({c.data()[0] for c in cases})),
+                  "rows": f"all query rows, or the case's `rows`: {ROWS_SAMPLING}",
                   "rotation_seed": "case seed", "data_seed": "case seed (torch.Generator on CPU, float64)"})
-    if kname == "fa3":
+    if name == "fa3":
         try:
             from fa3_numerics.kernels.fa3 import load_kernel
 
@@ -251,8 +382,35 @@ def run_validation(cases: list[Case], *, device: str = "cuda", backend: str = "f
     return ds
 
 
+def _rms_pool(per_sample_rmse: np.ndarray) -> float:
+    """RMSE over every position from per-sample RMSEs of equal size (NaN if any is)."""
+    return float(np.sqrt(np.mean(per_sample_rmse ** 2))) if per_sample_rmse.size else math.nan
+
+
+def _ratio(num: float, den: float) -> float:
+    if not (math.isfinite(num) and math.isfinite(den)):
+        return math.nan
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def findings(ds) -> list[str]:
+    """One line per case with non-finite outputs: the kernel's, and the emulator's per accumulator."""
+    out = []
+    for i, c in enumerate(ds["case"].values):
+        k = ds["nonfinite_kernel"].values[i]
+        e = ds["nonfinite_emulator"].values[i]
+        only = ds["nonfinite_emulator_only"].values[i]
+        if (np.isfinite(k) and k > 0) or np.nansum(e) > 0:
+            per = ", ".join(f"{a} {int(x)} ({int(o)} where the kernel's are finite)"
+                            for a, x, o in zip(ds["acc"].values, e, only) if np.isfinite(x))
+            out.append(f"non-finite outputs in case {c!r}, seed {int(ds['seed'].values[i])}: kernel {int(k)}; "
+                       f"emulator {per}")
+    return out
+
+
 def accumulator_ranking(ds) -> list[dict]:
-    """Per accumulator over the FP8 cases run: max F, median F, mean bit-identical; best first."""
+    """Per accumulator over the FP8 cases run: max F, median F, mean bit-identical, non-finite
+    outputs where the kernel's are finite; best first."""
     fp8 = ds["dtype"].values == "fp8"
     out = []
     for a in ds["acc"].values:
@@ -262,48 +420,20 @@ def accumulator_ranking(ds) -> list[dict]:
         idn = idn[np.isfinite(idn)]
         if f.size == 0:
             continue
+        only = ds["nonfinite_emulator_only"].sel(acc=a).values[fp8] if "nonfinite_emulator_only" in ds else np.zeros(1)
         out.append({"acc": str(a), "max_F": float(f.max()), "median_F": float(np.median(f)),
                     "mean_identical": float(idn.mean()), "cases": int(f.size),
-                    "pass": bool(f.max() <= F_LIMIT)})
-    return sorted(out, key=lambda r: (r["max_F"], r["median_F"]))
-
-
-def _f(x: float) -> str:
-    return "-" if not np.isfinite(x) else f"{x:.4f}" if x < 10 else f"{x:.3g}"
+                    "nonfinite_only": int(np.nansum(only)),
+                    "pass": bool(f.max() <= F_LIMIT and np.nansum(only) == 0)})
+    return sorted(out, key=lambda r: (r["nonfinite_only"] > 0, r["max_F"], r["median_F"]))
 
 
 def markdown_validation(ds) -> str:
-    accs = [str(a) for a in ds["acc"].values]
-    label = ds.attrs.get("kernel_label", ds.attrs.get("backend", "?"))
-    lines = [f"Kernel: `{label}` ({ds.attrs.get('kernel_version', ds.attrs.get('kernel_module', ''))}) on "
-             f"{ds.attrs.get('device_name', ds.attrs.get('device', '?'))}; emulator default acc "
-             f"`{ds.attrs.get('recipe_default_acc')}`. F = RMSE(emulator, kernel) / RMSE(kernel, float64); "
-             f"**bold** F > {F_LIMIT} (FP8 cases must stay below it). Every query row unless the case "
-             f"name ends in rowsN (N sampled rows), seed 0.", ""]
-    head = ["case", "n", "causal", "h/kv", "d", "p", "sigma", "descale", "rot", "RMSE(kernel)"]
-    head += [f"F {a}" for a in accs] + [f"identical {a}" for a in accs]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for i in range(ds.sizes["case"]):
-        c = ds.isel(case=i)
-        fp8 = str(c["dtype"].values) == "fp8"
-        fs = []
-        for a in accs:
-            f = float(c["fidelity"].sel(acc=a))
-            s = _f(f)
-            fs.append(f"**{s}**" if fp8 and np.isfinite(f) and f > F_LIMIT else s)
-        idn = [("-" if not np.isfinite(float(c["identical"].sel(acc=a))) else f"{float(c['identical'].sel(acc=a)):.1%}")
-               for a in accs]
-        rk = float(c["rmse_kernel"])
-        row = [str(c["dtype"].values), str(int(c["seqlen"])), "yes" if int(c["causal"]) else "no",
-               f"{int(c['heads'])}/{int(c['kv_heads'])}", str(int(c["head_dim"])), f"{float(c['p']):g}",
-               f"{float(c['sigma']):g}", str(c["gran"].values) if fp8 else "-", str(c["rot"].values),
-               "-" if not np.isfinite(rk) else f"{rk:.3e}"] + fs + idn
-        lines.append("| " + " | ".join(row) + " |")
-    rank = accumulator_ranking(ds)
-    if rank:
-        lines += ["", "Accumulator models over the FP8 cases (best first):", "",
-                  "| acc | max F | median F | mean bit-identical | cases | F <= 0.01 everywhere |", "|---|---|---|---|---|---|"]
-        for r in rank:
-            lines.append(f"| `{r['acc']}` | {_f(r['max_F'])} | {_f(r['median_F'])} | {r['mean_identical']:.1%} | "
-                         f"{r['cases']} | {'yes' if r['pass'] else 'no'} |")
-    return "\n".join(lines) + "\n"
+    """The validation table (rendered by ``fa3_numerics.report.validation``)."""
+    from ..report.validation import markdown_validation as render
+
+    return render(ds)
+
+
+__all__ = ["Case", "GRIDS", "grid", "case_recipe", "with_dist", "captured_cases", "tasks", "run_validation",
+           "accumulator_ranking", "findings", "markdown_validation", "F_LIMIT", "F_AIM"]

@@ -236,9 +236,9 @@ def fit_capture(path: str | os.PathLike, layer: int = -1, sinks: int = 4, rope: 
 
 
 def _ranges(layers: list[int]) -> str:
-    from ..capture import _layer_ranges
+    from ..capture import layer_ranges
 
-    return _layer_ranges(layers)
+    return layer_ranges(layers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,6 +323,7 @@ def check_against_capture(path: str | os.PathLike, layer: int, *, seed: int = 1,
     """Generate one draw at the captured length and compare it with the captured layer: amax profiles
     of Q and K, and the RMSE (pooled over heads) of each variant against float64 on both."""
     from ..capture import load_capture
+    from ...engine.sampling import query_rows
     from ...numerics.emulator import emulate
     from ...numerics.metrics import per_sample, pooled
     from ...numerics.recipe import parse_recipes
@@ -334,10 +335,7 @@ def check_against_capture(path: str | os.PathLike, layer: int, *, seed: int = 1,
     gq, gk, gv = generate_from_fit(fit, shape, seed, block=block)
     real = tuple(t.unsqueeze(0) for t in cap.qkv(fit.layer))
     n = cap.tokens
-    if rows and rows < n:
-        q_index = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000003 + 17))[:rows].sort().values
-    else:
-        q_index = torch.arange(n)
+    q_index = query_rows(n, rows, seed)
     recipes = parse_recipes(";".join(variants))
 
     def rmse(q, k, v):

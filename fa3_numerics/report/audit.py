@@ -2,66 +2,53 @@
 and the per-layer recommendation table.
 
 Exposed: ``write_report(ds, out, *, top=10, budget=None, budget_metric="rmse", rank_by="worst",
-rank_metric="rel_l2") -> Path``. Reads only the dataset written by ``fa3_numerics.studies.audit.audit``;
-every file is written whole or not at all (temp file + os.replace). seaborn and matplotlib are
-imported inside the functions.
+rank_metric="rel_l2") -> Path``, ``markdown``, ``nonfinite_lines``. Reads only the dataset
+written by ``fa3_numerics.studies.audit.audit``; every file is written whole or not at all
+(``fa3_numerics.engine.files``). seaborn and matplotlib are imported inside the functions.
+Non-finite errors are listed at the top and marked in the ranking, never left out silently.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from ..studies.audit import STAT_DEFINITIONS, check_recommendations, rank, recommend
-
-
-def _e(x: float) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    return f"{x:.3g}" if 0.01 <= abs(x) < 1000 else f"{x:.2e}"
-
-
-def _publish(tmp: str, path: Path) -> None:
-    """Give a mkstemp file (0600) ordinary permissions, then move it into place."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        _publish(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+from ..engine.files import atomic_path, atomic_write
+from ..studies.audit import check_recommendations, rank, recommend
+from ..studies.audit_stats import STAT_DEFINITIONS
+from .format import fmt_e as _e
 
 
 def _save_fig(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
-        _publish(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
     finally:
         plt.close(fig)
 
 
+def nonfinite_lines(ds) -> list[str]:
+    """The (layer, variant) results holding NaN or Inf, as Markdown (empty when none)."""
+    from ..engine.nonfinite import scan
+
+    found = scan(ds, sample_dims=("head",))
+    if not found:
+        return []
+    return ([f"**Non-finite results.** {len(found)} (layer, variant) result(s) hold NaN or Inf. Those heads rank "
+             "riskiest below and meet no budget:", ""] + [f"- {f.line()}" for f in found] + [""])
+
+
 def _setup():
+    import warnings
+
     import matplotlib
+
+    # A panel of a non-finite result is all NaN; the report says so in words, seaborn need not warn.
+    warnings.filterwarnings("ignore", message="All-NaN slice encountered", category=RuntimeWarning)
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
@@ -179,19 +166,26 @@ def channel_amax_figure(ds, ranking: list[dict], path: Path, n_heads: int = 3) -
 # --------------------------------------------------------------------------------------------
 
 def _variant_summary(ds) -> str:
-    from ..numerics.metrics import pooled
+    from ..numerics.metrics import nonfinite_samples, pooled
+    from .format import fmt_value
 
     lines = ["| variant | cost | RMSE (pooled over layers x heads) | mean rel_l2 | max rel_l2 | worst (layer, head) "
              "| paper Table 3 RMSE |", "|---|---|---|---|---|---|---|"]
     for i, lab in enumerate(ds["variant"].values):
         rm = ds["rmse"].sel(variant=lab).values
-        rl = ds["rel_l2"].sel(variant=lab)
-        w = rl.where(rl == rl.max(), drop=True)
-        wl, wh = int(w["layer"].values[0]), int(w["head"].values[0])
-        lines.append(f"| `{lab}` | {int(ds['cost'].values[i])} | {_e(pooled('rmse', rm))} | "
-                     f"{_e(float(rl.mean()))} | {_e(float(rl.max()))} | ({wl}, {wh}) | "
+        rl = ds["rel_l2"].sel(variant=lab).transpose("layer", "head")
+        v = rl.values
+        # the worst head: a non-finite one first, else the largest error
+        flat = int(np.argmax(np.isnan(v))) if np.isnan(v).any() else int(np.argmax(v))
+        wl, wh = int(rl["layer"].values[flat // v.shape[1]]), int(rl["head"].values[flat % v.shape[1]])
+        lines.append(f"| `{lab}` | {int(ds['cost'].values[i])} | {fmt_value(pooled('rmse', rm), *nonfinite_samples(rm))} | "
+                     f"{_err(float(rl.mean(skipna=False)))} | {_err(float(rl.max(skipna=False)))} | ({wl}, {wh}) | "
                      f"{_e(float(ds['paper_rmse'].values[i]))} |")
     return "\n".join(lines)
+
+
+def _err(x: float) -> str:
+    return _e(x) if np.isfinite(x) else "non-finite"
 
 
 def _ranking_table(ds, ranking: list[dict], metric: str) -> str:
@@ -202,7 +196,7 @@ def _ranking_table(ds, ranking: list[dict], metric: str) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in ranking:
         cols = [str(r["rank"]), str(r["layer"]), str(r["head"])]
-        cols += [("**" + _e(r["errors"][lab]) + "**") if lab == r["worst_variant"] else _e(r["errors"][lab])
+        cols += [("**" + _err(r["errors"][lab]) + "**") if lab == r["worst_variant"] else _err(r["errors"][lab])
                  for lab in labels]
         cols += [f"{r['q_hot']} ({r['q_hot_pair']}), {r['q_hot_ratio']:.1f}",
                  f"{r['k_hot']} ({r['k_hot_pair']}), {r['k_hot_ratio']:.1f}",
@@ -229,9 +223,9 @@ def _recommendation_table(rec: dict) -> str:
 
 def _layer_summary(ds, metric: str) -> str:
     """Worst head per layer for each variant, compactly: the layers ordered by risk."""
-    worst = ds[metric].max("head").max("variant")
-    order = np.argsort(-worst.values)
-    top = [f"{int(ds['layer'].values[i])} ({_e(float(worst.values[i]))})" for i in order[:8]]
+    worst = ds[metric].max("head", skipna=False).max("variant", skipna=False)
+    order = np.argsort(-np.nan_to_num(worst.values, nan=np.inf), kind="stable")
+    top = [f"{int(ds['layer'].values[i])} ({_err(float(worst.values[i]))})" for i in order[:8]]
     return ", ".join(top)
 
 
@@ -288,7 +282,7 @@ def markdown(ds, *, ranking: list[dict], rec: dict | None, rank_by: str, rank_me
     meta = json.loads(a.get("capture_meta", "{}"))
     L, H = ds.sizes["layer"], ds.sizes["head"]
     bm, bn = json.loads(a.get("tiles_fp8", "[0, 0]"))
-    top3 = ", ".join(f"layer {r['layer']} head {r['head']} ({rank_metric} {_e(r['score'])}, worst "
+    top3 = ", ".join(f"layer {r['layer']} head {r['head']} ({rank_metric} {_err(r['score'])}, worst "
                      f"`{r['worst_variant']}`)" for r in ranking[:3])
     by = "the worst variant" if rank_by == "worst" else f"`{rank_by}`"
     parts = [
@@ -300,6 +294,7 @@ def markdown(ds, *, ranking: list[dict], rec: dict | None, rank_by: str, rank_me
         f"against float64 attention on the same post-RoPE Q, K, V; query rows: {a.get('rows_sampling')}. "
         f"Backend `{a.get('backend')}`; FP8 tiles {bm}x{bn} (kBlockM x kBlockN).",
         "",
+        *nonfinite_lines(ds),
         "## Findings",
         "",
         f"- Riskiest heads (ranked by {rank_metric} of {by}): {top3}.",
@@ -424,10 +419,8 @@ def write_report(ds, out: str | Path, *, top: int = 10, budget: float | None = N
         heatmap_errors(ds, "rmse", out / figures["heat_rmse"])
     heatmap_stats(ds, out / figures["stats"])
     channel_amax_figure(ds, rank(ds, by=rank_by, metric=rank_metric, top=3), out / figures["channels"])
-    md = out / "audit.md"
-    _atomic_text(md, markdown(ds, ranking=ranking, rec=rec, rank_by=rank_by, rank_metric=rank_metric,
-                              figures=figures))
-    return md
+    return atomic_write(out / "audit.md", markdown(ds, ranking=ranking, rec=rec, rank_by=rank_by,
+                                                   rank_metric=rank_metric, figures=figures))
 
 
-__all__ = ["write_report", "markdown", "heatmap_errors", "heatmap_stats", "channel_amax_figure"]
+__all__ = ["write_report", "markdown", "nonfinite_lines", "heatmap_errors", "heatmap_stats", "channel_amax_figure"]

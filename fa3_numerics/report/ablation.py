@@ -1,23 +1,12 @@
-"""Analysis of an ablation dataset: main effects, two-way interactions, contrasts, summary.
+"""The ablation report: generated findings (prose), figures, tables and Markdown.
 
-Exposed: ``ANALYSIS_FACTORS``, ``cell_frame``, ``main_effects``, ``interactions``,
-``interaction_means``, ``per_data_effects``, ``ratio``, ``paper_finding``,
-``block_quant_effect``, ``seqlen_table``, ``summary_lines``, and the report:
-``render_report`` (Markdown + PNG figures + CSV tables; seaborn imported inside).
+Exposed: ``summary_lines``, ``render_report``, and the figures ``fig_main_effects``,
+``fig_interactions``, ``fig_seqlen``, ``fig_attribution``, ``fig_block``, ``fig_per_data``.
 
-The response is log10 of the pooled RMSE of a (data, seqlen, head_dim, causal, variant)
-cell, pooled over its (seed, batch, head) samples as sqrt(mean(rmse^2)). Effects use
-matched sets: for a factor F, a set is all cells that agree on every other factor and
-differ only in F; only sets holding every level of F's largest complete level set count
-(the designs are unions of factorials, so e.g. the accumulator's effect comes from the
-accumulator design alone). A level's main effect is the mean over sets of (cell - set
-mean), reported as a factor on RMSE (10^effect); a factor's size is max - min over its
-levels. A two-way interaction F x G uses sets complete in F x G; its size is the RMS of
-the residual cell - row mean - column mean + set mean, in log10 units.
-
-Intervals: percentile bootstrap over (seed, batch, head) samples, resampled jointly for
-every cell (the same samples index every cell, so paired contrasts keep their pairing),
-``n_boot`` draws with a fixed seed; ``fa3_numerics.numerics.metrics.bootstrap_ci`` for single cells.
+Everything here reads an ablation dataset and the statistics of
+``fa3_numerics.studies.effects`` / ``fa3_numerics.studies.attribution``; nothing is computed
+that the study does not own. Files are written whole or not at all; matplotlib and seaborn are
+imported inside functions.
 """
 
 from __future__ import annotations
@@ -29,272 +18,10 @@ import math
 import numpy as np
 import xarray as xr
 
-from .ablation import DEFAULT_LEVEL, FACTORS
-
-CELL_DIMS = ("data", "seqlen", "head_dim", "causal")
-ANALYSIS_FACTORS = tuple(FACTORS) + CELL_DIMS
-LEVEL = 0.95
-
-
-class Frame:
-    """Cells as rows: ``df`` (factor columns, string-valued) and ``y`` [rows, 1 + n_boot]
-    (column 0 the point estimate of log10 RMSE, the rest bootstrap draws)."""
-
-    def __init__(self, df, y, order):
-        self.df, self.y, self.order = df, y, order
-
-    def subset(self, mask) -> "Frame":
-        mask = np.asarray(mask)
-        return Frame(self.df[mask].reset_index(drop=True), self.y[mask], self.order)
-
-
-def cell_frame(ds: xr.Dataset, *, n_boot: int = 200, seed: int = 0) -> Frame:
-    """Every full-recipe cell that ran, with its log10 pooled RMSE and bootstrap draws."""
-    import pandas as pd
-
-    full = [str(v) for v, s in zip(ds["variant"].values, ds["stage"].values) if s == "full"]
-    da = ds["rmse"].sel(variant=full).stack(sample=("seed", "batch", "head"))
-    da = da.transpose(*CELL_DIMS, "variant", "sample")
-    x = da.values
-    n_s = x.shape[-1]
-    idx = np.random.default_rng(seed).integers(0, n_s, size=(n_boot, n_s))
-    point = np.sqrt(np.mean(x ** 2, axis=-1))[..., None]
-    boot = np.sqrt(np.mean(x[..., idx] ** 2, axis=-1))
-    y = np.log10(np.concatenate([point, boot], axis=-1)).reshape(-1, 1 + n_boot)
-    grid = list(itertools.product(*(range(x.shape[i]) for i in range(len(CELL_DIMS) + 1))))
-    rows = []
-    for ci in grid:
-        row = {d: str(da.coords[d].values[i]) for d, i in zip(CELL_DIMS, ci)}
-        v = full[ci[-1]]
-        for f in FACTORS:
-            row[f] = str(ds[f].sel(variant=v).item())
-        row["variant"] = v
-        rows.append(row)
-    df = pd.DataFrame(rows)
-    ok = np.isfinite(y).all(axis=1)
-    order = {f: list(dict.fromkeys(str(ds[f].sel(variant=v).item()) for v in full)) for f in FACTORS}
-    for d in CELL_DIMS:
-        order[d] = [str(v) for v in ds[d].values]
-    return Frame(df[ok].reset_index(drop=True), y[ok], order)
-
-
-def _active(fr: Frame, factors) -> list[str]:
-    return [f for f in factors if fr.df[f].nunique() > 1]
-
-
-def _complete_sets(fr: Frame, on: list[str]):
-    """Matched sets complete in the factors ``on``: (mask of rows used, group ids, levels per factor)."""
-    others = [f for f in ANALYSIS_FACTORS if f not in on]
-    key = fr.df[others].astype(str).agg("|".join, axis=1) if others else fr.df[on[0]].map(lambda _: "all")
-    sig = {}
-    for g, sub in fr.df.groupby(key, sort=False):
-        levels = tuple(tuple(sorted(sub[f].unique(), key=fr.order[f].index)) for f in on)
-        if any(len(lv) < 2 for lv in levels) or len(sub) != math.prod(len(lv) for lv in levels):
-            continue
-        sig.setdefault(levels, []).append(g)
-    if not sig:
-        return None
-    levels = max(sig, key=lambda s: (math.prod(len(lv) for lv in s), len(sig[s])))
-    groups = set(sig[levels])
-    mask = key.isin(groups).to_numpy()
-    codes = key[mask].astype("category").cat.codes.to_numpy()
-    return mask, codes, levels, len(groups)
-
-
-def _group_mean(y: np.ndarray, codes: np.ndarray) -> np.ndarray:
-    n = codes.max() + 1
-    s = np.zeros((n, y.shape[1]))
-    np.add.at(s, codes, y)
-    c = np.bincount(codes, minlength=n)[:, None]
-    return (s / c)[codes]
-
-
-def _ci(draws: np.ndarray) -> tuple[float, float]:
-    lo, hi = np.quantile(draws, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
-    return float(lo), float(hi)
-
-
-def main_effects(fr: Frame, factors=None) -> "pandas.DataFrame":  # noqa: F821
-    """One row per (factor, level): effect on log10 RMSE, as a factor on RMSE, with CI."""
-    import pandas as pd
-
-    rows = []
-    for f in _active(fr, factors or ANALYSIS_FACTORS):
-        got = _complete_sets(fr, [f])
-        if got is None:
-            continue
-        mask, codes, (levels,), n_sets = got
-        dev = fr.y[mask] - _group_mean(fr.y[mask], codes)
-        lv = fr.df[f][mask].to_numpy()
-        eff = np.stack([dev[lv == level].mean(axis=0) for level in levels])
-        size = eff.max(axis=0) - eff.min(axis=0)
-        for level, e in zip(levels, eff):
-            lo, hi = _ci(e[1:])
-            rows.append({"factor": f, "level": level, "effect_log10": e[0], "ratio": 10 ** e[0], "lo": 10 ** lo,
-                         "hi": 10 ** hi, "sets": n_sets, "size": 10 ** size[0], "size_lo": 10 ** _ci(size[1:])[0],
-                         "size_hi": 10 ** _ci(size[1:])[1]})
-    return pd.DataFrame(rows)
-
-
-def interaction_means(fr: Frame, f: str, g: str):
-    """Mean log10 RMSE per (f level, g level) over sets complete in f x g, with draws;
-    None when no such set exists. Returns (levels_f, levels_g, means [Lf, Lg, 1 + B], sets)."""
-    got = _complete_sets(fr, [f, g])
-    if got is None:
-        return None
-    mask, codes, (lf, lg), n_sets = got
-    y = fr.y[mask]
-    a, b = fr.df[f][mask].to_numpy(), fr.df[g][mask].to_numpy()
-    m = np.stack([np.stack([y[(a == x) & (b == z)].mean(axis=0) for z in lg]) for x in lf])
-    return lf, lg, m, n_sets
-
-
-def interactions(fr: Frame, factors=None) -> "pandas.DataFrame":  # noqa: F821
-    """One row per factor pair: RMS interaction residual (log10) with CI, as x-fold."""
-    import pandas as pd
-
-    rows = []
-    for f, g in itertools.combinations(_active(fr, factors or ANALYSIS_FACTORS), 2):
-        got = interaction_means(fr, f, g)
-        if got is None:
-            continue
-        lf, lg, m, n_sets = got
-        r = m - m.mean(axis=1, keepdims=True) - m.mean(axis=0, keepdims=True) + m.mean(axis=(0, 1), keepdims=True)
-        size = np.sqrt((r ** 2).mean(axis=(0, 1)))
-        lo, hi = _ci(size[1:])
-        rows.append({"f": f, "g": g, "levels": f"{len(lf)}x{len(lg)}", "sets": n_sets, "rms_log10": size[0],
-                     "fold": 10 ** size[0], "fold_lo": 10 ** lo, "fold_hi": 10 ** hi})
-    out = pd.DataFrame(rows)
-    return out.sort_values("rms_log10", ascending=False).reset_index(drop=True) if len(out) else out
-
-
-def per_data_effects(fr: Frame) -> "pandas.DataFrame":  # noqa: F821
-    """Main-effect size (x-fold, max/min level) of every factor within each data."""
-    import pandas as pd
-
-    parts = []
-    for d in fr.order["data"]:
-        sub = fr.subset(fr.df["data"] == d)
-        if len(sub.df) == 0:
-            continue
-        me = main_effects(sub, [f for f in ANALYSIS_FACTORS if f != "data"])
-        if len(me):
-            parts.append(me.assign(data=d))
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
-
-
-# -- paired contrasts -----------------------------------------------------------------------
-
-def _lookup(fr: Frame, **fix) -> np.ndarray:
-    m = np.ones(len(fr.df), dtype=bool)
-    for k, v in fix.items():
-        m &= (fr.df[k] == str(v)).to_numpy()
-    return m
-
-
-def ratio(fr: Frame, a: dict, b: dict, where: dict) -> tuple[float, float, float] | None:
-    """RMSE(a) / RMSE(b) at the cells ``where`` (geometric mean over the cells that match
-    both), with CI; a and b fix factor levels, unfixed factors default to the base recipe."""
-    from .ablation import DEFAULT_LEVEL
-
-    base = {**DEFAULT_LEVEL, **where}
-    ma, mb = _lookup(fr, **{**base, **a}), _lookup(fr, **{**base, **b})
-    if not ma.any() or not mb.any():
-        return None
-    keys = [k for k in CELL_DIMS if k not in where]
-    ka = fr.df[ma][keys].astype(str).agg("|".join, axis=1).to_numpy() if keys else np.array(["x"] * ma.sum())
-    kb = fr.df[mb][keys].astype(str).agg("|".join, axis=1).to_numpy() if keys else np.array(["x"] * mb.sum())
-    common = sorted(set(ka) & set(kb))
-    if not common:
-        return None
-    ya, yb = fr.y[ma], fr.y[mb]
-    d = np.stack([ya[ka == c][0] - yb[kb == c][0] for c in common]).mean(axis=0)
-    lo, hi = _ci(d[1:])
-    return 10 ** d[0], 10 ** lo, 10 ** hi
-
-
-def paper_finding(fr: Frame, data: str, base: dict | None = None, scale: str | None = None) -> dict:
-    """Table 3's two ablations on one data, per seqlen and over all: rotation's gain
-    RMSE(block, none) / RMSE(block, hadamard) and block quantization's gain
-    RMSE(tensor, hadamard) / RMSE(block, hadamard), P offset 8, FP32, e4m3, with ``scale``
-    (amax or pow2 descales) at the base shape (head_dim, causal) when given."""
-    out = {}
-    base = {k: str(v) for k, v in (base or {}).items()}
-    seqlens = [s for s in fr.order["seqlen"] if ((fr.df["data"] == data) & (fr.df["seqlen"] == s)).any()]
-    scale = scale or "amax"
-    for s in seqlens + ["all"]:
-        where = {"data": data, **base} if s == "all" else {"data": data, "seqlen": s, **base}
-        where["scale"] = scale
-        rot = ratio(fr, {"gran": "block", "rot": "none"}, {"gran": "block", "rot": "hadamard"}, where)
-        blk = ratio(fr, {"gran": "tensor", "rot": "hadamard"}, {"gran": "block", "rot": "hadamard"}, where)
-        if rot and blk:
-            out[s] = {"rotation_gain": rot, "block_gain": blk}
-    return out
-
-
-def block_quant_effect(fr: Frame, base: dict | None = None) -> "pandas.DataFrame":  # noqa: F821
-    """RMSE(block) / RMSE(tensor) and RMSE(block) / RMSE(head) for every data, seqlen,
-    rotation and P handling of the core design (FP32, e4m3) at the base shape, with CIs."""
-    import pandas as pd
-
-    rows = []
-    if "block" not in fr.order["gran"]:
-        return pd.DataFrame()
-    base = {k: str(v) for k, v in (base or {}).items()}
-    for d, s, rot, p, sc in itertools.product(fr.order["data"], fr.order["seqlen"], fr.order["rot"], fr.order["p"],
-                                              fr.order["scale"]):
-        where = {"data": d, "seqlen": s, "rot": rot, "p": p, "scale": sc, **base}
-        for ref in ("tensor", "head"):
-            r = ratio(fr, {"gran": "block"}, {"gran": ref}, where)
-            if r:
-                rows.append({"data": d, "seqlen": int(s), "rot": rot, "p": p, "scale": sc, "vs": ref, "ratio": r[0],
-                             "lo": r[1], "hi": r[2]})
-    return pd.DataFrame(rows)
-
-
-def base_shape(ds: xr.Dataset) -> dict:
-    """The head dim and causal flag of the run's main shape (designs may add others)."""
-    if "base_shape" in ds.attrs:
-        b = json.loads(ds.attrs["base_shape"])
-        return {"head_dim": int(b["head_dim"]), "causal": bool(b["causal"])}
-    return {"head_dim": int(ds["head_dim"].values[0]), "causal": bool(ds["causal"].values[0])}
-
-
-def seqlen_table(ds: xr.Dataset, variants: list[str]) -> "pandas.DataFrame":  # noqa: F821
-    """Pooled RMSE per (data, seqlen, variant) at the base shape, with metrics.bootstrap_ci intervals."""
-    import pandas as pd
-
-    from ..numerics.metrics import bootstrap_ci, pooled
-
-    rows = []
-    base = base_shape(ds)
-    for d in ds["data"].values:
-        for v in variants:
-            for s in ds["seqlen"].values:
-                vals = ds["rmse"].sel(data=d, seqlen=s, variant=v, **base).values
-                if not np.isfinite(vals).any():
-                    continue
-                lo, hi = bootstrap_ci("rmse", vals)
-                rows.append({"data": str(d), "variant": v, "seqlen": int(s), "rmse": pooled("rmse", vals),
-                             "lo": lo, "hi": hi})
-    return pd.DataFrame(rows)
-
-
-# Named recipes of the ablation's factor space (labels gran|rot|p|acc|fmt).
-NAMED = {
-    "kernel (per-head, no rotation)": "head|none|offset8|fp32|e4m3|amax",
-    "FA3 (block + Hadamard, pow2 scales)": "block|hadamard|offset8|fp32|e4m3|pow2",
-    "FA3 without rotation": "block|none|offset8|fp32|e4m3|pow2",
-    "FA3 without block quant": "tensor|hadamard|offset8|fp32|e4m3|pow2",
-    "per-tensor, no rotation (amax)": "tensor|none|offset8|fp32|e4m3|amax",
-    "block + Hadamard (amax scales)": "block|hadamard|offset8|fp32|e4m3|amax",
-    "per-token + orthogonal (amax)": "token|orthogonal|offset8|fp32|e4m3|amax",
-}
-
-
-def named_variants(ds: xr.Dataset) -> dict[str, str]:
-    have = {str(v) for v in ds["variant"].values}
-    return {k: v for k, v in NAMED.items() if v in have}
+from ..engine.files import atomic_path, atomic_write
+from ..studies.effects import (Frame, _lookup, base_shape, block_quant_effect, cell_frame, interaction_means,
+                               interactions, main_effects, named_variants, paper_finding, per_data_effects,
+                               seqlen_table)
 
 # -- summary --------------------------------------------------------------------------------
 
@@ -378,7 +105,7 @@ def summary_lines(ds: xr.Dataset, fr: Frame, me, per_data, blk, att) -> list[str
     if len(per_data):
         parts = []
         for d, sub in per_data.drop_duplicates(["data", "factor"]).groupby("data", sort=False):
-            sub = sub[sub["factor"].isin(FACTORS)].sort_values("size", ascending=False)
+            sub = sub[sub["factor"].isin(fr.factors)].sort_values("size", ascending=False)
             if not len(sub):
                 continue
             top = sub.iloc[0]
@@ -459,10 +186,13 @@ def _plain(ax, minor: bool = True) -> None:
 
 
 def _save(fig, path):
-    fig.savefig(path, dpi=110, bbox_inches="tight")
     import matplotlib.pyplot as plt
 
-    plt.close(fig)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -550,7 +280,7 @@ def fig_seqlen(tab, path):
 
 def fig_attribution(att, variants: list[str], title: str, path, labels: dict | None = None):
     """Stacked shares per recipe (left) and the full recipe's RMSE with CI (right)."""
-    from .attribution import STAGES
+    from ..studies.attribution import STAGES
 
     plt, sns = _theme()
     labels = labels or {}
@@ -622,10 +352,10 @@ def fig_block(blk, path):
     return _save(fig, path)
 
 
-def fig_per_data(per_data, path):
+def fig_per_data(per_data, path, factors=()):
     plt, sns = _theme()
     t = per_data.drop_duplicates(["data", "factor"]).pivot(index="data", columns="factor", values="size")
-    t = t[[c for c in list(FACTORS) + ["seqlen", "head_dim", "causal"] if c in t.columns]]
+    t = t[[c for c in list(factors) + ["seqlen", "head_dim", "causal"] if c in t.columns]]
     t = t.loc[[d for d in dict.fromkeys(per_data["data"]) if d in t.index]]
     fig, ax = plt.subplots(figsize=(1.2 * t.shape[1] + 2.5, 0.45 * t.shape[0] + 1.2))
     sns.heatmap(np.log10(t.astype(float)), annot=t.map(lambda v: f"x{v:.2f}"), fmt="", cmap="rocket_r", ax=ax,
@@ -643,13 +373,29 @@ def _md_table(df, cols, fmt=None) -> str:
     return "\n".join(lines)
 
 
+def nonfinite_lines(ds: xr.Dataset, fr: Frame) -> list[str]:
+    """The non-finite results of the ablation, as Markdown (empty when there are none)."""
+    from ..engine.nonfinite import scan
+
+    found = scan(ds)
+    if not found:
+        return []
+    lines = [f"**Non-finite results.** {len(found)} (data, shape, variant, seed) result(s) hold NaN or Inf; "
+             f"{len(fr.nonfinite)} cell(s) are left out of the effects and figures below, which are over the "
+             "finite cells only:", ""]
+    lines += [f"- {f.line()}" for f in found[:40]]
+    if len(found) > 40:
+        lines.append(f"- ... and {len(found) - 40} more (every one in the dataset's `nonfinite` variable)")
+    return lines + [""]
+
+
 def render_report(ds: xr.Dataset, out, *, dataset_path=None, n_boot: int = 200) -> "Path":  # noqa: F821
     """Write report.md, figures (PNG) and tables (CSV) for an ablation dataset into ``out``."""
-    import os
     from pathlib import Path
 
-    from .attribution import attribution_table
-    from ..report.summary import provenance_block
+    from ..numerics.keys import factors as registered
+    from ..studies.attribution import attribution_table
+    from .summary import provenance_block
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -670,7 +416,7 @@ def render_report(ds: xr.Dataset, out, *, dataset_path=None, n_boot: int = 200) 
     for name, df in (("effects", me), ("interactions", it), ("effects_per_data", per_data), ("block_quant", blk),
                      ("seqlen", seq), ("attribution", att_all if att is not None and len(att) else att)):
         if df is not None and len(df):
-            df.to_csv(out / f"{name}.csv", index=False, float_format="%.6g")
+            atomic_write(out / f"{name}.csv", df.to_csv(index=False, float_format="%.6g"))
     figs = []
     if len(me):
         figs.append(("Main effects", fig_main_effects(me, out / "main_effects.png")))
@@ -678,7 +424,7 @@ def render_report(ds: xr.Dataset, out, *, dataset_path=None, n_boot: int = 200) 
         pairs = [(r.f, r.g) for r in it.head(9).itertuples()]
         figs.append(("Interaction plots (the nine largest interactions)", fig_interactions(fr, pairs, out / "interactions.png")))
     if len(per_data):
-        figs.append(("Which factor matters where", fig_per_data(per_data, out / "effects_per_data.png")))
+        figs.append(("Which factor matters where", fig_per_data(per_data, out / "effects_per_data.png", fr.factors)))
     if len(blk):
         figs.append(("Block quantization by data", fig_block(blk, out / "block_quant.png")))
     if len(seq):
@@ -695,6 +441,8 @@ def render_report(ds: xr.Dataset, out, *, dataset_path=None, n_boot: int = 200) 
                 figs.append((f"Attribution: {d}", p))
     lines = summary_lines(ds, fr, me, per_data, blk, att)
     designs = json.loads(ds.attrs.get("designs", "{}"))
+    reg = registered()
+    default = {f: reg[f].default if f in reg else "?" for f in fr.factors}
     des_md = "\n".join(f"- `{k}`: " + ", ".join(f"{f} {{{', '.join(v)}}}" for f, v in d["levels"].items() if len(v) > 1)
                        + (f"; data {d['data']}" if d.get("data") else "")
                        + "".join(f"; {k} {d[k]}" for k in ("seqlen", "head_dim", "causal") if d.get(k))
@@ -705,16 +453,16 @@ def render_report(ds: xr.Dataset, out, *, dataset_path=None, n_boot: int = 200) 
           "fold_hi": lambda v: f"{v:.3f}", "rms_log10": lambda v: f"{v:.4f}", "share": lambda v: f"{v:.1%}",
           "share_lo": lambda v: f"{v:.1%}", "share_hi": lambda v: f"{v:.1%}", "additivity": lambda v: f"{v:.2f}",
           "full_rmse": lambda v: f"{v:.2e}"}
-    body = [f"# Ablation: {ds.attrs.get('description', '')}", "",
+    body = [f"# Ablation: {ds.attrs.get('description', '')}", "", *nonfinite_lines(ds, fr),
             "## Findings (generated from the data)", "", *lines, "",
             "## Design", "",
             f"{n_full} recipes over data {', '.join(f'`{d}`' for d in ds['data'].values)}, seqlen "
             f"{[int(s) for s in ds['seqlen'].values]}, head dim {[int(h) for h in ds['head_dim'].values]}, causal "
             f"{[bool(c) for c in ds['causal'].values]}; {int(ds.coords['heads'])} heads x batch "
             f"{int(ds.coords['batch_size'])} x seeds {json.loads(ds.attrs['seeds'])} samples, "
-            f"{int(ds.coords['rows'])} query rows each. Recipes are `{'|'.join(FACTORS)}` over the base "
+            f"{int(ds.coords['rows'])} query rows each. Recipes are `{'|'.join(fr.factors)}` over the base "
             f"`{ds.attrs.get('base_recipe')}`; designs (full factorials, unlisted factors at "
-            f"{'|'.join(DEFAULT_LEVEL[f] for f in FACTORS)}):",
+            f"{'|'.join(default[f] for f in fr.factors)}):",
             "", des_md, "",
             "Response: log10 of the RMSE pooled over (seed, batch, head). Effects use matched sets (cells equal in "
             "every other factor); intervals are 95% percentile bootstraps over (seed, batch, head) samples, resampled "
@@ -749,8 +497,5 @@ def render_report(ds: xr.Dataset, out, *, dataset_path=None, n_boot: int = 200) 
              f"variant results reused from cache: {ds.attrs.get('cells_reused')}",
              f"- dataset: `{dataset_path}`" if dataset_path else "", "",
              "Tables: " + ", ".join(f"`{p.name}`" for p in sorted(out.glob("*.csv"))), ""]
-    md = out / "report.md"
-    tmp = md.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(body))
-    os.replace(tmp, md)
-    return md
+    return atomic_write(out / "report.md", "\n".join(body))
+

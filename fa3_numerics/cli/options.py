@@ -1,0 +1,119 @@
+"""Options shared by the commands, and options generated from the registries.
+
+Exposed: ``parse_list``, ``with_options``, ``option``, ``dist_options``, ``factor_options``,
+``ALLOW_NONFINITE_HELP``, ``finish``.
+
+``dist_options`` makes one ``--NAME`` option per parameter of every registered distribution
+(its help from the registry, a comma list sweeps), and ``factor_options`` one per registered
+ablation factor: a family or factor added to its registry appears in ``--help`` and works on the
+command line without an edit here. A parameter whose name a command already uses for something
+else stays settable through ``--dist NAME:k=v``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable, Optional
+
+import typer
+
+from ..errors import UsageError
+
+ALLOW_NONFINITE_HELP = ("exit 0 even when results hold NaN or Inf (they are still reported in the warnings, "
+                        "summary and report); without it such a run ends with exit code 3")
+
+
+def parse_list(text: Optional[str], kind: type, name: str) -> Optional[list]:
+    """``"1,2,3"`` -> [1, 2, 3] of ``kind``; one-line errors naming ``--name``."""
+    if text is None:
+        return None
+    parts = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not parts:
+        raise UsageError(f"--{name.replace('_', '-')} got an empty list; give at least one value")
+    try:
+        if kind is bool:
+            vals = []
+            for t in parts:
+                if t.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                vals.append(t.lower() in ("true", "1", "yes"))
+            return vals
+        if kind is int:
+            return [_int(t) for t in parts]
+        return [kind(t) for t in parts]
+    except (ValueError, OverflowError):
+        raise UsageError(f"--{name.replace('_', '-')} expects {kind.__name__} values, got {text!r}") from None
+
+
+def _int(text: str) -> int:
+    # "1e3" and "1024.0" are integers; Python ints are unbounded, so range checks come later.
+    try:
+        return int(text)
+    except ValueError:
+        f = float(text)
+        if not f.is_integer():
+            raise
+        return int(f)
+
+
+def option(name: str, help: str, annotation=Optional[str], default=None) -> inspect.Parameter:
+    """A keyword-only typer option ``--name`` (underscores become dashes)."""
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                             default=typer.Option(default, f"--{name.replace('_', '-')}", help=help))
+
+
+def with_options(extra: Callable[[], list[inspect.Parameter]]):
+    """Decorator: append generated options (``extra()``, read when the command is registered) to
+    a command whose last parameter is ``**generated``; their values arrive in that dict."""
+
+    def deco(fn):
+        sig = inspect.signature(fn)
+        fixed = [p for p in sig.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+        taken = {p.name for p in fixed}
+        params = fixed + [p for p in extra() if p.name not in taken]
+        names = {p.name for p in params} - taken
+
+        @functools.wraps(fn)
+        def wrapper(**kw):
+            generated = {k: kw.pop(k) for k in list(kw) if k in names}
+            return fn(**kw, **generated)
+
+        wrapper.__signature__ = sig.replace(parameters=params)
+        return wrapper
+
+    return deco
+
+
+def dist_options() -> list[inspect.Parameter]:
+    """One option per distribution parameter name; help lists every family that has it."""
+    from ..data import distributions
+
+    helps: dict[str, list[str]] = {}
+    for name, entry in distributions.available().items():
+        for p, (default, text) in entry.params.items():
+            helps.setdefault(p, []).append(f"{name.rstrip(':')}: {text} (default {default:g})")
+    return [option(p, "; ".join(h) + ". A comma list sweeps.") for p, h in helps.items()]
+
+
+def factor_options() -> list[inspect.Parameter]:
+    """One option per registered ablation factor: its levels for designs that vary it."""
+    from ..numerics.keys import factors
+
+    out = []
+    for name, f in factors().items():
+        levels = f.level_names()
+        out.append(option(name, f"{f.help}; levels for the designs that vary it"
+                                + (f" ({', '.join(levels)})" if levels else "") + ", comma separated"))
+    return out
+
+
+def finish(findings, allow: bool, echo: Callable[[str], None]) -> None:
+    """End a command after its files are written: warn about non-finite results, exit 3 unless allowed."""
+    from ..engine.nonfinite import enforce, warn
+
+    warn(findings, echo)
+    enforce(findings, allow)
+
+
+__all__ = ["parse_list", "with_options", "option", "dist_options", "factor_options", "ALLOW_NONFINITE_HELP", "finish"]

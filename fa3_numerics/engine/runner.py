@@ -1,0 +1,249 @@
+"""The one study runner: tasks of (inputs, reference, jobs) through backends, cached, resumable,
+in this process or on dask.
+
+Exposed: ``Job``, ``Task``, ``TaskResult``, ``RunResult``, ``compute_task``, ``run_tasks``.
+
+Every study (``fa3_numerics.studies``) reduces to a list of ``Task``s. A task draws its inputs
+once (``fa3_numerics.engine.inputs``), refuses unusable ones, picks its query rows
+(``fa3_numerics.engine.sampling``), computes the float64 reference once (or takes it from the
+task's probe), and runs each ``Job`` (a recipe through a backend) on them, measuring every
+registered metric per (batch, head) sample. A job may name another job of the task
+(``against``): it is then also compared with that job's output, output for output (the
+emulator against the kernel in ``validate``). A task may name a probe, ``"module:function"``,
+that computes extra statistics from the inputs (the audit's), and may return the reference.
+
+Results are placed by slot, never by completion order, so a dataset does not depend on the
+number of workers. Each finished job is written to the cache as soon as it finishes
+(``fa3_numerics.engine.cache``); ``run_tasks`` reads what is cached and submits only what is
+missing, so a killed sweep resumes where it stopped. Non-finite outputs and references are
+measured, not dropped: the metrics carry them and ``notes`` say where.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..numerics.metrics import METRICS, compare_outputs, per_sample
+from ..numerics.recipe import Recipe
+from . import cache as _cache
+from .backends import get_backend
+from .inputs import CaptureInputs, DistInputs, TensorInputs, check_inputs, default_scale, input_histogram
+from .sampling import deterministic_matmuls, query_rows
+
+
+@dataclasses.dataclass
+class Job:
+    """One recipe through one backend. ``key`` names its cache file (``""``: not cached)."""
+
+    slot: int
+    recipe: Recipe
+    key: str = ""
+    backend: str = ""  # "" = the task's
+    against: int | None = None  # slot of the job whose outputs this one is compared with
+
+
+@dataclasses.dataclass
+class Task:
+    """One draw of inputs and every job on them. ``hist_key``: cache file of the inputs' |x|
+    histogram (``""`` = compute without caching; None = no histogram)."""
+
+    inputs: DistInputs | CaptureInputs | TensorInputs
+    causal: bool
+    seed: int  # of the query-row sample and of the rotations
+    rows: int
+    backend: str
+    device: str
+    jobs: list[Job]
+    hist_key: str | None = ""
+    where: str = ""
+    modules: tuple[str, ...] = ()  # imported first on a worker (they register what the task needs)
+    softmax_scale: float | None = None
+    probe: str = ""
+
+
+@dataclasses.dataclass
+class TaskResult:
+    metrics: dict[int, dict[str, np.ndarray]]  # slot -> metric -> [B, H]
+    hist: np.ndarray | None = None
+    extras: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class RunResult:
+    results: list[dict[int, dict[str, np.ndarray]]]
+    hists: list[np.ndarray | None]
+    extras: list[dict[str, np.ndarray]]
+    seconds: list[float]
+    reused: int
+    notes: list[str]
+    not_run: int = 0  # tasks skipped by a deadline
+
+
+def _names(job: Job) -> list[str]:
+    return list(METRICS) + (list(compare_outputs.NAMES) if job.against is not None else [])
+
+
+def _probe(path: str) -> Callable:
+    mod, fn = path.split(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def compute_task(task: Task, cache_dir: str | None = None, threads: int = 0) -> TaskResult:
+    """Run every job of ``task``; write each result to the cache as it finishes.
+
+    ``threads`` > 0 sets torch's intra-op threads (workers that share the CPU use 1).
+    """
+    t0 = time.perf_counter()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    deterministic_matmuls()
+    for mod in task.modules:
+        importlib.import_module(mod)
+    device = task.device
+    if device == "cuda":
+        from .distributed import worker_device
+
+        device = worker_device(device)
+    cdir = Path(cache_dir) if cache_dir else None
+    where = f"{task.inputs.describe()}" + (f" at {task.where}" if task.where else "") + f", seed {task.seed}"
+    q, k, v = task.inputs.draw()
+    n, d = q.shape[2], q.shape[3]
+    scale = default_scale(d, task.softmax_scale)
+    check_inputs(q, k, v, scale=scale, where=where)
+    hist = None
+    if task.hist_key is not None:
+        hist = input_histogram(q, k, v)
+        if cdir is not None and task.hist_key:
+            _cache.save(cdir / f"{task.hist_key}.npz", {"hist": hist})
+    q, k, v = (t.to(device) for t in (q, k, v))
+    q_index = query_rows(n, task.rows, task.seed, device)
+    extras: dict[str, np.ndarray] = {}
+    ref = None
+    if task.probe:
+        extras = dict(_probe(task.probe)(task, q, k, v, q_index))
+        ref = extras.pop("reference", None)
+    if ref is None:
+        from ..numerics.reference import reference_attention
+
+        ref = reference_attention(q, k, v, causal=task.causal, softmax_scale=task.softmax_scale, q_index=q_index)
+    notes = []
+    bad_ref = int((~torch.isfinite(ref)).sum())
+    if bad_ref:
+        notes.append(f"{where}: the float64 reference holds {bad_ref} non-finite value(s)")
+    shared: dict = {}
+    outputs: dict[int, torch.Tensor] = {}
+    wanted = {j.against for j in task.jobs if j.against is not None}
+    results: dict[int, dict[str, np.ndarray]] = {}
+    for job in task.jobs:
+        backend = get_backend(job.backend or task.backend)
+        # Keys added after the emulator's prepare cache was written keep their tensors apart.
+        ns = job.recipe.cache_namespace()
+        cache = shared.setdefault(ns, {}) if ns else shared
+        o = backend.attention(job.recipe, q, k, v, causal=task.causal, q_index=q_index, rotation_seed=task.seed,
+                              cache=cache, softmax_scale=task.softmax_scale)
+        vals = per_sample(o, ref)
+        if job.against is not None:
+            vals.update(compare_outputs(o, outputs[job.against], ref))
+        if job.slot in wanted:
+            outputs[job.slot] = o
+        results[job.slot] = vals
+        if cdir is not None and job.key:
+            _cache.save(cdir / f"{job.key}.npz", vals)
+    return TaskResult(results, hist, extras, notes, time.perf_counter() - t0)
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_tasks(tasks: list[Task], *, cache_dir: Path | None = None, workers: int = 0, scheduler: str | None = None,
+              progress: Callable[[str], None] = _progress, deadline: float | None = None) -> RunResult:
+    """Results of every task, in task order.
+
+    Cached jobs are read, not recomputed; a task whose every job and histogram is cached is not
+    submitted. ``workers=0`` (and no ``scheduler``) computes in this process; otherwise tasks go
+    to dask.distributed. ``deadline`` (a ``time.perf_counter()`` value, in-process only) skips
+    the tasks that would start after it, leaving their results empty.
+    """
+    results: list[dict[int, dict]] = [{} for _ in tasks]
+    hists: list[np.ndarray | None] = [None] * len(tasks)
+    extras: list[dict] = [{} for _ in tasks]
+    seconds = [float("nan")] * len(tasks)
+    notes: list[str] = []
+    todo: list[tuple[int, Task]] = []
+    reused = 0
+    warn = lambda m: progress(f"warning: {m}")  # noqa: E731
+    for ti, task in enumerate(tasks):
+        missing = []
+        for job in task.jobs:
+            got = _cache.load(cache_dir / f"{job.key}.npz", _names(job), warn) if cache_dir and job.key else None
+            if got is None:
+                missing.append(job)
+            else:
+                results[ti][job.slot] = got
+                reused += 1
+        # A job compared against another needs that one's outputs, not only its metrics.
+        need = {j.against for j in missing if j.against is not None}
+        missing += [j for j in task.jobs if j.slot in need and j not in missing]
+        missing.sort(key=lambda j: task.jobs.index(j))
+        h = None
+        if task.hist_key and cache_dir is not None:
+            h = _cache.load(cache_dir / f"{task.hist_key}.npz", ["hist"], warn)
+            if h is not None:
+                hists[ti] = h["hist"]
+        hist_missing = task.hist_key is not None and h is None
+        if missing or hist_missing or task.probe:
+            # A missing histogram alone recomputes one job to regenerate the inputs; a cached
+            # histogram is not rewritten (hist_key "" tells the task not to save it).
+            todo.append((ti, dataclasses.replace(task, jobs=missing or task.jobs[:1],
+                                                 hist_key=(task.hist_key if hist_missing else
+                                                           (None if task.hist_key is None else "")))))
+    total = len(tasks)
+    t0 = time.perf_counter()
+    done = 0
+
+    def finish(ti: int, sub: Task, res: TaskResult) -> None:
+        nonlocal done
+        results[ti].update(res.metrics)
+        if res.hist is not None:
+            hists[ti] = res.hist
+        extras[ti] = res.extras
+        seconds[ti] = res.seconds
+        for note in res.notes:
+            notes.append(note)
+            progress(f"warning: {note}")
+        done += 1
+        el = time.perf_counter() - t0
+        progress(f"[{total - len(todo) + done}/{total}] {tasks[ti].where or 'single cell'}, seed {sub.seed}: "
+                 f"{len(sub.jobs)} computed, {len(tasks[ti].jobs) - len(sub.jobs)} from cache; "
+                 f"{el:.1f} s elapsed, ~{el / done * (len(todo) - done):.0f} s left")
+
+    if len(todo) < total:
+        progress(f"{total - len(todo)} of {total} task(s) fully cached; {reused} variant result(s) reused")
+    not_run = 0
+    if todo and (workers or scheduler):
+        from .distributed import run_dask
+
+        run_dask(todo, compute_task, cache_dir=cache_dir, workers=workers, scheduler=scheduler, finish=finish,
+                 progress=progress)
+    else:
+        for i, (ti, sub) in enumerate(todo):
+            if deadline is not None and time.perf_counter() > deadline:
+                not_run = len(todo) - i
+                progress(f"deadline reached: {not_run} task(s) not run")
+                break
+            finish(ti, sub, compute_task(sub, str(cache_dir) if cache_dir else None))
+    return RunResult(results, hists, extras, seconds, reused, notes, not_run)
+
+
+__all__ = ["Job", "Task", "TaskResult", "RunResult", "compute_task", "run_tasks"]

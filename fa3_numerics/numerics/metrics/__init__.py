@@ -1,0 +1,225 @@
+"""Error metrics of an attention output against the float64 reference: a registry, and how
+samples combine.
+
+Exposed: ``Metric``, ``register_metric``, ``metrics``, ``get_metric``, ``METRICS``, ``Terms``,
+``per_sample``, ``compare_outputs``, ``pooled``, ``nonfinite_samples``, ``bootstrap_stats``,
+``bootstrap_ci``.
+
+Every metric is computed per sample (one (batch, head) of one seed) over the evaluated
+query rows and head dim, so that each figure can carry a confidence interval over samples.
+RMSE is the headline (FA3 paper, Table 3); the conventions peers use sit beside it (``core.py``).
+
+A metric is a function of ``Terms`` (the output, the reference and shared sums, computed once)
+returning a [B, H] tensor, plus how its samples pool (``"rms"``, ``"mean"``, ``"max"``,
+``"sum"``). Add one as a module of this package calling ``register_metric``: every run's
+dataset gets a variable of that name, and reports, ``compare --metric`` and the audit's ranking
+offer it.
+
+Non-finite samples are never dropped: a sample whose output (or reference) holds NaN or Inf
+has NaN errors, and ``pooled`` and the bootstrap of any set holding such a sample are NaN.
+Callers report them as "non-finite (k of n samples)" (``nonfinite_samples``) rather than an
+estimate over the rest that would look complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import math
+import pkgutil
+from typing import Callable
+
+import numpy as np
+import torch
+
+POOLS = ("rms", "mean", "max", "sum")
+
+
+class Terms:
+    """The output and reference of one evaluation, [B, H, R, D] float64, and sums over (R, D)
+    that several metrics share, computed once on first use."""
+
+    def __init__(self, out: torch.Tensor, ref: torch.Tensor):
+        self.o = out.to(torch.float64)
+        self.r = ref.to(torch.float64)
+        self.n = self.o.shape[2] * self.o.shape[3]
+
+    @functools.cached_property
+    def err(self) -> torch.Tensor:
+        """O - O_ref, NaN where O is not finite (so every error metric of that sample is NaN)."""
+        return torch.where(torch.isfinite(self.o), self.o - self.r, torch.full_like(self.o, math.nan))
+
+    @functools.cached_property
+    def se(self) -> torch.Tensor:
+        return (self.err ** 2).sum(dim=(2, 3))
+
+    @functools.cached_property
+    def ref2(self) -> torch.Tensor:
+        return (self.r ** 2).sum(dim=(2, 3))
+
+    @functools.cached_property
+    def nonfinite(self) -> torch.Tensor:
+        """Count of positions where the output or the reference is NaN or Inf."""
+        return (~torch.isfinite(self.o) | ~torch.isfinite(self.r)).sum(dim=(2, 3))
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    name: str
+    description: str
+    fn: Callable[[Terms], torch.Tensor]  # -> [B, H]
+    pool: str = "mean"  # how samples combine: rms (RMSE), mean, max, sum (counts)
+    units: str = ""
+    # "higher": larger is worse (errors; ranked by the audit); "lower": larger is better; "": a count
+    worse: str = "higher"
+
+    def __post_init__(self):
+        if self.pool not in POOLS:
+            raise ValueError(f"metric {self.name}: pool must be one of {POOLS}")
+
+
+_REGISTRY: dict[str, Metric] = {}
+#: name -> description of every registered metric, in order (kept in step with the registry).
+METRICS: dict[str, str] = {}
+_loaded = False
+
+
+def register_metric(name: str, description: str, *, pool: str = "mean", units: str = "", worse: str = "higher"):
+    """Decorator: register ``fn(terms) -> [B, H] tensor`` as metric ``name``."""
+
+    def deco(fn):
+        _REGISTRY[name] = Metric(name, description, fn, pool, units, worse)
+        METRICS[name] = description
+        return fn
+
+    return deco
+
+
+def unregister_metric(name: str) -> None:
+    """Remove a metric (tests that add one clean up with this)."""
+    _REGISTRY.pop(name, None)
+    METRICS.pop(name, None)
+
+
+def _load() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        importlib.import_module(f"{__name__}.core")
+        for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+            if info.name != "core":
+                importlib.import_module(f"{__name__}.{info.name}")
+
+
+def metrics() -> dict[str, Metric]:
+    _load()
+    return dict(_REGISTRY)
+
+
+def get_metric(name: str) -> Metric:
+    from ...errors import UsageError
+
+    _load()
+    if name not in _REGISTRY:
+        raise UsageError(f"unknown metric {name!r}; choose one of: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def per_sample(out: torch.Tensor, ref: torch.Tensor) -> dict[str, np.ndarray]:
+    """out, ref: [B, H, R, D] -> every registered metric as a [B, H] float64 array."""
+    t = Terms(out, ref)
+    return {m.name: m.fn(t).to(torch.float64).cpu().numpy() for m in metrics().values()}
+
+
+def compare_outputs(out: torch.Tensor, other: torch.Tensor, ref: torch.Tensor) -> dict[str, np.ndarray]:
+    """Output-for-output comparison of ``out`` with ``other`` (the emulator with the kernel),
+    per (batch, head) sample, [B, H] float64 each (see ``compare_outputs.NAMES``):
+
+    - ``vs_se``: sum of (out - other)^2 over positions finite in both; ``vs_n``: their count;
+    - ``vs_identical``: positions where the two are bit-identical (and finite);
+    - ``vs_nonfinite_here`` / ``vs_nonfinite_there``: positions non-finite in ``out`` only /
+      in ``other`` only (an emulator that is NaN where the kernel is finite is a bug);
+    - ``vs_max_rel``: max |out - other| / |other| over positions finite in both, other != 0;
+    - ``vs_ref_se``: sum of (other - ref)^2 over positions finite in both (F's denominator, so
+      that a NaN in either does not hide the fidelity of the rest).
+    """
+    o, k, r = out.to(torch.float64), other.to(torch.float64), ref.to(torch.float64)
+    fo, fk = torch.isfinite(o), torch.isfinite(k)
+    both = fo & fk & torch.isfinite(r)
+    diff = torch.where(both, o - k, torch.zeros_like(o))
+    rel = torch.where(both & (k != 0), diff.abs() / k.abs().clamp_min(1e-30), torch.zeros_like(o))
+    vals = {
+        "vs_se": (diff ** 2).sum(dim=(2, 3)),
+        "vs_n": both.sum(dim=(2, 3)),
+        "vs_identical": ((o == k) & both).sum(dim=(2, 3)),
+        "vs_nonfinite_here": (~fo & fk).sum(dim=(2, 3)),
+        "vs_nonfinite_there": (fo & ~fk).sum(dim=(2, 3)),
+        "vs_max_rel": rel.amax(dim=(2, 3)),
+        "vs_ref_se": torch.where(both, k - r, torch.zeros_like(k)).pow(2).sum(dim=(2, 3)),
+    }
+    return {name: v.to(torch.float64).cpu().numpy() for name, v in vals.items()}
+
+
+compare_outputs.NAMES = ("vs_se", "vs_n", "vs_identical", "vs_nonfinite_here", "vs_nonfinite_there", "vs_max_rel",
+                         "vs_ref_se")
+
+
+def _pool(metric: str) -> str:
+    m = _REGISTRY.get(metric) or metrics().get(metric)
+    return m.pool if m is not None else "mean"
+
+
+def pooled(metric: str, values: np.ndarray) -> float:
+    """Combine per-sample values by the metric's pool rule: RMSE as sqrt(mean(rmse^2)), max_abs
+    as max, counts as sum, the rest as mean. NaN if any sample is NaN (never dropped) or none given."""
+    v = np.asarray(values, dtype=np.float64).ravel()
+    if v.size == 0 or np.isnan(v).any():
+        return math.nan
+    rule = _pool(metric)
+    if rule == "rms":
+        return float(np.sqrt(np.mean(v ** 2)))
+    if rule == "max":
+        return float(np.max(v))
+    if rule == "sum":
+        return float(np.sum(v))
+    return float(np.mean(v))
+
+
+def nonfinite_samples(values: np.ndarray) -> tuple[int, int]:
+    """(samples whose value is NaN, samples) of one set of per-sample values."""
+    v = np.asarray(values, dtype=np.float64).ravel()
+    return int(np.isnan(v).sum()), int(v.size)
+
+
+def bootstrap_stats(metric: str, values: np.ndarray, *, n_boot: int = 2000, seed: int = 0) -> np.ndarray:
+    """Bootstrap replicates of ``pooled`` over samples (seeded, so reproducible); all NaN when a
+    sample is NaN or fewer than two are given."""
+    v = np.asarray(values, dtype=np.float64).ravel()
+    if v.size < 2 or np.isnan(v).any():
+        return np.full(n_boot, math.nan)
+    idx = np.random.default_rng(seed).integers(0, v.size, size=(n_boot, v.size))
+    rule = _pool(metric)
+    if rule == "rms":
+        return np.sqrt(np.mean(v[idx] ** 2, axis=1))
+    if rule == "max":
+        return np.max(v[idx], axis=1)
+    if rule == "sum":
+        return np.sum(v[idx], axis=1)
+    return np.mean(v[idx], axis=1)
+
+
+def bootstrap_ci(metric: str, values: np.ndarray, *, level: float = 0.95, n_boot: int = 2000,
+                 seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of ``pooled`` over samples ((nan, nan) when undefined)."""
+    stats = bootstrap_stats(metric, values, n_boot=n_boot, seed=seed)
+    if not np.isfinite(stats).all():
+        return (math.nan, math.nan)
+    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+_load()
+
+__all__ = ["Metric", "Terms", "register_metric", "unregister_metric", "metrics", "get_metric", "METRICS",
+           "per_sample", "compare_outputs", "pooled", "nonfinite_samples", "bootstrap_stats", "bootstrap_ci", "POOLS"]

@@ -1,0 +1,808 @@
+"""One device call for the Triton kernels (issue 12): self-checks, fused-quantizer fidelity and
+bandwidth, validation of the emulator against the Triton FP8 kernel, Table 3 on hardware with
+block quantization, throughput beside FA3, and the accuracy-against-speed figure.
+
+Run on the H200 (carry .whl: fa3-fwd for the FA3 rows, h5netcdf for the .nc files)::
+
+    bash kernels/device/triton_h200.sh            # writes into $OUT
+
+Files written into ``--out`` (at most 8), each as soon as its part finishes:
+
+- ``report.md``        every table, with where and how it was measured
+- ``results.json``     environment, every number, wall times
+- ``quant.csv``        fused quantizer bandwidth per granularity, mode and launch configuration
+- ``validation.nc``    F and bit-identical share per case, accumulator model and kernel variant
+- ``table3_hardware.nc`` Table 3 rows on the Triton kernel (and fused / two-level variants)
+- ``throughput.csv``   ms and TFLOP/s per variant and repeat statistics, RMSE against float64
+- ``accuracy_speed.png`` RMSE against TFLOP/s (median, 10-90% range over repeats)
+- ``log.txt``          (written by the shell wrapper)
+
+Functions for ``kernels/device/h200.py`` (each takes an ``Out`` with ``section``, ``timings``,
+``save_timings``, ``dir`` and ``error``, plus ``args`` and ``Sizes``; their report sections are
+keyed ``triton_*``): ``triton_tests``, ``triton_checks``, ``triton_quantizer``,
+``triton_quant_sweep``, ``triton_validation``, ``triton_block_validation``, ``triton_table3``,
+``triton_throughput`` (returns rows in h200's throughput format plus spread columns; ``backend``
+is ``triton`` or ``fa3``, ``fused`` in the variant name for rows with the fused preprocessing),
+``throughput_figure``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+T0 = time.perf_counter()
+HBM_SPEC_TBS = 4.8
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+class Out:
+    """Report sections and a JSON of numbers, rewritten after every part (a timeout keeps them)."""
+
+    ORDER = ["head", "env", "triton_tests", "triton_checks", "triton_quant", "triton_quant_sweep", "triton_validation",
+             "triton_block_validation", "triton_table3", "triton_throughput", "errors"]
+
+    def __init__(self, folder: Path):
+        self.dir = Path(folder)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.sections: dict[str, str] = {}
+        self.timings: dict = {}
+
+    def section(self, key: str, text: str) -> None:
+        self.sections[key] = text
+        keys = self.ORDER + [k for k in self.sections if k not in self.ORDER]
+        self._atomic("report.md", "\n\n".join(self.sections[k] for k in keys if k in self.sections) + "\n")
+
+    def save_timings(self) -> None:
+        self._atomic("results.json", json.dumps(self.timings, indent=1, default=str))
+
+    def _atomic(self, name: str, text: str) -> None:
+        tmp = self.dir / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, self.dir / name)
+
+    def error(self, part: str, exc: BaseException) -> None:
+        log(f"{part} FAILED: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        prev = self.sections.get("errors", "## Errors\n")
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        self.section("errors", prev + f"\n- {part}: `{type(exc).__name__}: {first[:300]}`")
+        self.timings.setdefault("errors", {})[part] = f"{type(exc).__name__}: {exc}"[:2000]
+        self.save_timings()
+
+
+@dataclasses.dataclass
+class Sizes:
+    t3_batch: int = 2
+    t3_heads: int = 16
+    t3_seqlen: int = 8192
+    t3_rows: int = 1024
+    tp_batch: int = 4
+    tp_heads: int = 16
+    tp_seqlen: int = 8192
+    tp_rows: int = 1024
+    tp_reps: int = 30
+    grid: str = "small"
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    tmp = path.with_name("." + path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+def _bench(fn, reps: int) -> list[float]:
+    """Seconds of ``fn()`` per repeat (CUDA events), after warm-up."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3)
+    return out
+
+
+def _q(xs: list[float], f: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, int(round(f * (len(s) - 1)))))]
+
+
+# ----------------------------------------------------------------------------- parts
+
+
+def environment(out: Out, args) -> dict:
+    import torch
+    import triton
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": str(torch.version.cuda),
+           "triton": triton.__version__, "host": platform.node()}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["capability"] = list(torch.cuda.get_device_capability())
+        env["sms"] = torch.cuda.get_device_properties(0).multi_processor_count
+    try:
+        from fa3_numerics.engine.provenance import git_commit
+
+        env["git_commit"] = git_commit()
+    except Exception:  # noqa: BLE001 - provenance only
+        pass
+    try:
+        from fa3_numerics.kernels.fa3 import kernel_problem, load_kernel
+
+        why = kernel_problem("cuda")
+        env["fa3"] = "ok " + " ".join(load_kernel()[1:]) if why is None else why
+    except Exception as exc:  # noqa: BLE001
+        env["fa3"] = f"{type(exc).__name__}: {exc}"
+    # The ceiling the quantizer's bandwidth is judged against: a device-to-device copy.
+    n = 1 << 30
+    bufs = [torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    ts = _bench(lambda: bufs[1].copy_(bufs[0]), 20)
+    env["copy_tbs"] = 2 * n / _q(ts, 0.5) / 1e12
+    bufs.clear()
+    out.timings["env"] = env
+    out.save_timings()
+    out.section("env", "## Environment\n\n" + "\n".join(f"- {k}: {v}" for k, v in env.items()))
+    log(f"env {env}")
+    return env
+
+
+def triton_checks(out: Out, args=None, sz: Sizes | None = None) -> None:
+    """The kernels' correctness checks on the device (the same functions the CPU tests run in the
+    interpreter), plus pytest of tests/test_kernels_triton.py."""
+    import torch
+
+    from fa3_numerics.kernels.triton_ import selfcheck
+
+    t = time.perf_counter()
+    res = {"cast": selfcheck.cast_checks("cuda"), "gqa": selfcheck.gqa_check("cuda")}
+    log(f"checks cast/gqa {res}")
+    res["attention"] = selfcheck.attention_checks("cuda", accs=("fp32", "fp22", "two-level"))
+    for r in res["attention"]:
+        log(f"  check {r}")
+    res["quant"] = selfcheck.quantizer_checks("cuda", shape=(2, 16, 2048, 128), impls=("butterfly", "dot"))
+    res["seconds"] = round(time.perf_counter() - t, 2)
+    out.timings["checks"] = res
+    out.save_timings()
+    code = None
+    try:
+        import pytest
+
+        code = int(pytest.main(["-q", "-p", "no:cacheprovider", "-rs", str(REPO / "tests" / "test_kernels_triton.py")]))
+    except Exception as exc:  # noqa: BLE001
+        out.error("pytest", exc)
+    out.timings["checks"]["pytest_exit_code"] = code
+    out.save_timings()
+    lines = ["## Correctness checks on the device (kernels/triton_/selfcheck.py)", "",
+             "- hardware casts (cvt.rn.satfinite FP8, cvt.rn BF16) equal the float32 soft rounding: "
+             + ", ".join(f"{k} {v}" for k, v in res["cast"].items()),
+             f"- GQA equals K/V repeated per Q head bit for bit: {res['gqa']['gqa_identical']}; fully masked rows are 0: "
+             f"{res['gqa']['masked_rows_zero']}",
+             f"- tests/test_kernels_triton.py on this machine: pytest exit code {code}", "",
+             "Kernel against the emulator per accumulator model (outliers p 0.01 sigma 10, every row):", "",
+             "| recipe | backend | n | h/kv | d | causal | RMSE(kernel) | F fp32 | F fp22 | F two-level | identical fp22 | identical two-level |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["attention"]:
+        lines.append(f"| `{r['recipe']}` | {r['backend']} | {r['seqlen']} | {r['heads']}/{r['kv_heads']} | {r['head_dim']} | "
+                     f"{'yes' if r['causal'] else 'no'} | {r['rmse_kernel']:.3e} | {r['F_fp32']:.4f} | {r['F_fp22']:.4f} | "
+                     f"{r['F_two-level']:.4f} | {r['identical_fp22']:.2%} | {r['identical_two-level']:.2%} |")
+    lines += ["", "Fused quantizer against the emulator's rotation + quantize (batch 2, 16 heads, seqlen 2048, dim 128, "
+              "paper outliers p 0.01):", "", "| granularity | group | pow2 | rot | mode | bytes identical | values equal | "
+              "descales identical | differing / elements |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["quant"]:
+        lines.append(f"| {r['gran']} | {r['group']} | {r['pow2']} | {r['rot']} | {r['mode']} | {r['values_identical']:.6%} | "
+                     f"{r['values_equal']:.6%} | {r['descales_identical']:.4%} | {r['values_differing']} / {r['elements']} |")
+    out.section("triton_checks", "\n".join(lines))
+    del torch
+
+
+def triton_tests(out: Out, args=None, sz: Sizes | None = None) -> None:
+    """tests/test_kernels_triton.py on the device, and the cast comparison in detail."""
+    import pytest
+
+    from fa3_numerics.kernels.triton_ import selfcheck
+
+    cast = selfcheck.cast_checks("cuda")
+    log(f"casts {cast}")
+    t = time.perf_counter()
+    code = int(pytest.main(["-q", "-p", "no:cacheprovider", "-rs", str(REPO / "tests" / "test_kernels_triton.py")]))
+    out.timings["tests"] = {"pytest_exit_code": code, "seconds": round(time.perf_counter() - t, 1), "cast": cast}
+    out.save_timings()
+    out.section("triton_tests", f"## tests/test_kernels_triton.py on the device\n\npytest exit code {code} "
+                                f"({'all passed' if code == 0 else 'failures: see log.txt'}); hardware vs soft casts: {cast}")
+
+
+def triton_quantizer(out: Out, args=None, sz: Sizes | None = None) -> list[dict]:
+    """Bandwidth of the fused rotate-and-quantize kernel on a Q-shaped BF16 tensor (b, s, h, d)."""
+    import torch
+
+    from fa3_numerics.kernels.triton_.rotate_quant import min_bytes, rotate_quantize
+    from fa3_numerics.numerics.granularity import PerBlock, PerHead, PerTensor, PerToken
+
+    sz = sz or Sizes()
+    b, n, h, d = sz.tp_batch, sz.tp_seqlen, sz.tp_heads, 128
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(b, n, h, d, generator=g, device="cuda").to(torch.bfloat16)
+    copy = out.timings.get("env", {}).get("copy_tbs", float("nan"))
+    rows = []
+    configs = [("head", PerHead(), 1), ("block128", PerBlock(128), 1), ("block224", PerBlock(224), 1),
+               ("token", PerToken(), 1), ("tensor", PerTensor(), 1)]
+    modes = [("fast-dot", False, "dot"), ("fast-butterfly", False, "butterfly"), ("exact-f64", True, "butterfly")]
+    for gname, gran, passes in configs:
+        for mname, exact, impl in modes:
+            for rot in ("hadamard",):
+                label = f"{gname} {mname}"
+                try:
+                    call = lambda: rotate_quantize(x, layout="bshd", gran=gran, rot=rot, seed=0, exact=exact,  # noqa: E731,B023
+                                                   impl=impl, out_layout="bhsd")
+                    o = call()
+                    ts = _bench(call, 20)
+                    t = _q(ts, 0.5)
+                    reads = 2 if gname in ("head", "tensor") else 1
+                    mb = min_bytes(x, o)
+                    actual = mb + (reads - 1) * x.numel() * x.element_size()
+                    r = {"granularity": gname, "mode": mname, "rot": rot, "shape": f"{b}x{n}x{h}x{d} bf16",
+                         "ms": t * 1e3, "ms_p10": _q(ts, 0.1) * 1e3, "ms_p90": _q(ts, 0.9) * 1e3,
+                         "min_bytes": mb, "bytes_moved": actual, "passes_over_input": reads,
+                         "tbs_min_bytes": mb / t / 1e12, "tbs_moved": actual / t / 1e12,
+                         "pct_copy_moved": 100 * actual / t / 1e12 / copy, "pct_spec_moved": 100 * actual / t / 1e12 / HBM_SPEC_TBS}
+                    rows.append(r)
+                    log(f"quant {label}: {t * 1e3:.3f} ms, {r['tbs_moved']:.2f} TB/s moved ({r['pct_copy_moved']:.0f}% of copy)")
+                except Exception as exc:  # noqa: BLE001
+                    out.error(f"quantizer {label}", exc)
+    out.timings["quantizer"] = rows
+    out.save_timings()
+    _write_csv(out.dir / "quant.csv", rows)
+    lines = [f"## Fused rotate-and-quantize: bandwidth (BF16 {b}x{n}x{h}x{d} in (batch, seq, head, dim), FP8 out "
+             f"(batch, head, seq, dim); random Hadamard; median of 20, CUDA events)", "",
+             f"Device-to-device copy on this GPU: {copy:.2f} TB/s (read + write); spec {HBM_SPEC_TBS} TB/s.", "",
+             "| granularity | mode | ms (p10-p90) | passes over input | TB/s (bytes moved) | % of copy | % of spec | TB/s (minimal bytes) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['granularity']} | {r['mode']} | {r['ms']:.3f} ({r['ms_p10']:.3f}-{r['ms_p90']:.3f}) | "
+                     f"{r['passes_over_input']} | {r['tbs_moved']:.2f} | {r['pct_copy_moved']:.0f}% | {r['pct_spec_moved']:.0f}% | "
+                     f"{r['tbs_min_bytes']:.2f} |")
+    lines += ["", "Per head and per tensor need a second read: every element's scale depends on the amax of the whole "
+              "head. Minimal bytes = BF16 read once + FP8 and descales written once."]
+    out.section("triton_quant", "\n".join(lines))
+    return rows
+
+
+def validation_cases(grid_name: str):
+    import dataclasses as dc
+
+    from fa3_numerics.studies.validate import Case, grid
+
+    cases = [c for c in grid(grid_name) if c.dtype == "fp8"]
+    extra = []
+    if grid_name != "stress":
+        try:
+            extra = [c for c in grid("stress") if c.dtype == "fp8"]
+        except Exception:  # noqa: BLE001 - the stress grid may not exist yet
+            extra = []
+    b = Case()
+    # Heavy outliers and the per-block recipes no public kernel can run.
+    # Heavy outliers (validate.py's cases take per-head or per-tensor descales; the per-block
+    # recipes are validated by ``triton_block_validation``).
+    extra += [dc.replace(b, p=0.01, sigma=30.0), dc.replace(b, p=0.001, sigma=100.0),
+              dc.replace(b, p=0.01, sigma=30.0, rot="hadamard", causal=True, kv_heads=2, seqlen=1000)]
+    from fa3_numerics.engine.backends import refusal
+    from fa3_numerics.kernels.triton_.backend import TritonBackend, shape_problem
+    from fa3_numerics.studies.validate import case_recipe
+
+    seen, out = set(), []
+    kern = TritonBackend()
+    for c in cases + extra:
+        # Head dims 96/192 (no power-of-two Triton tile) and anything else the kernel refuses.
+        r = case_recipe(c)
+        if refusal(kern, r) or shape_problem(r, c.head_dim, c.causal):
+            continue
+        if c.name not in seen:
+            seen.add(c.name)
+            out.append(c)
+    return out
+
+
+def triton_validation(out: Out, args=None, sz: Sizes | None = None, deadline: float | None = None) -> None:
+    from fa3_numerics.kernels.triton_.backend import TritonBackend, TritonTwoLevelBackend
+    from fa3_numerics.studies.validate import accumulator_ranking, markdown_validation, run_validation
+
+    sz = sz or Sizes()
+    cases = validation_cases(sz.grid)
+    res, dss = {}, []
+    for i, kern in enumerate((TritonBackend(), TritonTwoLevelBackend())):
+        t = time.perf_counter()
+        # The chained kernel (the default) gets 60% of the time left; the two-level one the rest.
+        dl = None if deadline is None else (t + 0.6 * (deadline - t) if i == 0 else deadline)
+        try:
+            ds = run_validation(cases, device="cuda", kernel=kern, accs=["fp32", "fp22", "two-level"],
+                                progress=lambda m: log("  " + m), deadline=dl)
+        except Exception as exc:  # noqa: BLE001 - keep the other kernel's results
+            out.error(f"validation {kern.name}", exc)
+            continue
+        rank = accumulator_ranking(ds)
+        res[kern.name] = {"seconds": round(time.perf_counter() - t, 1), "ranking": rank,
+                          "F": {str(c): {str(a): float(ds["fidelity"].sel(case=c, acc=a)) for a in ds["acc"].values}
+                                for c in ds["case"].values},
+                          "identical": {str(c): {str(a): float(ds["identical"].sel(case=c, acc=a))
+                                                 for a in ds["acc"].values} for c in ds["case"].values}}
+        out.timings["validation"] = res
+        out.save_timings()
+        dss.append((kern.name, ds))
+        log(f"validation {kern.name}: {rank}")
+        _write_validation(out, dss)
+    parts = [f"## Validation: the emulator against the Triton FP8 kernel (grid `{sz.grid}` FP8 cases + stress + "
+             f"heavy outliers), F = RMSE(emulator, kernel) / RMSE(kernel, float64)"]
+    for name, ds in dss:
+        rank = res[name]["ranking"]
+        best = rank[0] if rank else None
+        parts += [f"### Kernel `{name}`" + (f": best model `{best['acc']}`, max F {best['max_F']:.4f}" if best else ""),
+                  "", markdown_validation(ds)]
+    out.section("triton_validation", "\n".join(parts))
+
+
+def _write_validation(out: Out, dss) -> None:
+    import xarray as xr
+
+    from fa3_numerics.engine.dataset import write
+
+    try:
+        both = xr.concat([d.expand_dims(kernel=[n]) for n, d in dss], dim="kernel", data_vars="all",
+                         combine_attrs="drop_conflicts")
+        write(both, out.dir / "validation.nc")
+    except Exception as exc:  # noqa: BLE001
+        out.error("validation.nc", exc)
+
+
+BLOCK_CASES = [  # (recipe, seqlen, heads, kv_heads, head_dim, causal, backend)
+    ("fa3-fp8", 2048, 8, 8, 128, False, "triton"), ("fa3-fp8-no-incoherent", 2048, 8, 8, 128, False, "triton"),
+    ("fa3-fp8", 1000, 8, 2, 128, True, "triton"), ("fa3-fp8", 2048, 8, 8, 64, False, "triton"),
+    ("fa3-fp8", 2048, 8, 8, 256, True, "triton"), ("fa3-fp8", 2048, 8, 8, 128, False, "triton-two-level"),
+    ("fa3-fp8,pow2=0", 2048, 8, 8, 128, False, "triton"),
+]
+
+
+def triton_block_validation(out: Out, args=None, sz: Sizes | None = None) -> None:
+    """Per-block recipes (which validate.py's grid, built for the public FA3 kernel, does not take):
+    emulator against the Triton kernel per accumulator model, paper outliers and heavy ones."""
+    from fa3_numerics.kernels.triton_ import selfcheck
+
+    rows = []
+    for p, sigma in ((0.001, 10.0), (0.01, 30.0)):
+        for r in selfcheck.attention_checks("cuda", cases=BLOCK_CASES, accs=("fp32", "fp22", "two-level"), p=p,
+                                            sigma=sigma):
+            rows.append({**r, "p": p, "sigma": sigma})
+            log(f"  block {r['recipe']} {r['backend']} p{p} s{sigma}: F fp22 {r['F_fp22']:.4f} two-level "
+                f"{r['F_two-level']:.4f}")
+    out.timings["block_validation"] = rows
+    out.save_timings()
+    lines = ["## Validation of the per-block recipes (emulator vs Triton kernel, every query row, seed 0)", "",
+             "| recipe | backend | n | h/kv | d | causal | p | sigma | RMSE(kernel) | F fp32 | F fp22 | F two-level | "
+             "identical fp22 | identical two-level |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| `{r['recipe']}` | {r['backend']} | {r['seqlen']} | {r['heads']}/{r['kv_heads']} | {r['head_dim']} | "
+                     f"{'yes' if r['causal'] else 'no'} | {r['p']:g} | {r['sigma']:g} | {r['rmse_kernel']:.3e} | "
+                     f"{r['F_fp32']:.4f} | {r['F_fp22']:.4f} | {r['F_two-level']:.4f} | {r['identical_fp22']:.2%} | "
+                     f"{r['identical_two-level']:.2%} |")
+    out.section("triton_block_validation", "\n".join(lines))
+
+
+def triton_quant_sweep(out: Out, args=None, sz: Sizes | None = None) -> None:
+    """Launch configurations and the reciprocal multiply of the fast quantizer; keeps the fastest per
+    granularity for the end-to-end rows, with its fidelity against prepare()."""
+    import torch
+
+    from fa3_numerics.kernels.triton_ import selfcheck
+    from fa3_numerics.kernels.triton_.rotate_quant import min_bytes, rotate_quantize
+    from fa3_numerics.numerics.granularity import PerBlock, PerHead, PerToken
+
+    sz = sz or Sizes()
+    b, n, h, d = sz.tp_batch, sz.tp_seqlen, sz.tp_heads, 128
+    x = torch.randn(b, n, h, d, generator=torch.Generator(device="cuda").manual_seed(2), device="cuda").to(torch.bfloat16)
+    copy = out.timings.get("env", {}).get("copy_tbs", float("nan"))
+    rows, best = [], {}
+    configs = []
+    for gname, gran, passes in (("block128", PerBlock(128), 1), ("token", PerToken(), 1), ("head", PerHead(), 2)):
+        tw = [(0, 4), (0, 8)] if gname.startswith("block") else [(32, 4), (64, 4), (128, 8)]
+        for (tile, warps) in tw:
+            for recip in (False, True):
+                configs.append((gname, gran, passes, "dot", tile, warps, recip))
+        configs.append((gname, gran, passes, "butterfly", tw[0][0], tw[0][1], True))
+    for gname, gran, passes, impl, tile, warps, recip in configs:
+        label = f"{gname} {impl} tile{tile or 'blk'} w{warps} {'recip' if recip else 'div'}"
+        try:
+            kw = dict(layout="bshd", gran=gran, rot="hadamard", seed=0, impl=impl, out_layout="bhsd", tile=tile,
+                      num_warps=warps, recip=recip)
+            o = rotate_quantize(x, **kw)
+            t = _q(_bench(lambda: rotate_quantize(x, **kw), 10), 0.5)  # noqa: B023
+            moved = min_bytes(x, o) + (passes - 1) * x.numel() * 2
+            r = {"granularity": gname, "impl": impl, "tile": tile, "num_warps": warps, "recip": int(recip),
+                 "ms": t * 1e3, "tbs_moved": moved / t / 1e12, "pct_copy": 100 * moved / t / 1e12 / copy,
+                 "tbs_min_bytes": min_bytes(x, o) / t / 1e12}
+            rows.append(r)
+            log(f"quant sweep {label}: {t * 1e3:.3f} ms {r['tbs_moved']:.2f} TB/s ({r['pct_copy']:.0f}% of copy)")
+            if gname not in best or t < best[gname]["ms"] / 1e3:
+                best[gname] = {**r, "kw": {"impl": impl, "tile": tile, "num_warps": warps, "recip": recip}}
+        except Exception as exc:  # noqa: BLE001
+            out.error(f"quant sweep {label}", exc)
+    fid = selfcheck.quantizer_checks("cuda", shape=(2, 16, 2048, 128), exact_modes=(False,), impls=("dot",),
+                                     recip=True, cases=selfcheck.QUANT_CASES)
+    out.timings["quant_sweep"] = {"rows": rows, "best": best, "recip_fidelity": fid}
+    out.save_timings()
+    lines = [f"## Fused quantizer: launch configurations (BF16 {b}x{n}x{h}x{d}, Hadamard, median of 10)", "",
+             "| granularity | rotation | rows per tile | warps | scale by | ms | TB/s moved | % of copy |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['granularity']} | {r['impl']} | {r['tile'] or 'block'} | {r['num_warps']} | "
+                     f"{'x * (1/descale)' if r['recip'] else 'x / descale'} | {r['ms']:.3f} | {r['tbs_moved']:.2f} | "
+                     f"{r['pct_copy']:.0f}% |")
+    lines += ["", "Multiplying by the reciprocal (one more rounding) against prepare(), batch 2, 16 heads, seqlen 2048:", "",
+              "| granularity | pow2 | bytes identical | values equal | descales identical |", "|---|---|---|---|---|"]
+    for r in fid:
+        lines.append(f"| {r['gran']} | {r['pow2']} | {r['values_identical']:.6%} | {r['values_equal']:.6%} | "
+                     f"{r['descales_identical']:.4%} |")
+    out.section("triton_quant_sweep", "\n".join(lines))
+
+
+def _experiment(variants, backend, sz: Sizes, rows=None):
+    from fa3_numerics.engine.experiment import Experiment
+
+    return Experiment(name="outliers", description="FA3 paper Table 3 on the Triton FP8 kernel (device run)",
+                      dist="outliers", variants=list(variants), params={}, seqlen=[sz.t3_seqlen], head_dim=[128],
+                      causal=[False], batch=sz.t3_batch, heads=sz.t3_heads, kv_heads=0,
+                      rows=sz.t3_rows if rows is None else rows, seeds=[0], backend=backend, device="cuda")
+
+
+T3_ROWS = ["fa3-fp8", "fa3-fp8-no-block-quant", "fa3-fp8-no-incoherent", "fa3-fp8-kernel", "fa3-fp8-kernel-hadamard"]
+
+
+def triton_table3(out: Out, args=None, sz: Sizes | None = None) -> None:
+    import xarray as xr
+
+    from fa3_numerics.engine.dataset import summary_table, write
+    from fa3_numerics.engine.experiment import run_experiment
+
+    sz = sz or Sizes()
+    plan = [("emulate", T3_ROWS), ("emulate", [f"{v},acc=fp22" for v in T3_ROWS[:3]]), ("triton", T3_ROWS),
+            ("triton-two-level", T3_ROWS[:3]), ("triton-fused", T3_ROWS[:3])]
+    rows, dss = [], []
+    for backend, variants in plan:
+        try:
+            t = time.perf_counter()
+            ds = run_experiment(_experiment(variants, backend, sz), cache_dir=None, progress=lambda m: None)
+            secs = time.perf_counter() - t
+        except Exception as exc:  # noqa: BLE001
+            out.error(f"table3 on {backend}", exc)
+            continue
+        ds = ds.assign_coords(variant=[f"{backend}:{v}" for v in ds["variant"].values],
+                              backend=("variant", [backend] * ds.sizes["variant"]))
+        dss.append(ds)
+        for r in summary_table(ds):
+            rows.append({**r, "backend": backend, "variant": r["variant"].split(":", 1)[1], "seconds": secs})
+        log(f"table3 {backend}: {[(r['variant'], round(r['value'], 6)) for r in rows if r['backend'] == backend]}")
+    out.timings["table3"] = [{k: r[k] for k in ("backend", "variant", "value", "lo", "hi", "paper")} for r in rows]
+    out.save_timings()
+    if dss:
+        try:
+            write(xr.concat(dss, dim="variant", data_vars="all", combine_attrs="drop_conflicts"),
+                  out.dir / "table3_hardware.nc")
+        except Exception as exc:  # noqa: BLE001
+            out.error("table3_hardware.nc", exc)
+    emu = {r["variant"]: r for r in rows if r["backend"] == "emulate"}
+    e = lambda x: "-" if x is None or not math.isfinite(x) else f"{x:.3e}"  # noqa: E731
+    lines = [f"## Table 3 on the Triton FP8 kernel (batch {sz.t3_batch}, {sz.t3_heads} heads, seqlen {sz.t3_seqlen}, "
+             f"dim 128, non-causal, p 0.001, sigma 10, seed 0, {sz.t3_rows} query rows per head; 95% bootstrap "
+             f"intervals over (batch, head))", "",
+             "| row | paper | backend | RMSE [95% CI] | / paper | emulator acc=fp32 | emulator acc=fp22 | kernel / emulator fp22 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["backend"] == "emulate":
+            continue
+        v = r["variant"]
+        ef = emu.get(v, {}).get("value")
+        e22 = emu.get(f"{v},acc=fp22", {}).get("value")
+        paper = emu.get(v, {}).get("paper", float("nan"))
+        ratio = f"{r['value'] / paper:.2f}" if paper and math.isfinite(paper) else "-"
+        lines.append(f"| `{v}` | {e(paper)} | {r['backend']} | {e(r['value'])} [{e(r['lo'])}, {e(r['hi'])}] | {ratio} | "
+                     f"{e(ef)} | {e(e22)} | {(r['value'] / e22) if e22 else float('nan'):.4f} |")
+    lines += ["", "`triton`: inputs rotated and quantized by the emulator's prepare() (same FP8 bytes); "
+              "`triton-fused`: by the fused Triton kernel (float32 path); `triton-two-level`: two-level P.V "
+              "accumulation. The paper's FA3 FP8 rows use block scales (power of two) at the FA3 tiles (128 x 224) "
+              "and run here as written."]
+    out.section("triton_table3", "\n".join(lines))
+
+
+def triton_throughput(out: Out, args=None, sz: Sizes | None = None, subset: bool = False) -> list[dict]:
+    """TFLOP/s at batch 4, seqlen 8192, 16 heads, dim 128 (non-causal and causal), with FA3 beside.
+    ``subset``: only the rows with the fused preprocessing (after ``triton_quant_sweep`` picked its
+    fastest configuration)."""
+    import torch
+
+    from fa3_numerics.kernels.triton_.attention import attention_fp8, plan_tiles
+    from fa3_numerics.kernels.triton_.rotate_quant import rotate_quantize
+    from fa3_numerics.numerics.granularity import PerBlock, PerHead
+    from fa3_numerics.numerics.reference import reference_attention
+
+    sz = sz or Sizes()
+    b, h, n, d = sz.tp_batch, sz.tp_heads, sz.tp_seqlen, 128
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def draw():  # the paper's distribution, drawn on the device in float32, layout (b, s, h, d)
+        x = torch.randn(b, n, h, d, generator=g, device="cuda")
+        spike = torch.randn(b, n, h, d, generator=g, device="cuda") * 10.0
+        return x + spike * (torch.rand(b, n, h, d, generator=g, device="cuda") < 0.001)
+
+    q32, k32, v32 = draw(), draw(), draw()
+    rows_idx = torch.randperm(n, generator=torch.Generator().manual_seed(17))[: sz.tp_rows].sort().values.cuda()
+    to64 = lambda x: x.transpose(1, 2).to(torch.float64)  # noqa: E731
+    refs = {c: reference_attention(to64(q32), to64(k32), to64(v32), q_index=rows_idx, causal=c) for c in (False, True)}
+    qb, kb, vb = (x.to(torch.bfloat16) for x in (q32, k32, v32))
+    del q32, k32, v32
+
+    def rmse(o, causal, layout):
+        o = (o.transpose(1, 2) if layout == "bshd" else o).index_select(2, rows_idx).to(torch.float64)
+        return float(torch.sqrt(torch.mean((o - refs[causal]) ** 2)))
+
+    fa3 = None
+    try:
+        from fa3_numerics.kernels.fa3 import flash_attn, kernel_problem
+
+        if kernel_problem("cuda") is None:
+            fa3 = flash_attn
+    except Exception:  # noqa: BLE001
+        fa3 = None
+
+    def fused(gran, rot, q_layout, v_layout, bm=128, bn=224):
+        qbest = out.timings.get("quant_sweep", {}).get("best", {})
+
+        def cfg(name):
+            return dict(qbest[name]["kw"]) if name in qbest else {}
+
+        def run():
+            kw = dict(layout="bshd", seed=0, exact=False)
+            gq = PerBlock(bm) if isinstance(gran, PerBlock) else gran
+            gk = PerBlock(bn) if isinstance(gran, PerBlock) else gran
+            pw = isinstance(gran, PerBlock)  # the paper's recipe: power-of-two block scales
+            gname = "block128" if pw else "head"
+            qo = rotate_quantize(qb, gran=gq, rot=rot, out_layout=q_layout, pow2=pw, **kw, **cfg(gname))
+            ko = rotate_quantize(kb, gran=gk, rot=rot, out_layout=q_layout, pow2=pw, **kw,
+                                 **(cfg(gname) if bn == 128 or not pw else {}))
+            kv = {k_: v_ for k_, v_ in cfg(gname).items() if k_ != "impl"} if (bn == 128 or not pw) else {}
+            vo = rotate_quantize(vb, gran=gk, rot="none", out_layout=v_layout, pow2=pw, **kw, **kv)
+            return qo, ko, vo
+        return run
+
+    best = {"plan": None}
+
+    def plan_for(bn):
+        p = best["plan"] or plan_tiles(d, bn)
+        return dataclasses.replace(p, block_n=bn)
+
+    def tri_call(qo, ko, vo, causal, bn, pv="chained", plan=None):
+        qd, kd, vd = qo.descale, ko.descale, vo.descale
+        if qd.shape[2] == 1 and qd.shape[1] == 1 and h > 1:
+            qd, kd, vd = (t.expand(b if t.shape[0] == 1 else t.shape[0], h, 1) for t in (qd, kd, vd))
+        return lambda: attention_fp8(qo.values, ko.values, vo.values, qd, kd, vd, q_rows=qo.rows if qo.gran >= 2 else 1 << 30,  # noqa: E731
+                                     k_rows=ko.rows if ko.gran >= 2 else 1 << 30, v_rows=vo.rows if vo.gran >= 2 else 1 << 30,
+                                     causal=causal, pv=pv, plan=plan or plan_for(bn))
+
+    results = []
+
+    def record(label, backend, causal, call, prep=None, layout="bhsd", recipe="", plan=""):
+        try:
+            o = call()
+            err = rmse(o, causal, layout)
+            tk = _bench(call, sz.tp_reps)
+            tp = _bench(prep, sz.tp_reps) if prep is not None else [0.0] * len(tk)
+            flops = 4.0 * b * h * n * n * d / (2 if causal else 1)
+            tot = sorted(a + c for a, c in zip(sorted(tk), sorted(tp)))
+            r = {"variant": label, "backend": backend, "causal": int(causal), "recipe": recipe, "plan": plan, "rmse": err,
+                 "kernel_ms": _q(tk, 0.5) * 1e3, "preprocess_ms": _q(tp, 0.5) * 1e3,
+                 "tflops_kernel": flops / _q(tk, 0.5) / 1e12,
+                 "tflops_kernel_p10": flops / _q(tk, 0.9) / 1e12, "tflops_kernel_p90": flops / _q(tk, 0.1) / 1e12,
+                 "tflops_with_preprocess": flops / _q(tot, 0.5) / 1e12,
+                 "tflops_with_preprocess_p10": flops / _q(tot, 0.9) / 1e12,
+                 "tflops_with_preprocess_p90": flops / _q(tot, 0.1) / 1e12, "reps": sz.tp_reps}
+            results.append(r)
+            log(f"throughput {label} causal={causal}: kernel {r['kernel_ms']:.3f} ms {r['tflops_kernel']:.0f} TFLOP/s, "
+                f"with prep {r['tflops_with_preprocess']:.0f}; rmse {err:.3e}")
+        except Exception as exc:  # noqa: BLE001
+            out.error(f"throughput {label} causal={causal}", exc)
+
+    scale = 1.0 / math.sqrt(d)
+    for causal in (False, True):
+        if fa3 is not None:
+            record("FA3 BF16", "fa3", causal, lambda: fa3(qb, kb, vb, softmax_scale=scale, causal=causal), layout="bshd",  # noqa: B023
+                   recipe="qk=bf16,v=bf16,p=bf16,out=bf16,poff=0")
+            for rot in ("none", "hadamard") if not subset else ("hadamard",):
+                prep = fused(PerHead(), rot, "bshd", "bshd")
+                qo, ko, vo = prep()
+                ds = tuple(t.descale[..., 0].contiguous() for t in (qo, ko, vo))
+                name = "FA3 FP8 per-head" + (" + Hadamard" if rot != "none" else "") + " (fused prep)"
+                record(name, "fa3", causal,
+                       lambda qo=qo, ko=ko, vo=vo, ds=ds: fa3(qo.values, ko.values, vo.values, softmax_scale=scale,
+                                                              causal=causal, descales=ds),  # noqa: B023
+                       prep=prep, layout="bshd", recipe="fa3-fp8-kernel" + ("-hadamard" if rot != "none" else ""))
+        if not causal and not subset:
+            # Launch configurations of the per-head kernel; the fastest is used for every Triton row.
+            qo, ko, vo = fused(PerHead(), "none", "bhsd", "bhds")()
+            from fa3_numerics.kernels.triton_.attention import Plan
+
+            sweep = []
+            for pl in (Plan(128, 128, 8, 2), Plan(128, 128, 8, 3), Plan(128, 64, 4, 3), Plan(64, 128, 4, 3),
+                       Plan(128, 128, 4, 2)):
+                try:
+                    call = tri_call(qo, ko, vo, False, pl.block_n, plan=pl)
+                    call()
+                    sweep.append((_q(_bench(call, 10), 0.5), pl))
+                    log(f"plan {pl}: {sweep[-1][0] * 1e3:.3f} ms")
+                except Exception as exc:  # noqa: BLE001
+                    out.error(f"plan {pl}", exc)
+            if sweep:
+                best["plan"] = min(sweep, key=lambda x: x[0])[1]
+                out.timings["plan_sweep"] = [{"plan": str(p), "ms": t * 1e3} for t, p in sweep]
+        for label, gran, rot, bn, pv, recipe in [
+                ("triton FP8 per-head", PerHead(), "none", 128, "chained", "fa3-fp8-kernel,bn=128"),
+                ("triton FP8 per-head, FA3 tiles", PerHead(), "none", 224, "chained", "fa3-fp8-kernel"),
+                ("triton FP8 per-head + Hadamard (fused)", PerHead(), "hadamard", 128, "chained", "fa3-fp8-kernel-hadamard,bn=128"),
+                ("triton FP8 block + Hadamard [fa3-fp8] (fused)", PerBlock(), "hadamard", 128, "chained", "fa3-fp8,bn=128"),
+                ("triton FP8 block + Hadamard [fa3-fp8], FA3 tiles (fused)", PerBlock(), "hadamard", 224, "chained", "fa3-fp8"),
+                ("triton FP8 block + Hadamard [fa3-fp8] two-level (fused)", PerBlock(), "hadamard", 128, "two-level",
+                 "fa3-fp8,bn=128,acc=two-level")]:
+            if subset and ("fused" not in label or bn != 128):
+                continue
+            prep = fused(gran, rot, "bhsd", "bhds", bm=128, bn=bn)
+            qo, ko, vo = prep()
+            record(label, "triton", causal, tri_call(qo, ko, vo, causal, bn, pv),
+                   prep=prep if "fused" in label else None, recipe=recipe, plan=str(plan_for(bn)))
+    out.timings["throughput"] = {"shape": [b, h, n, d], "reps": sz.tp_reps, "results": results,
+                                 "flops": "4 b h n^2 d (halved when causal)"}
+    out.save_timings()
+    _write_csv(out.dir / "throughput.csv", results)
+    fa3_fp8 = {r["causal"]: r["tflops_kernel"] for r in results if r["variant"].startswith("FA3 FP8 per-head (")}
+    lines = [f"## Throughput (batch {b}, seqlen {n}, {h} heads, dim {d}; BF16 inputs in (b, s, h, d); median of "
+             f"{sz.tp_reps} CUDA-event timings, 10-90% range in brackets)", "",
+             "| variant | causal | backend | kernel ms | TFLOP/s kernel [p10-p90] | x FA3 FP8 | prep ms | TFLOP/s with prep [p10-p90] | RMSE vs float64 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        rel = r["tflops_kernel"] / fa3_fp8[r["causal"]] if r["causal"] in fa3_fp8 else float("nan")
+        lines.append(f"| {r['variant']} | {'yes' if r['causal'] else 'no'} | `{r['backend']}` | {r['kernel_ms']:.3f} | "
+                     f"{r['tflops_kernel']:.0f} [{r['tflops_kernel_p10']:.0f}-{r['tflops_kernel_p90']:.0f}] | {rel:.2f} | "
+                     f"{r['preprocess_ms']:.3f} | {r['tflops_with_preprocess']:.0f} [{r['tflops_with_preprocess_p10']:.0f}-"
+                     f"{r['tflops_with_preprocess_p90']:.0f}] | {r['rmse']:.3e} |")
+    lines += ["", "prep = the fused Triton rotate-and-quantize of Q, K and V from BF16 (float32 path), timed the same "
+              "way; `fused` rows add it. RMSE over "
+              f"{sz.tp_rows} sampled query rows per head against float64 attention on the float32 draws."]
+    try:
+        throughput_figure(results, out.dir / "accuracy_speed.png", (b, h, n, d))
+        lines += ["", "![accuracy against speed](accuracy_speed.png)"]
+    except Exception as exc:  # noqa: BLE001
+        out.error("figure", exc)
+    out.section("triton_throughput", "\n".join(lines))
+    return results
+
+
+def throughput_figure(results, path: Path, shape) -> None:
+    """RMSE against TFLOP/s: one marker per (variant, causal), horizontal bars = 10-90% over repeats;
+    filled = kernel only, hollow = with the fused preprocessing."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5), sharey=True)
+    variants = list(dict.fromkeys(r["variant"] for r in results))
+    colors = dict(zip(variants, plt.get_cmap("tab10").colors * 2))
+    for ax, causal in zip(axes, (0, 1)):
+        for r in (r for r in results if int(r["causal"]) == causal):
+            c = colors[r["variant"]]
+            x, lo, hi = float(r["tflops_kernel"]), float(r["tflops_kernel_p10"]), float(r["tflops_kernel_p90"])
+            ax.errorbar([x], [float(r["rmse"])], xerr=[[x - lo], [hi - x]], fmt="o", color=c, ms=8, capsize=3,
+                        label=r["variant"] if causal == 0 else None)
+            if float(r["preprocess_ms"]) > 0:
+                x2 = float(r["tflops_with_preprocess"])
+                ax.errorbar([x2], [float(r["rmse"])], xerr=[[x2 - float(r["tflops_with_preprocess_p10"])],
+                                                           [float(r["tflops_with_preprocess_p90"]) - x2]],
+                            fmt="o", mfc="none", color=c, ms=9, capsize=3)
+                ax.plot([x2, x], [float(r["rmse"])] * 2, color=c, lw=0.8, alpha=0.5)
+        ax.set_yscale("log")
+        ax.set_xlabel("TFLOP/s (filled: kernel only; hollow: with the fused rotate + quantize)")
+        ax.set_title(f"{'causal' if causal else 'non-causal'}", fontsize=10)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("RMSE vs float64 (log)")
+    b, h, n, d = shape
+    fig.suptitle(f"Accuracy vs speed on an NVIDIA H200: batch {b}, {h} heads, seqlen {n}, dim {d} "
+                 f"(bars: 10-90% over repeats)", fontsize=11)
+    fig.legend(loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.14, 1, 0.95))
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def ensure_package() -> None:
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "kernels" / "device"))
+    import h200  # noqa: F401 - maps kernels/ to fa3_numerics.kernels when not installed
+
+    h200.ensure_package()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "reports/h200/triton"))
+    ap.add_argument("--parts", default="checks,quant,throughput,table3,validation")
+    ap.add_argument("--budget", type=float, default=400.0, help="seconds; validation stops past its share")
+    ap.add_argument("--grid", default="small")
+    ap.add_argument("--val-seconds", type=float, default=0.0, help="seconds for the validation part (0: to --budget)")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--figure-from", default=None, help="only redraw the figure from a throughput.csv")
+    args = ap.parse_args(argv)
+    if args.figure_from:
+        with open(args.figure_from) as f:
+            throughput_figure(list(csv.DictReader(f)), Path(args.out) / "accuracy_speed.png", (4, 16, 8192, 128))
+        return 0
+    ensure_package()
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    out = Out(Path(args.out))
+    sz = dataclasses.replace(Sizes(), grid=args.grid, tp_reps=args.reps)
+    out.section("head", "# Triton FP8 kernels on the H200 (issue 12)\n\nWritten by `kernels/device/triton_h200.py "
+                        f"--parts {args.parts}`; every number below was measured in this run.")
+    parts = args.parts.split(",")
+    try:
+        environment(out, args)
+    except Exception as exc:  # noqa: BLE001
+        out.error("environment", exc)
+    steps = {"checks": lambda: triton_checks(out, args, sz), "quant": lambda: triton_quantizer(out, args, sz),
+             "tests": lambda: triton_tests(out, args, sz), "quantsweep": lambda: triton_quant_sweep(out, args, sz),
+             "e2e": lambda: triton_throughput(out, args, sz, subset=True),
+             "blockval": lambda: triton_block_validation(out, args, sz),
+             "validation": lambda: triton_validation(out, args, sz, deadline=(time.perf_counter() + args.val_seconds)
+                                                     if args.val_seconds else T0 + args.budget),
+             "table3": lambda: triton_table3(out, args, sz), "throughput": lambda: triton_throughput(out, args, sz)}
+    for p in parts:
+        t = time.perf_counter()
+        try:
+            steps[p]()
+        except Exception as exc:  # noqa: BLE001
+            out.error(p, exc)
+        out.timings.setdefault("part_seconds", {})[p] = round(time.perf_counter() - t, 1)
+        out.save_timings()
+        log(f"part {p} done in {time.perf_counter() - t:.1f} s")
+    out.timings["total_seconds"] = round(time.perf_counter() - T0, 1)
+    out.save_timings()
+    log(f"done in {out.timings['total_seconds']} s; files {sorted(os.listdir(out.dir))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

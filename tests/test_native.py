@@ -1,0 +1,148 @@
+"""The compiled fast paths (fa3_numerics/numerics/native.py) against their PyTorch references.
+
+Every fast path must compute what its reference computes, bit for bit: the emulator's results
+may not depend on whether a C compiler was present. The references are the PyTorch code paths
+that run when ``FA3N_NATIVE=0`` (and always on CUDA)."""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from fa3_numerics.data.distributions import AttnShape, generate
+from fa3_numerics.numerics import native
+from fa3_numerics.numerics.emulator import emulate
+from fa3_numerics.numerics.formats import get_format, quantize_dequantize, round_to_format
+from fa3_numerics.numerics.mma import hopper_fp8_mma_reference
+from fa3_numerics.numerics.recipe import Recipe
+from fa3_numerics.numerics.rotation import fwht, make_rotation, random_signs
+
+pytestmark = pytest.mark.skipif(native._lib() is None, reason=f"compiled paths unavailable: {native.status()}")
+
+
+@pytest.fixture
+def torch_only(monkeypatch):
+    """Run a block with the compiled paths switched off (the PyTorch references)."""
+    def run(fn):
+        monkeypatch.setenv("FA3N_NATIVE", "0")
+        saved = dict(native._STATE)
+        native._STATE.clear()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return fn()
+        finally:
+            native._STATE.clear()
+            native._STATE.update(saved)
+            monkeypatch.delenv("FA3N_NATIVE")
+    return run
+
+
+def _fp8(shape, gen, scale=1.0, fmt="e4m3", zeros=0.1):
+    x = torch.randn(shape, generator=gen) * scale * torch.exp(torch.randn(shape, generator=gen) * 2)
+    x[torch.rand(shape, generator=gen) < zeros] = 0
+    return quantize_dequantize(x, fmt)
+
+
+@pytest.mark.parametrize("fmts", [("e4m3", "e4m3"), ("e5m2", "e5m2"), ("e4m3", "e5m2")])
+def test_mma_matches_reference(fmts):
+    g = torch.Generator().manual_seed(0)
+    fa, fb = (get_format(f) for f in fmts)
+    a = _fp8((3, 37, 70), g, 10, fa.name)
+    b = _fp8((3, 70, 29), g, 0.1, fb.name)
+    # accumulators across the whole float32 range: large, tiny normal, subnormal and zero
+    c = torch.randn(3, 37, 29, generator=g) * torch.exp2(torch.randint(-150, 10, (3, 37, 29), generator=g).float())
+    c[torch.rand(3, 37, 29, generator=g) < 0.2] = 0
+    fast = native.mma(torch.device("cpu"))
+    for cc in (None, c):
+        ref = hopper_fp8_mma_reference(a, b, cc, a_min_exp=fa.emin, b_min_exp=fb.emin)
+        got = fast(a, b, cc, a_min_exp=fa.emin, b_min_exp=fb.emin)
+        assert torch.isfinite(ref).all()
+        assert torch.equal(got, ref)
+
+
+def test_mma_broadcasts_lead_dims_like_reference():
+    g = torch.Generator().manual_seed(1)
+    a = _fp8((2, 4, 5, 64), g)
+    b = _fp8((2, 1, 64, 6), g)  # one KV head shared by four query heads
+    fast = native.mma(torch.device("cpu"))
+    assert torch.equal(fast(a, b, None, a_min_exp=-6, b_min_exp=-6), hopper_fp8_mma_reference(a, b))
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e5m2", "fp16", "bf16"])
+def test_casts_match_reference_rounding(name):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(200_000, generator=g, dtype=torch.float64) * torch.exp2(
+        torch.randint(-40, 40, (200_000,), generator=g).double())
+    x[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e300], dtype=torch.float64)
+    f = get_format(name)
+    ref64 = round_to_format(x, f)
+    got64 = native.round_f64(x, f).double()
+    assert torch.equal(torch.nan_to_num(got64, nan=7.0), torch.nan_to_num(ref64, nan=7.0))
+    # the sign of zero survives (-0.0 is a distinct encoding)
+    assert torch.equal(torch.signbit(got64[3:5]), torch.tensor([False, True]))
+    x32 = x.float()
+    ref32 = round_to_format(x32.double(), f)
+    got32 = native.round_f32(x32, f).double()
+    assert torch.equal(torch.nan_to_num(got32, nan=7.0), torch.nan_to_num(ref32, nan=7.0))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hadamard_butterflies_bit_identical(d):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(50, 3, d, generator=g, dtype=torch.float64)
+    s = random_signs(d, 11)
+    assert torch.equal(native.fwht(x, s), fwht(x * s))
+    assert torch.equal(make_rotation("hadamard", d, 11).apply(x), fwht(x * s))
+
+
+def test_fp8_decode_is_exact():
+    codes = torch.arange(256, dtype=torch.uint8)
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x = codes.view(dt)
+        a, b = native.to_float32(x), x.to(torch.float32)
+        assert torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
+
+
+CASES = [
+    # (heads, kv_heads, seqlen, head_dim, causal, recipe)
+    (4, 2, 600, 64, False, "fa3-fp8"),
+    (4, 2, 400, 64, True, "fa3-fp8"),
+    (2, 1, 333, 128, True, "fa3-fp8-kernel"),
+    (2, 2, 500, 128, False, "fa3-fp8-kernel,acc=fp32"),
+    (2, 2, 500, 96, True, "fa3-fp16"),
+    (2, 1, 300, 256, False, "fa3-fp8,gran=token"),
+    (2, 2, 300, 64, True, "fa3-fp8-kernel,p=e5m2,v=e5m2"),
+    (2, 2, 200, 128, False, "qk=bf16,v=bf16,p=bf16,poff=0,acc=fp22"),
+    (2, 2, 400, 128, False, "exact"),
+    (2, 2, 400, 64, True, "fa3-fp8,order=forward,bn=64"),
+    (2, 2, 300, 64, False, "fa3-fp8-kernel,ftz=0"),
+    (4, 1, 256, 64, True, "baseline-fp8"),
+    (2, 2, 256, 64, False, "baseline-fp16"),
+]
+
+
+@pytest.mark.parametrize("h,hkv,n,d,causal,spec", CASES)
+def test_emulator_identical_with_and_without_compiled_paths(torch_only, h, hkv, n, d, causal, spec):
+    """Heavy outliers (p 0.02, sigma 30): the fused C softmax step, casts, MMA model and
+    rotation give the PyTorch path's outputs exactly, causal and GQA/MQA included."""
+    q, k, v = generate("outliers", AttnShape(1, h, n, d, kv_heads=hkv), 3, p=0.02, sigma=30.0)
+    r = Recipe.from_str(spec)
+    fast = emulate(r, q, k, v, causal=causal)
+    ref = torch_only(lambda: emulate(r, q, k, v, causal=causal))
+    assert torch.isfinite(fast).all()
+    assert torch.equal(fast, ref)
+
+
+def test_native_status_names_the_path(monkeypatch):
+    assert native.status().startswith("native")
+    monkeypatch.setenv("FA3N_NATIVE", "0")
+    saved = dict(native._STATE)
+    native._STATE.clear()
+    try:
+        assert "FA3N_NATIVE=0" in native.status()
+        assert native.mma(torch.device("cpu")) is None
+    finally:
+        native._STATE.clear()
+        native._STATE.update(saved)
