@@ -100,12 +100,15 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         ex = lambda x: expand_kv(x, h) if x.shape[1] not in (1, h) else x  # noqa: E731
         return Quantized(ex(t.values), ex(t.descale), t.fmt)
 
-    qkey = (recipe.rot, rotation_seed, recipe.qk, g, recipe.pow2, bm, group, q_index.numel())
-    qq = memo(("q",) + qkey, lambda: quantize(rq(), recipe.qk, g, block_rows=bm, group=group,
-                                                 pow2=recipe.pow2, rows=q_index))
-    kq = memo(("k", recipe.rot, rotation_seed, recipe.qk, g, recipe.pow2, bn),
+    # Cache keys come from the recipe-key registry (every key that declares the tensor), plus
+    # what the shapes decide here, so a newly registered key can never reuse another recipe's
+    # tensors.
+    rows_id = (q_index.numel(), int(q_index.sum()))
+    qq = memo(("q", recipe.prepare_key("q"), rotation_seed, bm, group, rows_id),
+              lambda: quantize(rq(), recipe.qk, g, block_rows=bm, group=group, pow2=recipe.pow2, rows=q_index))
+    kq = memo(("k", recipe.prepare_key("k"), rotation_seed, bn),
               lambda: expand(quantize(rk(), recipe.qk, g, block_rows=bn, pow2=recipe.pow2)))
-    vq = memo(("v", recipe.v, g, recipe.pow2, bn),
+    vq = memo(("v", recipe.prepare_key("v"), bn),
               lambda: expand(quantize(v, recipe.v, g, block_rows=bn, pow2=recipe.pow2)))
     return Prepared(qq, kq, vq, h, n, k.shape[2], bm, bn)
 
