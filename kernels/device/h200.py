@@ -1,36 +1,33 @@
 """One call on the H200: Table 3 on the FA3 kernel beside the emulator and the paper, the
-validation grid (emulator vs kernel, per accumulator model), and throughput.
+validation grids (emulator vs kernel, per accumulator model), the command-line Table 3 timing
+and the MMA model's speed.
 
 Writes into ``--out`` (the device tool's $OUT), each file as soon as its part finishes, so a
-timeout still returns what was done (at most 8 files):
+timeout still returns what was done (at most 8 files come back):
 
 - ``report.md``          the results tables (rewritten after every part)
-- ``timings.json``       environment, wall times, throughput numbers
+- ``timings.json``       environment, wall times, per-case F
 - ``table3_emulator.nc`` the paper-shape Table 3, 7 rows + the kernel's recipes, emulator on the GPU
 - ``table3_hardware.nc`` the rows the hardware can run (fa3, sdpa-flash, sdpa-cudnn, sdpa-math)
-- ``validation.nc``      F and bit-identical share per grid case and accumulator model
-- ``throughput.csv``     TFLOP/s per hardware variant, with and without our pre-processing
-- ``accuracy_speed.png`` RMSE against TFLOP/s, one point per hardware variant
+- ``validation.nc``      F, bit-identical share and non-finite counts per case and accumulator
+                          model, for the grids run (coordinate ``grid``: small, stress, captured)
+- ``throughput.csv``, ``accuracy_speed.png`` (part ``throughput``, off by default: the numbers
+  of the last run are kept in reports/h200/)
 
-Run on the device machine (carry .whl: the fa3-fwd and h5netcdf wheels)::
-
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \
-    PYTHONUNBUFFERED=1 python3 kernels/device/h200.py --out $OUT 2>&1 | tee $OUT/log.txt
-
-or ``sh kernels/device/h200.sh``. ``--mock`` runs every part on the CPU at toy sizes with a
-float32 stand-in for the kernel (results labelled as such) to check the script anywhere.
+Run on the device machine with ``bash kernels/device/h200.sh`` (carry .whl: the fa3-fwd and
+h5netcdf wheels; the script installs them and the project). ``--mock`` runs every part on the
+CPU at toy sizes with a float32 stand-in for the kernel (results labelled as such).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 import traceback
@@ -45,24 +42,13 @@ def log(msg: str) -> None:
 
 
 def ensure_package() -> None:
-    """Import fa3_numerics from the checkout; map kernels/ to fa3_numerics.kernels when the
-    package is not installed (pyproject's package-dir mapping exists only once installed)."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    import fa3_numerics
-
+    """The project must be installed (``pip install -e .``, as h200.sh does): the kernels/ and
+    experiments/ folders resolve as fa3_numerics.kernels and fa3_numerics.experiments only
+    through pyproject's package-dir mapping."""
     try:
         import fa3_numerics.kernels.fa3  # noqa: F401
-        return
-    except ModuleNotFoundError:
-        pass
-    spec = importlib.util.spec_from_file_location("fa3_numerics.kernels", REPO / "kernels" / "__init__.py",
-                                                  submodule_search_locations=[str(REPO / "kernels")])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["fa3_numerics.kernels"] = mod
-    spec.loader.exec_module(mod)
-    fa3_numerics.kernels = mod
-    import fa3_numerics.kernels.fa3  # noqa: F401,F811
+    except ModuleNotFoundError as exc:
+        sys.exit(f"error: {exc}; install the project first: pip install --no-deps -e . (h200.sh does)")
 
 
 # ----------------------------------------------------------------------------- output
@@ -80,8 +66,8 @@ class Out:
         self.write_report()
 
     def write_report(self) -> None:
-        order = ["head", "env", "table3", "table3_time", "table3_fp22", "validation", "throughput", "extra", "devices",
-                 "tests", "errors"]
+        order = ["head", "env", "table3", "table3_time", "cli", "table3_fp22", "validation", "mma", "throughput", "extra",
+                 "devices", "tests", "errors"]
         body = "\n\n".join(self.sections[k] for k in order if k in self.sections)
         self._atomic("report.md", body + "\n")
 
@@ -116,12 +102,12 @@ class Sizes:
     tp_seqlen: int = 8192
     tp_rows: int = 1024
     tp_reps: int = 20
-    grid: str = "small"
+    grids: tuple = ("small", "stress", "captured")
     paper_cases: bool = True
 
 
 MOCK_SIZES = Sizes(t3_batch=1, t3_heads=2, t3_seqlen=512, t3_rows=64, tp_batch=1, tp_heads=2, tp_seqlen=512,
-                   tp_rows=64, tp_reps=2, grid="tiny", paper_cases=False)
+                   tp_rows=64, tp_reps=2, grids=("tiny",), paper_cases=False)
 
 # Recipes of the public kernel, beside the paper's rows.
 BF16_SPEC = "qk=bf16,v=bf16,p=bf16,out=bf16,poff=0"
@@ -173,7 +159,7 @@ def environment(out: Out, args, fa3_name: str) -> dict:
 
 
 def experiment(variants, backend, device, sz: Sizes, rows=None):
-    from fa3_numerics.engine.experiment import Experiment
+    from fa3_numerics.studies.outliers import Experiment
 
     return Experiment(name="outliers", description="FA3 paper Table 3 at the paper's shape (device run)",
                       dist="outliers", variants=list(variants), params={}, seqlen=[sz.t3_seqlen], head_dim=[128],
@@ -189,7 +175,7 @@ def _sync(device: str) -> None:
 
 
 def run_exp(exp, device):
-    from fa3_numerics.engine.experiment import run_experiment
+    from fa3_numerics.studies.outliers import run_experiment
 
     _sync(device)
     t = time.perf_counter()
@@ -292,22 +278,26 @@ def table3(out: Out, args, sz: Sizes, fa3_name: str) -> None:
     out.timings["table3_rows"] = {"emulator": {k: v["value"] for k, v in emu_rows.items()},
                                   "hardware": [{"backend": r["backend"], "variant": r["variant"], "rmse": r["value"],
                                                 "paper": r["paper"]} for r in hw_rows]}
-    # Where the time goes: the inputs are drawn on the CPU in float64 (reproducible on any machine).
+    # Where the time goes: drawing the inputs (on the device) and their |x| histogram.
     from fa3_numerics.data import distributions
-    from fa3_numerics.engine.experiment import input_histogram
+    from fa3_numerics.engine.inputs import input_histogram
 
+    _sync(dev)
     tg = time.perf_counter()
     qkv = distributions.generate("outliers", distributions.AttnShape(sz.t3_batch, sz.t3_heads, sz.t3_seqlen, 128), 0,
-                                 p=0.001, sigma=10.0)
+                                 device=dev, p=0.001, sigma=10.0)
+    _sync(dev)
     t_gen = time.perf_counter() - tg
     input_histogram(*qkv)
+    _sync(dev)
     t_hist = time.perf_counter() - tg - t_gen
     del qkv
-    out.timings["table3_seconds"].update({"cpu_generate_s": round(t_gen, 3), "cpu_histogram_s": round(t_hist, 3)})
+    out.timings["table3_seconds"].update({"generate_s": round(t_gen, 3), "histogram_s": round(t_hist, 3),
+                                          "rng": distributions.rng_stream("outliers", dev)})
     out.section("table3_time", f"Paper-shape Table 3, all 7 rows + float64 reference, emulator on `{dev}`: "
-                               f"**{t7:.2f} s** end to end ({sz.t3_rows or 'all'} query rows per head; limit 20 s, "
-                               f"aim 5 s), of which drawing Q, K, V on the CPU in float64 takes {t_gen:.2f} s and "
-                               f"their |x| histogram {t_hist:.2f} s (measured separately).")
+                               f"**{t7:.2f} s** in process ({sz.t3_rows or 'all'} query rows per head), of which "
+                               f"drawing Q, K, V (on `{dev}`, float64) takes {t_gen:.2f} s and their |x| histogram "
+                               f"{t_hist:.2f} s (measured separately).")
     out.save_timings()
 
 
@@ -334,34 +324,113 @@ def table3_fp22(out: Out, args, sz: Sizes) -> None:
 
 
 def validation(out: Out, args, sz: Sizes, fa3_name: str, deadline: float) -> None:
+    """The grids in ``sz.grids`` (small with the paper-shape cases, stress, and a capture's layers
+    when ``--capture`` names one), each through the kernel and the emulator per accumulator
+    model, into one validation.nc (coordinate ``grid``)."""
+    import xarray as xr
+
     from fa3_numerics.engine.backends import get_backend
     from fa3_numerics.engine.dataset import write
-    from fa3_numerics.studies.validate import Case, accumulator_ranking, grid, markdown_validation, run_validation
+    from fa3_numerics.studies.validate import (Case, accumulator_ranking, captured_cases, grid, markdown_validation,
+                                               run_validation)
 
-    cases = grid(sz.grid)
-    if sz.paper_cases:
-        cases += [Case(seqlen=8192, heads=16, kv_heads=16, batch=2, rows=1024),
-                  Case(seqlen=8192, heads=16, kv_heads=16, batch=2, gran="tensor", rot="hadamard", rows=1024)]
     kernel = get_backend(fa3_name)
     why = kernel.check(args.device)
     if why is not None:
         out.section("validation", f"## Validation\n\nnot run: backend `{fa3_name}` cannot run here: {why}")
         return
-    t = time.perf_counter()
-    ds = run_validation(cases, device=args.device, kernel=kernel, progress=lambda m: log("  " + m), deadline=deadline)
-    write(ds, out.dir / "validation.nc")
-    rank = accumulator_ranking(ds)
-    out.timings["validation"] = {"seconds": round(time.perf_counter() - t, 2), "ranking": rank,
-                                 "cases": {str(c): {"F": {str(a): float(ds['fidelity'].sel(case=c, acc=a))
-                                                          for a in ds['acc'].values},
-                                                    "identical": {str(a): float(ds['identical'].sel(case=c, acc=a))
-                                                                  for a in ds['acc'].values},
-                                                    "rmse_kernel": float(ds['rmse_kernel'].sel(case=c))}
-                                           for c in ds['case'].values}}
+    plan = []
+    for name in sz.grids:
+        if name == "captured":
+            if args.capture and Path(args.capture).is_file():
+                plan.append(("captured", captured_cases(args.capture, rows=args.capture_rows)))
+            continue
+        cases = grid(name)
+        if name == "small" and sz.paper_cases:
+            cases += [Case(seqlen=8192, heads=16, kv_heads=16, batch=2, rows=1024),
+                      Case(seqlen=8192, heads=16, kv_heads=16, batch=2, gran="tensor", rot="hadamard", rows=1024)]
+        plan.append((name, cases))
+    sections, datasets = [], []
+    out.timings["validation"] = {}
+    for name, cases in plan:
+        t = time.perf_counter()
+        ds = run_validation(cases, device=args.device, kernel=kernel, progress=lambda m: log("  " + m),
+                            deadline=deadline)
+        rank = accumulator_ranking(ds)
+        out.timings["validation"][name] = {
+            "seconds": round(time.perf_counter() - t, 2), "ranking": rank,
+            "cases": {str(c): {"F": {str(a): float(ds["fidelity"].sel(case=c, acc=a)) for a in ds["acc"].values},
+                               "identical": {str(a): float(ds["identical"].sel(case=c, acc=a)) for a in ds["acc"].values},
+                               "rmse_kernel": float(ds["rmse_kernel"].sel(case=c))}
+                      for c in ds["case"].values}}
+        out.save_timings()
+        best = f"best accumulator model: `{rank[0]['acc']}` (max F {rank[0]['max_F']:.4f})" if rank else ""
+        sections.append(f"## Validation grid `{name}`: emulator vs kernel\n\n{markdown_validation(ds)}\n{best}")
+        out.section("validation", "\n\n".join(sections))
+        log(f"validation {name} done; " + best)
+        datasets.append(ds.assign_coords(grid=("case", [name] * ds.sizes["case"])))
+        try:  # rewritten after every grid, so a timeout keeps the grids done
+            merged = datasets[0] if len(datasets) == 1 else xr.concat(datasets, dim="case", data_vars="all",
+                                                                      combine_attrs="drop_conflicts")
+            write(merged, out.dir / "validation.nc")
+        except Exception as exc:  # noqa: BLE001
+            out.error("validation.nc", exc)
+
+
+def cli_table3(out: Out, args) -> None:
+    """The paper-shape Table 3 with every query row as a user runs it: one process from the
+    command line (interpreter start, imports, CUDA start, inputs drawn on the GPU, the float64
+    reference and the seven rows), timed from outside, twice (the second with warm file caches)."""
+    if not args.device.startswith("cuda"):
+        return
+    cmd = ["fa3-numerics", "run", "outliers", "--p", "0.001", "--device", "cuda", "--rows", "0",
+           "--batch", "2", "--heads", "16", "--seqlen", "8192", "--out", "/tmp/t3cli", "--fresh"]
+    times = []
+    for _ in range(2):
+        t = time.perf_counter()
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        times.append(round(time.perf_counter() - t, 2))
+        if res.returncode != 0:
+            out.error("cli_table3", RuntimeError((res.stderr or res.stdout).strip().splitlines()[-1]))
+            return
+    log(f"command-line Table 3 (every row): {times} s\n{res.stdout}")
+    out.timings["cli_table3_seconds"] = times
     out.save_timings()
-    best = f"best accumulator model: `{rank[0]['acc']}` (max F {rank[0]['max_F']:.4f})" if rank else ""
-    out.section("validation", f"## Validation grid `{sz.grid}`: emulator vs kernel\n\n{markdown_validation(ds)}\n{best}")
-    log("validation done; " + best)
+    out.section("cli", "## Table 3 from the command line, every query row\n\n"
+                       f"`{' '.join(cmd)}`: **{times[-1]:.2f} s** wall for the whole process (first run "
+                       f"{times[0]:.2f} s; aim 5 s). Q, K and V are drawn on the GPU.\n\n```\n{res.stdout.strip()}\n```")
+
+
+def mma_speed(out: Out, args) -> None:
+    """The Hopper MMA model (acc=fp22) against the float32 emulator on the GPU, same inputs."""
+    import torch
+
+    from fa3_numerics.data import distributions
+    from fa3_numerics.numerics.emulator import emulate
+    from fa3_numerics.numerics.recipe import Recipe
+
+    dev = args.device
+    shape = distributions.AttnShape(2, 16, 8192, 128) if dev.startswith("cuda") else distributions.AttnShape(1, 2, 512, 128)
+    q, k, v = distributions.generate("outliers", shape, 0, device=dev, p=0.001, sigma=10.0)
+    rows = torch.arange(0, shape.seqlen, 8, device=dev)
+    res = {}
+    for spec in ("fa3-fp8-kernel,acc=fp32", "fa3-fp8-kernel"):
+        r = Recipe.from_str(spec)
+        emulate(r, q, k, v, q_index=rows[:64])  # warm-up
+        _sync(dev)
+        t = time.perf_counter()
+        emulate(r, q, k, v, q_index=rows)
+        _sync(dev)
+        res[spec] = round(time.perf_counter() - t, 3)
+    ratio = res["fa3-fp8-kernel"] / res["fa3-fp8-kernel,acc=fp32"]
+    out.timings["mma_speed"] = {"seconds": res, "ratio": round(ratio, 2), "rows": int(rows.numel()),
+                                "shape": [shape.batch, shape.heads, shape.seqlen, shape.head_dim]}
+    out.save_timings()
+    out.section("mma", f"## The Hopper MMA model's cost on `{dev}`\n\n{shape.batch} x {shape.heads} heads, seqlen "
+                       f"{shape.seqlen}, {rows.numel()} query rows: `fa3-fp8-kernel` (acc=fp22) "
+                       f"{res['fa3-fp8-kernel']:.3f} s, `acc=fp32` {res['fa3-fp8-kernel,acc=fp32']:.3f} s: "
+                       f"**{ratio:.2f}x** (target <= 3x).")
+    log(f"mma speed {res} ratio {ratio:.2f}")
 
 
 def _events_median(fn, reps: int, device: str) -> float:
@@ -606,8 +675,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "reports/h200"))
     ap.add_argument("--mock", action="store_true", help="CPU dry run: toy sizes, float32 stand-in for the kernel")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds; optional parts are skipped past it")
-    ap.add_argument("--parts", default="table3,throughput,validation,table3_fp22,extra,devices,tests")
-    ap.add_argument("--grid", default=None, help="validation grid (default: small on the GPU, tiny with --mock)")
+    ap.add_argument("--parts", default="table3,cli,validation,mma,table3_fp22,devices,tests",
+                    help="comma list of: table3, cli, validation, mma, table3_fp22, throughput, extra, devices, tests")
+    ap.add_argument("--grids", default=None, help="validation grids, comma separated (default: small,stress,captured "
+                                                  "on the GPU, tiny with --mock)")
+    ap.add_argument("--capture", default=".capture/smollm2.safetensors",
+                    help="capture file for the `captured` grid (skipped when absent)")
+    ap.add_argument("--capture-rows", type=int, default=0, help="query rows per layer of the capture (0 = all)")
     ap.add_argument("--figure-from", default=None, help="only redraw accuracy_speed.png (into --out) from a throughput.csv")
     args = ap.parse_args(argv)
     if args.figure_from:
@@ -625,15 +699,10 @@ def main(argv=None) -> int:
     torch.backends.cudnn.allow_tf32 = False
     args.device = "cpu" if args.mock else "cuda"
     sz = MOCK_SIZES if args.mock else Sizes()
-    if args.grid:
-        sz = dataclasses.replace(sz, grid=args.grid)
+    if args.grids:
+        sz = dataclasses.replace(sz, grids=tuple(args.grids.split(",")))
     out = Out(Path(args.out))
-    from fa3_numerics.engine.backends import register_backend
-
-    fa3_name = "fa3"
-    if args.mock:
-        register_backend("fa3-mock", None, "fa3_numerics.kernels.fa3:MockFa3Backend")
-        fa3_name = "fa3-mock"
+    fa3_name = "fa3-mock" if args.mock else "fa3"
     out.section("head", "# fa3-numerics on real hardware: Table 3, validation, throughput\n\n"
                         f"Written by `kernels/device/h200.py`{' --mock (CPU dry run: NOT hardware results)' if args.mock else ''}.")
     deadline = T0 + args.budget
@@ -645,7 +714,9 @@ def main(argv=None) -> int:
     steps = [
         ("table3", lambda: table3(out, args, sz, fa3_name), None),
         ("throughput", lambda: throughput(out, args, sz, fa3_name), None),
-        ("validation", lambda: validation(out, args, sz, fa3_name, deadline - 150), None),
+        ("cli", lambda: cli_table3(out, args), 60),
+        ("validation", lambda: validation(out, args, sz, fa3_name, deadline - 90), None),
+        ("mma", lambda: mma_speed(out, args), 40),
         ("table3_fp22", lambda: table3_fp22(out, args, sz), 120),
         ("extra", lambda: extra_all_rows(out, args, sz), 60),
         ("devices", lambda: emulator_devices(out, args), 30),

@@ -3,8 +3,7 @@
 # Device tool: run(command="bash kernels/device/triton_h200.sh [--parts ...]", carry=[".whl"], timeout_s=...)
 # .whl/ (git-ignored) holds fa3_fwd-0.0.3-*.whl (FA3 rows beside the Triton ones) and h5netcdf-1.8.2 (.nc files).
 set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source kernels/device/setup_device.sh
 OUT=${OUT:-reports/h200/triton}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader || true

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Shared set-up of every device call (sourced by h200.sh and triton_h200.sh): install the carried
+# wheels (.whl/: fa3-fwd for the FA3 kernel, h5netcdf for .nc files, gguf for GGUF models) and the
+# project itself, so that fa3_numerics.kernels and fa3_numerics.experiments resolve through
+# pyproject's package-dir mapping exactly as on a user's machine.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/pip-e.log 2>&1 || {
+  cat /tmp/pip-e.log; echo "pip install -e . failed on the device"; exit 3; }
+python3 -c "import fa3_numerics.kernels.fa3, fa3_numerics.experiments" || exit 3
