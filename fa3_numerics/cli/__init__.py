@@ -6,7 +6,7 @@ that come from registries (distribution parameters, ablation factors, metrics, b
 generated when the app is built (``build_app``), so an entry added to a registry is on the
 command line at once.
 
-Exit codes: 0 done; 2 bad input (``UsageError``: one line on stderr naming the fix, never a
+Exit codes: 0 done; 1 a gate failed (``compare --fail-above`` / ``--fail-if-not-covered``); 2 bad input (``UsageError``: one line on stderr naming the fix, never a
 traceback); 3 results hold NaN or Inf (``NonFiniteError``, after every file is written; pass
 ``--allow-nonfinite`` to accept them); 130 interrupted (Ctrl-C; finished cells stay cached).
 """

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from .options import ALLOW_NONFINITE_HELP, factor_options, finish, parse_list, with_options
+from .options import ALLOW_NONFINITE_HELP, examples, experiment_toml, factor_options, finish, parse_list, \
+    toml_default, with_options, wrote
 
 HELP = {
     "experiment": "experiment definition: a name in experiments/ or a path to a .toml",
@@ -28,49 +30,73 @@ HELP = {
     "scheduler": "address of an existing dask scheduler (tcp://host:8786) instead of a LocalCluster",
     "device": "cpu, cuda or cuda:N",
     "backend": "emulate (default) or another registered backend",
-    "out": "folder for the dataset (ablation.nc) and the cache of finished cells (.cells/)",
-    "report": "folder for the report (report.md, figures, tables); '' to skip the report",
+    "out": "output folder: the dataset (ablation.nc), the report (report.html, report.md, figures, CSV tables) "
+           "and the cache of finished cells (.cells/), as `run outliers` writes its",
+    "report": "another folder for the report (default: --out); '' to skip the report",
     "fresh": "ignore cached cells from an earlier run into the same --out",
 }
+SOURCE = "experiments/ablation.toml"
+EXAMPLES = examples(
+    "fa3-numerics run ablation                         # the default design: 3-5 minutes on 2 cores",
+    "fa3-numerics run ablation --designs core --data outliers --seqlen 1024,4096 --workers 0",
+    "fa3-numerics run ablation --p-handling offset8,scale448 --gran head,block --out results/abl",
+    "fa3-numerics run ablation --scheduler tcp://HOST:8786   # cells spread over an existing dask cluster",
+    "fa3-numerics report results/ablation/ablation.nc --out my-report   # the report again, from the dataset",
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _toml() -> dict:
+    spec = experiment_toml("ablation")
+    return dict(spec.get("shape", {})) | dict(spec.get("run", {}))
+
+
+def _default(key: str) -> str | bool:
+    return toml_default(_toml(), key, SOURCE)
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:
-    @run_app.command("ablation")
+    @run_app.command("ablation", epilog=EXAMPLES)
     @with_options(factor_options)
     def ablation(
         experiment: str = typer.Option("ablation", help=HELP["experiment"]),
-        seqlen: Optional[str] = typer.Option(None, help=HELP["seqlen"]),
-        head_dim: Optional[str] = typer.Option(None, "--head-dim", help=HELP["head_dim"]),
-        causal: Optional[str] = typer.Option(None, help=HELP["causal"]),
-        batch: Optional[int] = typer.Option(None, help=HELP["batch"]),
-        heads: Optional[int] = typer.Option(None, help=HELP["heads"]),
-        rows: Optional[int] = typer.Option(None, help=HELP["rows"]),
-        seeds: Optional[str] = typer.Option(None, help=HELP["seeds"]),
-        designs: Optional[str] = typer.Option(None, help=HELP["designs"]),
-        data: Optional[str] = typer.Option(None, help=HELP["data"]),
+        seqlen: Optional[str] = typer.Option(None, help=HELP["seqlen"], show_default=_default("seqlen")),
+        head_dim: Optional[str] = typer.Option(None, "--head-dim", help=HELP["head_dim"],
+                                               show_default=_default("head_dim")),
+        causal: Optional[str] = typer.Option(None, help=HELP["causal"], show_default=_default("causal")),
+        batch: Optional[int] = typer.Option(None, help=HELP["batch"], show_default=_default("batch")),
+        heads: Optional[int] = typer.Option(None, help=HELP["heads"], show_default=_default("heads")),
+        rows: Optional[int] = typer.Option(None, help=HELP["rows"], show_default=_default("rows")),
+        seeds: Optional[str] = typer.Option(None, help=HELP["seeds"], show_default=_default("seeds")),
+        designs: Optional[str] = typer.Option(None, help=HELP["designs"], show_default=f"all, from {SOURCE}"),
+        data: Optional[str] = typer.Option(None, help=HELP["data"], show_default=f"all, from {SOURCE}"),
         capture: Optional[Path] = typer.Option(None, help=HELP["capture"]),
         capture_layer: int = typer.Option(0, "--capture-layer", help=HELP["capture_layer"]),
-        attribution: Optional[bool] = typer.Option(None, "--attribution/--no-attribution", help=HELP["attribution"]),
+        attribution: Optional[bool] = typer.Option(None, "--attribution/--no-attribution", help=HELP["attribution"],
+                                                   show_default=_default("attribution")),
         workers: Optional[int] = typer.Option(None, help=HELP["workers"], show_default="one per core"),
         scheduler: Optional[str] = typer.Option(None, help=HELP["scheduler"]),
         device: str = typer.Option("cpu", help=HELP["device"]),
         backend: str = typer.Option("emulate", help=HELP["backend"]),
         out: str = typer.Option("results/ablation", help=HELP["out"]),
-        report: str = typer.Option("reports/ablation", help=HELP["report"]),
+        report: Optional[str] = typer.Option(None, help=HELP["report"], show_default="--out"),
         fresh: bool = typer.Option(False, help=HELP["fresh"]),
         allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=ALLOW_NONFINITE_HELP),
         **factor_levels,
     ):
         """Factorial ablation of FP8 attention recipes with error attribution, effects and a report.
 
-        Every registered ablation factor has an option that replaces its levels.
+        Every registered ablation factor has an option that replaces its levels (the P-handling
+        factor is --p-handling: --p is the outlier probability everywhere). Defaults come from
+        experiments/ablation.toml. The dataset, report, figures and tables go into --out.
         """
         from contextlib import ExitStack
 
         from ..engine.dataset import write
         from ..engine.distributed import check_scheduler
-        from ..engine.files import OutputFolder, atomic_write
+        from ..engine.files import OutputFolder
         from ..engine.nonfinite import scan
+        from ..engine.progress import make_progress
         from ..errors import require
         from ..studies.ablation import load_ablation, run_ablation
 
@@ -89,24 +115,34 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         ab = load_ablation(experiment, overrides)
         with ExitStack() as stack:
             path = stack.enter_context(OutputFolder(out, "--out"))
-            rep = stack.enter_context(OutputFolder(report, "--report")) if report and \
-                Path(report).resolve() != path.resolve() else (path if report else None)
+            rep = None
+            if report is None or (report and Path(report).resolve() == path.resolve()):
+                rep = path
+            elif report:
+                rep = stack.enter_context(OutputFolder(report, "--report"))
             cache = path / ".cells"
             if fresh and cache.is_dir():
                 for f in cache.glob("*.npz"):
                     f.unlink()
             t0 = time.perf_counter()
-            ds = run_ablation(ab, cache_dir=cache, workers=workers, scheduler=scheduler)
+            ds = run_ablation(ab, cache_dir=cache, workers=workers, scheduler=scheduler, progress=make_progress())
             findings = scan(ds)
-            nc = write(ds, path / f"{ab.name}.nc")
-            typer.echo(f"wrote {nc} ({ds.attrs['wall_seconds']} s for the sweep)", err=True)
+            written = [write(ds, path / f"{ab.name}.nc")]
+            typer.echo(f"wrote {written[0]} ({ds.attrs['wall_seconds']} s for the sweep); analysing", err=True)
             if rep is not None:
-                from ..report.ablation import render_report
-
-                md = render_report(ds, rep, dataset_path=nc)
-                total = time.perf_counter() - t0
-                atomic_write(md, md.read_text() + f"\nWall time of the command: {total:.0f} s "
-                             f"({ds.attrs['wall_seconds']:.0f} s the sweep, the rest the analysis and figures).\n")
-                typer.echo(f"wrote {md}", err=True)
-            typer.echo(f"total {time.perf_counter() - t0:.1f} s", err=True)
+                written += _report(ds, rep, written[0], t0)
+            typer.echo(wrote(written, f"({time.perf_counter() - t0:.0f} s in all)"))
         finish(findings, allow_nonfinite, lambda m: typer.echo(m, err=True))
+
+
+def _report(ds, folder: Path, nc: Path, t0: float) -> list[Path]:
+    """The report of ``ds`` into ``folder``, with the command's wall time in its provenance."""
+    from ..report.ablation import ablation_document
+    from ..report.document import Bullets, write_document
+
+    doc, extra = ablation_document(ds, dataset_path=nc)
+    total = time.perf_counter() - t0
+    prov = next(s for s in doc.sections if s.title == "Provenance")
+    prov.blocks.append(Bullets([f"wall time of the command: {total:.0f} s ({ds.attrs['wall_seconds']:.0f} s the "
+                                "sweep, the rest the analysis and figures)"]))
+    return write_document(doc, folder, stem="report", figure_dir="", extra=extra)

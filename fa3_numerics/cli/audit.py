@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from .options import ALLOW_NONFINITE_HELP, finish
+from .options import ALLOW_NONFINITE_HELP, examples, finish, wrote
 
 HELP = (
     "Audit a capture (from `fa3-numerics capture`): every variant's error against float64 on every "
@@ -19,7 +19,14 @@ HELP = (
     "pairs), kurtosis, max/rms, incoherence before and after the Hadamard rotation, attention-sink mass, "
     "the fraction of P~ that underflows in e4m3 and per-block amax at the kernel's tiles. Writes "
     "OUT/audit.nc (xarray) and OUT/audit.md with figures: heatmaps, channel amax, the riskiest heads "
-    "and, with --budget, the cheapest recipe per layer that meets it."
+    "and, with --budget, the cheapest recipe per layer that meets it. `fa3-numerics report OUT/audit.nc` renders "
+    "the same report again from the dataset."
+)
+EXAMPLES = examples(
+    "fa3-numerics capture --model smollm2 --tokens 2048 --out smollm2.safetensors",
+    "fa3-numerics audit smollm2.safetensors --budget 0.03 --out audit/",
+    "fa3-numerics audit smollm2.safetensors --layers 0-4,10 --rows 0 --variants 'fa3-fp8;fa3-fp8-kernel'",
+    "fa3-numerics report audit/audit.nc --out audit-again/",
 )
 
 
@@ -30,7 +37,8 @@ def _metrics_help(what: str) -> str:
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:
-    @app.command("audit", help=HELP, short_help="Audit a captured model's attention layers for FP8 error.")
+    @app.command("audit", help=HELP, short_help="Audit a captured model's attention layers for FP8 error.",
+                 epilog=EXAMPLES)
     def audit_cmd(
         file: Path = typer.Argument(..., help="Capture file (.safetensors) from `fa3-numerics capture`."),
         variants: Optional[str] = typer.Option(
@@ -59,8 +67,10 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         from ..engine.dataset import write
         from ..engine.files import OutputFolder
         from ..engine.nonfinite import scan
+        from ..engine.progress import make_progress
         from ..errors import require
-        from ..report.audit import write_report
+        from ..report.audit import audit_document
+        from ..report.document import write_document
         from ..studies.audit import audit, check_recommendations, plan, rank, rank_metrics, recommend
 
         names = rank_metrics()
@@ -78,13 +88,15 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         require(rank_by == "worst" or rank_by in labels, f"--rank-by {rank_by!r} is not an audited variant; use "
                 f"worst or one of {', '.join(labels)}")
         with folder as path:
-            ds = audit(cap, variants=variants, backend=backend, rows=rows, layers=layers, seed=seed, device=device)
+            ds = audit(cap, variants=variants, backend=backend, rows=rows, layers=layers, seed=seed, device=device,
+                       progress=make_progress())
             ds.attrs.update({"budget": "" if budget is None else budget, "budget_metric": budget_metric,
                              "rank_by": rank_by, "rank_metric": rank_metric})
             findings = scan(ds, sample_dims=("head",))
-            nc = write(ds, path / "audit.nc")
-            md = write_report(ds, path, top=top, budget=budget, budget_metric=budget_metric, rank_by=rank_by,
-                              rank_metric=rank_metric)
+            written = [write(ds, path / "audit.nc")]
+            written += write_document(audit_document(ds, top=top, budget=budget, budget_metric=budget_metric,
+                                                     rank_by=rank_by, rank_metric=rank_metric),
+                                      path, stem="audit", figure_dir="")
         typer.echo(f"riskiest (layer, head) by {rank_metric} of {rank_by}:")
         for r in rank(ds, by=rank_by, metric=rank_metric, top=min(top, 5)):
             score = f"{r['score']:.3g}" if r["score"] == r["score"] else "non-finite"
@@ -99,5 +111,5 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             problems = check_recommendations(ds, rec)
             if problems:
                 typer.echo("recommendation check failed: " + "; ".join(problems), err=True)
-        typer.echo(f"wrote {nc} and {md} ({time.perf_counter() - t0:.1f} s)")
+        typer.echo(wrote(written, f"({time.perf_counter() - t0:.1f} s)"))
         finish(findings, allow_nonfinite, lambda m: typer.echo(m, err=True))

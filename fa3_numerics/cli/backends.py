@@ -1,12 +1,15 @@
-"""`fa3-numerics backends`: what can compute attention on this machine, and what is missing."""
+"""`fa3-numerics backends`: what can compute attention on this machine, and for the rest, why not."""
 
 from __future__ import annotations
 
 import typer
 
+from .options import examples
+
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:
-    @app.command("backends")
+    @app.command("backends", epilog=examples("fa3-numerics backends", "fa3-numerics backends --device cuda:1",
+                                             "fa3-numerics run outliers --backend sdpa-math --device cuda"))
     def backends_cmd(
         device: str = typer.Option("", help="device to check (cpu, cuda or cuda:N); default: cuda when a GPU is "
                                             "visible, and cpu as well"),
@@ -20,10 +23,11 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         for dev in devices:
             typer.echo(f"device {dev}:")
             for row in backend_table(dev):
-                mark = "usable " if row["usable"] else "missing"
+                # "not usable here": the backend exists and may work elsewhere; the line below says why not
+                mark = "usable here    " if row["usable"] else "not usable here"
                 kind = "hardware" if row["hardware"] else "emulated"
                 typer.echo(f"  {row['name']:<17} {mark}  [{kind}] {row['description']}")
                 if not row["usable"]:
-                    typer.echo(f"  {'':<17}          why/fix: {row['why']}")
+                    typer.echo(f"  {'':<17} {'':<15}  why, and the fix: {row['why']}")
         typer.echo("\nSelect one with `fa3-numerics run outliers --backend NAME --device cuda`; recipes a backend "
                    "cannot compute are refused with the reason (e.g. per-block scales on fa3).")

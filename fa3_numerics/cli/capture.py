@@ -11,6 +11,8 @@ from typing import Optional
 
 import typer
 
+from .options import examples
+
 HELP = (
     "Capture post-RoPE Q, K and V of a real model's attention layers, exactly as the attention "
     "kernel receives them (float32, CPU), into a safetensors file for audits. MODEL is a local "
@@ -21,7 +23,10 @@ HELP = (
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:
     @app.command("capture", help=HELP,
-                 short_help="Capture a real model's post-RoPE Q, K, V into a safetensors file.")
+                 short_help="Capture a real model's post-RoPE Q, K, V into a safetensors file.",
+                 epilog=examples("fa3-numerics capture --model smollm2 --tokens 2048 --out smollm2.safetensors",
+                                 "fa3-numerics capture --model ./my-hf-model --text corpus.txt --layers 0-4 -o cap.safetensors",
+                                 "fa3-numerics audit smollm2.safetensors --budget 0.03 --out audit/"))
     def capture_cmd(
         out: Path = typer.Option(..., "--out", "-o", help="Output file (.safetensors); written whole or not at all."),
         model: str = typer.Option("smollm2", "--model", "-m",

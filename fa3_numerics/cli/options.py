@@ -1,7 +1,8 @@
 """Options shared by the commands, and options generated from the registries.
 
 Exposed: ``parse_list``, ``with_options``, ``option``, ``dist_options``, ``factor_options``,
-``ALLOW_NONFINITE_HELP``, ``finish``.
+``factor_flag``, ``examples``, ``toml_default``, ``experiment_toml``, ``wrote``, ``ALLOW_NONFINITE_HELP``,
+``finish``.
 
 ``dist_options`` makes one ``--NAME`` option per parameter of every registered distribution
 (its help from the registry, a comma list sweeps), and ``factor_options`` one per registered
@@ -57,10 +58,55 @@ def _int(text: str) -> int:
         return int(f)
 
 
-def option(name: str, help: str, annotation=Optional[str], default=None) -> inspect.Parameter:
-    """A keyword-only typer option ``--name`` (underscores become dashes)."""
+def option(name: str, help: str, annotation=Optional[str], default=None, flag: str = "",
+           show_default: str | bool = True) -> inspect.Parameter:
+    """A keyword-only typer option ``--name`` (underscores become dashes; ``flag`` overrides it)."""
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-                             default=typer.Option(default, f"--{name.replace('_', '-')}", help=help))
+                             default=typer.Option(default, flag or f"--{name.replace('_', '-')}", help=help,
+                                                  show_default=show_default))
+
+
+def examples(*lines: str) -> str:
+    """A command's help epilog: its examples, one per paragraph (rich markup escaped)."""
+    from rich.markup import escape
+
+    return "[bold]Examples[/bold]\n\n" + "\n\n".join(f"  {escape(line)}" for line in lines)
+
+
+def toml_default(values: dict, key: str, source: str) -> str | bool:
+    """``show_default`` text for an option whose default comes from an experiment TOML."""
+    if key not in values:
+        return True
+    v = values[key]
+    text = ",".join(_plain(x) for x in v) if isinstance(v, (list, tuple)) else _plain(v)
+    return f"{text}, from {source}"
+
+
+def _plain(v) -> str:
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def experiment_toml(name: str) -> dict:
+    """experiments/NAME.toml as a dict ({} if unreadable: the command then reports it when run),
+    read without importing the studies, so that building the CLI stays light."""
+    import importlib.resources
+    import tomllib
+
+    try:
+        text = importlib.resources.files("fa3_numerics.experiments").joinpath(f"{name}.toml").read_text()
+        return tomllib.loads(text)
+    except (OSError, ValueError, ModuleNotFoundError):
+        return {}
+
+
+def wrote(paths, tail: str = "") -> str:
+    """The final line of a command: every file it wrote."""
+    paths = [str(p) for p in paths]
+    return f"wrote {len(paths)} file(s): {', '.join(paths)}" + (f" {tail}" if tail else "")
 
 
 def with_options(extra: Callable[[], list[inspect.Parameter]]):
@@ -85,15 +131,31 @@ def with_options(extra: Callable[[], list[inspect.Parameter]]):
     return deco
 
 
-def dist_options() -> list[inspect.Parameter]:
-    """One option per distribution parameter name; help lists every family that has it."""
+def dist_options(toml: dict | None = None, source: str = "") -> list[inspect.Parameter]:
+    """One option per distribution parameter name; help lists every family that has it.
+    ``toml``: the experiment's [params] table, whose values are the defaults shown."""
     from ..data import distributions
 
     helps: dict[str, list[str]] = {}
     for name, entry in distributions.available().items():
         for p, (default, text) in entry.params.items():
             helps.setdefault(p, []).append(f"{name.rstrip(':')}: {text} (default {default:g})")
-    return [option(p, "; ".join(h) + ". A comma list sweeps.") for p, h in helps.items()]
+    toml = toml or {}
+    return [option(p, "; ".join(h) + ". A comma list sweeps.",
+                   show_default=toml_default(toml, p, source) if p in toml else False) for p, h in helps.items()]
+
+
+def factor_flag(name: str, help_text: str) -> str:
+    """The option of an ablation factor: ``--NAME``, unless a distribution parameter already
+    means something else by that name (``--p`` is the outlier probability everywhere), then the
+    words its help starts with (``p``, "P handling: ..." -> ``--p-handling``)."""
+    from ..data import distributions
+
+    taken = {p for e in distributions.available().values() for p in e.params}
+    if name not in taken:
+        return f"--{name.replace('_', '-')}"
+    words = help_text.split(":")[0].strip().lower()
+    return "--" + "-".join("".join(c if c.isalnum() else " " for c in words).split())
 
 
 def factor_options() -> list[inspect.Parameter]:
@@ -104,7 +166,8 @@ def factor_options() -> list[inspect.Parameter]:
     for name, f in factors().items():
         levels = f.level_names()
         out.append(option(name, f"{f.help}; levels for the designs that vary it"
-                                + (f" ({', '.join(levels)})" if levels else "") + ", comma separated"))
+                                + (f" ({', '.join(levels)})" if levels else "") + ", comma separated",
+                          flag=factor_flag(name, f.help), show_default="each design's, from the experiment TOML"))
     return out
 
 
@@ -116,4 +179,5 @@ def finish(findings, allow: bool, echo: Callable[[str], None]) -> None:
     enforce(findings, allow)
 
 
-__all__ = ["parse_list", "with_options", "option", "dist_options", "factor_options", "ALLOW_NONFINITE_HELP", "finish"]
+__all__ = ["parse_list", "with_options", "option", "dist_options", "factor_options", "factor_flag", "examples",
+           "toml_default", "experiment_toml", "wrote", "ALLOW_NONFINITE_HELP", "finish"]

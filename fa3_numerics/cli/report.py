@@ -1,14 +1,27 @@
-"""`fa3-numerics report DATASET` and `fa3-numerics compare A.nc B.nc`."""
+"""`fa3-numerics report DATASET...` and `fa3-numerics compare A.nc B.nc`."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
 from ..errors import UsageError
-from .options import ALLOW_NONFINITE_HELP, finish
+from .options import ALLOW_NONFINITE_HELP, examples, finish, wrote
+
+REPORT_EXAMPLES = examples(
+    "fa3-numerics report results/outliers/outliers.nc --out my-report",
+    "fa3-numerics report results/ablation/ablation.nc --format html",
+    "fa3-numerics report audit/audit.nc                 # the audit report, with the audit's budget and ranking",
+    "fa3-numerics report reports/h200/table3_hardware.nc reports/h200/validation.nc --out h200-html   # one page",
+)
+COMPARE_EXAMPLES = examples(
+    "fa3-numerics compare cpu/outliers.nc gpu/outliers.nc",
+    "fa3-numerics compare reports/outliers/default/outliers.nc reports/h200/table3_hardware.nc   # emulator vs FA3",
+    "fa3-numerics compare main.nc branch.nc --fail-above 1.05      # CI: exit 1 when B is 5% worse anywhere",
+    "fa3-numerics compare a.nc b.nc --fail-if-not-covered --out cmp.html",
+)
 
 
 def parse_formats(text: str) -> tuple[str, ...]:
@@ -30,45 +43,74 @@ def _metric_help() -> str:
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:
-    @app.command("report")
+    @app.command("report", epilog=REPORT_EXAMPLES)
     def report(
-        dataset: Path = typer.Argument(..., help="a dataset (.nc) written by `fa3-numerics run`, `audit` or `validate`"),
-        out: Optional[str] = typer.Option(None, help="output folder (default: the dataset's folder)"),
-        format: str = typer.Option("html,md", "--format", help="for runs: comma list of html (self-contained) and "
-                                                                "md (report.md + figures/*.png)"),
+        datasets: List[Path] = typer.Argument(..., metavar="DATASET...",
+                                              help="datasets (.nc) written by `fa3-numerics run`, `audit` or "
+                                                   "`validate`; several go on one page"),
+        out: Optional[str] = typer.Option(None, help="output folder", show_default="the first dataset's folder"),
+        format: str = typer.Option("html,md", "--format", help="comma list of html (self-contained page) and md "
+                                                                "(Markdown with the figures as PNG and SVG files)"),
     ):
         """Render the report of a saved dataset (run, ablation, audit or validation), as the command that made it does."""
         from ..engine.dataset import read
         from ..engine.files import OutputFolder
-        from ..report import render_report
+        from ..report import render_combined, render_report
 
         formats = parse_formats(format)
-        folder = OutputFolder(out if out is not None else str(dataset.parent), "--out")
-        ds = read(dataset)
+        folder = OutputFolder(out if out is not None else str(datasets[0].parent), "--out")
+        loaded = [(p, read(p)) for p in datasets]
         with folder as path:
-            paths = render_report(ds, path, formats)
-        for p in paths:
-            typer.echo(f"wrote {p}")
+            if len(loaded) == 1:
+                paths = render_report(loaded[0][1], path, formats)
+            else:
+                paths = render_combined([(p.name, ds) for p, ds in loaded], path, formats)
+        typer.echo(wrote(paths))
 
-    @app.command("compare")
+    @app.command("compare", epilog=COMPARE_EXAMPLES)
     def compare_cmd(
         a: Path = typer.Argument(..., metavar="A.nc", help="first dataset (the reference, A)"),
         b: Path = typer.Argument(..., metavar="B.nc", help="second dataset (B); ratios are B / A"),
         metric: str = typer.Option("rmse", help=_metric_help()),
-        out: Optional[str] = typer.Option(None, help="also write the comparison as Markdown to this file"),
+        out: Optional[str] = typer.Option(None, help="also write the comparison to this file: Markdown, or a "
+                                                     "self-contained page when it ends in .html"),
+        fail_above: Optional[float] = typer.Option(
+            None, "--fail-above", metavar="RATIO",
+            help="exit 1 when any B/A ratio of an error metric exceeds RATIO (e.g. 1.05: B may be at most 5% worse)"),
+        fail_if_not_covered: bool = typer.Option(
+            False, "--fail-if-not-covered",
+            help="exit 1 when any ratio's 95% interval excludes 1 (the runs differ beyond sampling noise)"),
         allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=ALLOW_NONFINITE_HELP),
     ):
-        """The same variants of two runs side by side, with ratios B/A and whether their intervals cover 1."""
+        """The same variants of two runs side by side, with ratios B/A and whether their intervals cover 1.
+
+        Hardware variants named BACKEND:VARIANT (fa3:..., triton:..., sdpa-math:...) are matched to
+        the variant that runs the same recipe. Settings that differ are a warning at the top.
+        Exit codes: 0 passed, 1 a --fail-above / --fail-if-not-covered gate failed, 2 bad input,
+        3 non-finite results.
+        """
         from ..engine.dataset import read
         from ..engine.files import atomic_write, output_file
-        from ..report.compare import markdown_report, text_report
-        from ..studies.compare import compare, findings
+        from ..errors import require
+        from ..report.compare import html_report, markdown_report, text_report
+        from ..studies.compare import compare, findings, gate
 
+        if fail_above is not None:
+            require(fail_above > 0 and fail_above == fail_above, f"--fail-above must be a positive ratio, got {fail_above}")
         dest = output_file(out) if out is not None else None
         da, db = read(a, ("run", "ablation", "audit")), read(b, ("run", "ablation", "audit"))
         res = compare(da, db, metric)
+        failed = gate(res, fail_above=fail_above, fail_if_not_covered=fail_if_not_covered)
         typer.echo(text_report(res, da, db, str(a), str(b)))
         if dest is not None:
-            atomic_write(dest, markdown_report(res, da, db, str(a), str(b)))
-            typer.echo(f"\nwrote {dest}")
+            render = html_report if dest.suffix.lower() in (".html", ".htm") else markdown_report
+            atomic_write(dest, render(res, da, db, str(a), str(b)))
+            typer.echo("\n" + wrote([dest]))
+        for line in failed:
+            typer.echo(f"FAILED: {line}", err=True)
         finish(findings(res), allow_nonfinite, lambda m: typer.echo(m, err=True))
+        if failed:
+            gates = ([f"--fail-above {fail_above:g}"] if fail_above is not None else []) + \
+                (["--fail-if-not-covered"] if fail_if_not_covered else [])
+            typer.echo(f"error: {len(failed)} comparison(s) failed the gate {' and '.join(gates)}", err=True)
+            raise typer.Exit(1)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import typer
 
-from .options import ALLOW_NONFINITE_HELP, dist_options, finish, parse_list, with_options
+from .options import ALLOW_NONFINITE_HELP, dist_options, examples, experiment_toml, finish, parse_list, toml_default, \
+    with_options, wrote
 
 # option -> help; one table so the CLI's help cannot drift from what the runner reads.
 HELP = {
@@ -25,6 +27,28 @@ HELP = {
     "workers": "dask worker processes (0 = run in this process)",
     "scheduler": "address of an existing dask scheduler (e.g. tcp://host:8786)",
 }
+SOURCE = "experiments/outliers.toml"
+EXAMPLES = examples(
+    "fa3-numerics run outliers --p 0.001                        # the paper's Table 3 (~1.5 min on 2 cores)",
+    "fa3-numerics run outliers --seqlen 1024,4096 --p 0.001,0.01 --seeds 0,1,2 --out results/sweep",
+    "fa3-numerics run outliers --variants 'fa3-fp8;fa3-fp8,acc=fp22;gran=token,rot=orthogonal'",
+    "fa3-numerics run outliers --dist student-t:df=3 --seqlen 2048",
+    "fa3-numerics run outliers --backend fa3 --device cuda --variants fa3-fp8-kernel",
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _toml() -> dict:
+    """The defaults of ``run outliers``: experiments/outliers.toml, flattened (shape, params, run)."""
+    spec = experiment_toml("outliers")
+    out = dict(spec.get("shape", {})) | dict(spec.get("params", {})) | dict(spec.get("run", {}))
+    out["variants"] = ",".join(spec.get("variants", []))
+    out["dist"] = spec.get("dist", "outliers")
+    return out
+
+
+def _default(key: str) -> str | bool:
+    return toml_default(_toml(), key, SOURCE)
 
 
 def _dist_help() -> str:
@@ -42,11 +66,15 @@ def _backend_help() -> str:
 
 def run_and_write(name: str, overrides: dict, out: str, fresh: bool, workers: int = 0,
                   scheduler: Optional[str] = None, allow_nonfinite: bool = False) -> None:
+    import numpy as np
+
     from ..engine.dataset import write
     from ..engine.distributed import check_scheduler
     from ..engine.files import OutputFolder, atomic_write
     from ..engine.nonfinite import scan
+    from ..engine.progress import make_progress
     from ..errors import require
+    from ..numerics.metrics.bootstrap import MIN_SAMPLES, few_samples
     from ..report import render_report
     from ..report.summary import markdown_summary, text_table
     from ..studies.outliers import load_experiment, run_experiment
@@ -64,29 +92,37 @@ def run_and_write(name: str, overrides: dict, out: str, fresh: bool, workers: in
                    f"variant(s), backend {exp.backend} on {exp.device}; writing to {path}", err=True)
         if folder.cleaned:
             typer.echo(f"removed {len(folder.cleaned)} temp file(s) of an interrupted run", err=True)
-        ds = run_experiment(exp, cache_dir=cache, workers=workers, scheduler=scheduler)
+        ds = run_experiment(exp, cache_dir=cache, workers=workers, scheduler=scheduler, progress=make_progress())
         findings = scan(ds)
         written = [write(ds, path / f"{exp.name}.nc"), atomic_write(path / "summary.md", markdown_summary(ds))]
         written += render_report(ds, path)
         typer.echo(text_table(ds))
-        typer.echo(f"\nwrote {', '.join(str(p) for p in written)} ({ds.attrs['wall_seconds']} s)")
+        n = int(np.prod([ds.sizes.get(d, 1) for d in ("seed", "batch", "head")]))
+        if few_samples(n):
+            typer.echo(f"warning: every interval rests on {n} sample(s), fewer than {MIN_SAMPLES} (marked †); "
+                       "more --seeds or --heads sharpen them", err=True)
+        typer.echo("\n" + wrote(written, f"({ds.attrs['wall_seconds']} s for the runs)"))
     finish(findings, allow_nonfinite, lambda m: typer.echo(m, err=True))
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:
-    @run_app.command("outliers")
-    @with_options(dist_options)
+    @run_app.command("outliers", epilog=EXAMPLES)
+    @with_options(lambda: dist_options(_toml(), SOURCE))
     def outliers(
-        seqlen: Optional[str] = typer.Option(None, help=HELP["seqlen"]),
-        head_dim: Optional[str] = typer.Option(None, "--head-dim", help=HELP["head_dim"]),
-        batch: Optional[int] = typer.Option(None, help=HELP["batch"]),
-        heads: Optional[int] = typer.Option(None, help=HELP["heads"]),
-        kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help=HELP["kv_heads"]),
-        rows: Optional[int] = typer.Option(None, help=HELP["rows"]),
-        seeds: Optional[str] = typer.Option(None, help=HELP["seeds"]),
-        causal: Optional[str] = typer.Option(None, help=HELP["causal"], show_default="false"),
-        variants: Optional[str] = typer.Option(None, help=HELP["variants"]),
-        dist: Optional[str] = typer.Option(None, help=_dist_help()),
+        seqlen: Optional[str] = typer.Option(None, help=HELP["seqlen"], show_default=_default("seqlen")),
+        head_dim: Optional[str] = typer.Option(None, "--head-dim", help=HELP["head_dim"],
+                                               show_default=_default("head_dim")),
+        batch: Optional[int] = typer.Option(None, help=HELP["batch"], show_default=_default("batch")),
+        heads: Optional[int] = typer.Option(None, help=HELP["heads"], show_default=_default("heads")),
+        kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help=HELP["kv_heads"],
+                                               show_default=_default("kv_heads")),
+        rows: Optional[int] = typer.Option(None, help=HELP["rows"], show_default=_default("rows")),
+        seeds: Optional[str] = typer.Option(None, help=HELP["seeds"], show_default=_default("seeds")),
+        causal: Optional[str] = typer.Option(None, help=HELP["causal"], show_default=_default("causal")),
+        variants: Optional[str] = typer.Option(None, help=HELP["variants"],
+                                               show_default=f"the {len(_toml()['variants'].split(','))} Table 3 "
+                                                            f"presets, from {SOURCE}"),
+        dist: Optional[str] = typer.Option(None, help=_dist_help(), show_default=_default("dist")),
         device: str = typer.Option("cpu", help=HELP["device"]),
         backend: str = typer.Option("emulate", help=_backend_help()),
         out: str = typer.Option("results/outliers", help=HELP["out"]),
@@ -99,7 +135,9 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         """The FA3 paper's Table 3: FP8 and FP16 attention RMSE on Gaussian inputs with outliers.
 
         Any distribution of the registry runs with --dist NAME; its parameters are options
-        (comma lists sweep) or part of --dist (NAME:k=v,k=v).
+        (comma lists sweep) or part of --dist (NAME:k=v,k=v). Defaults come from
+        experiments/outliers.toml. Progress: a live display on a terminal, a line per task and
+        every 15 s otherwise (FA3N_PROGRESS=live|plain|off, FA3N_PROGRESS_INTERVAL=seconds).
         """
         overrides = {k: parse_list(v, float, k) for k, v in dist_params.items()}
         overrides.update({
@@ -110,7 +148,8 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         })
         run_and_write("outliers", overrides, out, fresh, workers, scheduler, allow_nonfinite)
 
-    @app.command("variants")
+    @app.command("variants", epilog=examples("fa3-numerics variants",
+                                             "fa3-numerics run outliers --variants 'fa3-fp8,acc=fp22,bn=128'"))
     def variants_cmd():
         """List the preset variants (recipes) and every recipe key, with what each does."""
         from ..numerics.keys import keys

@@ -6,7 +6,15 @@ from typing import Optional
 
 import typer
 
-from .options import ALLOW_NONFINITE_HELP, finish
+from .options import ALLOW_NONFINITE_HELP, examples, finish, wrote
+
+EXAMPLES = examples(
+    "fa3-numerics validate --grid small --out validation/          # on a Hopper GPU with the fa3 kernel",
+    "fa3-numerics validate --grid stress --acc fp22",
+    "fa3-numerics validate --dist outliers:p=0.01,sigma=30",
+    "fa3-numerics validate --dist captured:smollm2.safetensors --layers 0-4 --rows 512",
+    "fa3-numerics validate --grid tiny --backend fa3-mock --device cpu   # the whole path on a CPU, with a stand-in",
+)
 
 
 def _grid_help() -> str:
@@ -17,7 +25,7 @@ def _grid_help() -> str:
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:
-    @app.command("validate")
+    @app.command("validate", epilog=EXAMPLES)
     def validate_cmd(
         grid: str = typer.Option("small", help=_grid_help()),
         dist: Optional[str] = typer.Option(
@@ -37,8 +45,10 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         from ..engine.backends import check_device, get_backend
         from ..engine.dataset import write
         from ..engine.files import OutputFolder
+        from ..engine.progress import make_progress
         from ..errors import require
-        from ..report.validation import markdown_validation, write_validation
+        from ..report.document import write_document
+        from ..report.validation import markdown_validation, validation_document
         from ..studies.validate import accumulator_ranking, captured_cases, findings, run_validation, with_dist
         from ..studies.validate import grid as make_grid
 
@@ -58,12 +68,12 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         with folder as path:
             typer.echo(f"validate: {len(cases)} case(s), backend {backend} on {device}; writing to {path}", err=True)
             ds = run_validation(cases, device=device, backend=backend, accs=accs, kernel=kernel,
-                                progress=lambda m: typer.echo(m, err=True))
-            nc = write(ds, path / "validation.nc")
-            md = write_validation(ds, path)
+                                progress=make_progress())
+            written = [write(ds, path / "validation.nc")]
+            written += write_document(validation_document(ds), path, stem="validation", figure_dir="")
         typer.echo(markdown_validation(ds))
         rank = accumulator_ranking(ds)
         if rank:
             typer.echo(f"best accumulator model: {rank[0]['acc']} (max F {rank[0]['max_F']:.4f})")
-        typer.echo(f"wrote {nc} and {md}")
+        typer.echo(wrote(written))
         finish(findings(ds), allow_nonfinite, lambda m: typer.echo(m, err=True))

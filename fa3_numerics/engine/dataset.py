@@ -1,13 +1,18 @@
 """Results as xarray Datasets: layout, netCDF I/O (atomic), and validation.
 
 Exposed: ``FORMAT``, ``VALIDATION_FORMAT``, ``SAMPLE_DIMS``, ``to_dataset``, ``results_dataset``,
-``write``, ``read``, ``dataset_kind``, ``summary_table``, ``paper_setting``, ``PAPER_SETTING``.
+``write``, ``read``, ``dataset_kind``, ``summary_table``, ``paper_setting``, ``PAPER_SETTING``,
+``attr_list``.
 
 Layout of a run's dataset: one data variable per metric (``fa3_numerics.numerics.metrics``) with
 dims (*swept parameters, variant, seed, batch, head); coordinates for every parameter
 (swept ones as dims, the others as scalars); ``spec`` (variant -> canonical recipe
 string) and ``paper_rmse`` (variant -> FA3 paper value, NaN where none); attrs with
 provenance. Plotting and reports live elsewhere and only read this layout.
+
+Every dataset follows the CF/xarray conventions of ``fa3_numerics.engine.conventions`` (long
+names and units, integer counts, list attributes as arrays, an index on every dimension):
+``to_dataset`` and ``write`` apply them, and ``read`` upgrades datasets written before them.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import xarray as xr
 
 from ..errors import UsageError
 from ..numerics.metrics import METRICS, bootstrap_ci, nonfinite_samples, pooled
+from .conventions import apply_conventions, attr_list, upgrade  # noqa: F401  attr_list: re-exported
 from .files import atomic_path
 from .inputs import HIST_EDGES
 
@@ -30,7 +36,10 @@ KINDS = ("run", "ablation", "audit", "validation")
 
 
 def write(ds: xr.Dataset, path: str | Path) -> Path:
-    """Write ``ds`` as netCDF (h5netcdf) to ``path`` whole or not at all (temp file + rename)."""
+    """Write ``ds`` as netCDF (h5netcdf) to ``path`` whole or not at all (temp file + rename),
+    with the conventions of ``fa3_numerics.engine.conventions`` (``ds`` itself is not changed)."""
+    if ds.attrs.get("format") in (FORMAT, VALIDATION_FORMAT):
+        ds = apply_conventions(ds)
     with atomic_path(path) as tmp:
         ds.to_netcdf(tmp, engine="h5netcdf")
     return Path(path)
@@ -62,16 +71,25 @@ def read(path: str | Path, kinds: tuple[str, ...] = KINDS) -> xr.Dataset:
         raise UsageError(f"{path} is not an fa3-numerics dataset (no '{FORMAT}' marker); {hint}")
     if kind not in kinds:
         raise UsageError(f"{path} is a {kind} dataset; this command takes {' or '.join(kinds)} datasets")
-    return ds
+    return upgrade(ds)
+
+
+def _attr(v):
+    """netCDF attributes: scalars and strings as they are, lists as arrays, anything else JSON."""
+    if isinstance(v, (str, int, float, np.number)):
+        return v
+    if isinstance(v, (list, tuple)) and all(isinstance(x, (int, float, str, np.number)) for x in v):
+        return [x.item() if hasattr(x, "item") else x for x in v]  # written as an attribute array
+    return json.dumps(v)
 
 
 def to_dataset(metrics: dict[str, np.ndarray], *, dims: list[str], coords: dict, attrs: dict) -> xr.Dataset:
     data_vars = {m: (dims, np.asarray(metrics[m], dtype=np.float64), {"description": METRICS.get(m, "")})
                  for m in metrics}
     ds = xr.Dataset(data_vars, coords=coords)
-    ds.attrs.update({k: (json.dumps(v) if not isinstance(v, (str, int, float)) else v) for k, v in attrs.items()})
+    ds.attrs.update({k: _attr(v) for k, v in attrs.items()})
     ds.attrs["format"] = FORMAT
-    return ds
+    return apply_conventions(ds)
 
 
 def results_dataset(metrics: dict[str, np.ndarray], *, dims: list[str], coords: dict, attrs: dict,
@@ -81,9 +99,10 @@ def results_dataset(metrics: dict[str, np.ndarray], *, dims: list[str], coords: 
     ds = to_dataset(metrics, dims=dims, coords=coords, attrs=attrs)
     if hist is not None:
         ds["abs_hist"] = (list(hist_dims) + ["tensor", "abs_bin"], hist,
-                          {"description": "count of entries with |x| in [abs_bin_lo, next abs_bin_lo) for Q, K, V"})
-        ds = ds.assign_coords(tensor=["Q", "K", "V"], abs_bin_lo=("abs_bin", HIST_EDGES))
-    return ds
+                          {"description": "count of entries with |x| in [abs_bin, next abs_bin) for Q, K, V; "
+                                          "the last bin is open"})
+        ds = ds.assign_coords(tensor=["Q", "K", "V"], abs_bin=("abs_bin", HIST_EDGES))
+    return apply_conventions(ds)
 
 
 def summary_table(ds: xr.Dataset, metric: str = "rmse", level: float = 0.95) -> list[dict]:

@@ -64,6 +64,26 @@ def check_scheduler(address: str | None) -> None:
                          "(e.g. tcp://10.0.0.5:8786)")
 
 
+def _has_bokeh() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("bokeh") is not None
+
+
+def _dashboard(client, local: bool) -> str:
+    """The dashboard's address, or how to get one. A LocalCluster without bokeh still serves a
+    few JSON routes at that address, but no dashboard: the hint is then the useful line."""
+    if local and not _has_bokeh():
+        return "no dashboard (it needs bokeh: pip install 'bokeh>=3.1')"
+    try:
+        link = client.dashboard_link
+    except Exception:  # noqa: BLE001 - a scheduler without a dashboard raises various errors
+        link = ""
+    if link and (client.scheduler_info().get("services") or {}).get("dashboard"):
+        return f"dashboard {link}"
+    return "the scheduler serves no dashboard"
+
+
 def run_dask(todo: list, compute: Callable, *, cache_dir: Path | None, workers: int, scheduler: str | None,
              finish: Callable, progress: Callable[[str], None]) -> None:
     """Compute ``todo`` ([(index, task)]) with ``compute(task, cache_dir, threads)`` on dask;
@@ -83,7 +103,8 @@ def run_dask(todo: list, compute: Callable, *, cache_dir: Path | None, workers: 
         except (OSError, TimeoutError, ValueError) as exc:
             raise UsageError(f"cannot reach the dask scheduler at {scheduler}: {exc}") from None
         threads = 0  # an existing cluster's workers keep their own thread settings
-        progress(f"dask: connected to {scheduler} ({len(client.scheduler_info()['workers'])} worker(s))")
+        progress(f"dask: connected to {scheduler} ({len(client.scheduler_info()['workers'])} worker(s)); "
+                 f"{_dashboard(client, local=False)}")
     else:
         if workers < 1:
             raise UsageError(f"--workers must be >= 0, got {workers}")
@@ -95,11 +116,14 @@ def run_dask(todo: list, compute: Callable, *, cache_dir: Path | None, workers: 
         # time against 2.5 s of user time per task). Workers get the thread caps only.
         with dask.config.set({"distributed.nanny.pre-spawn-environ": {
                 "OMP_NUM_THREADS": 1, "MKL_NUM_THREADS": 1, "OPENBLAS_NUM_THREADS": 1}}):
-            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
+            # The dashboard needs bokeh; on a free port (":0") so that two runs never collide.
+            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                   dashboard_address=":0" if _has_bokeh() else None,
                                    worker_dashboard_address=None, silence_logs=logging.ERROR)
         client = Client(cluster)
         threads = 1
-        progress(f"dask: LocalCluster with {workers} single-threaded worker process(es)")
+        progress(f"dask: LocalCluster with {workers} single-threaded worker process(es); "
+                 f"{_dashboard(client, local=True)}")
     try:
         futures = {client.submit(compute, sub, cdir, threads, pure=False, key=f"fa3n-task-{ti}"): (ti, sub)
                    for ti, sub in todo}

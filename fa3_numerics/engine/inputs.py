@@ -4,7 +4,8 @@ Exposed: ``DistInputs``, ``CaptureInputs``, ``TensorInputs``, ``check_inputs``, 
 ``HIST_EDGES``.
 
 Inputs are small picklable descriptions (a dask worker draws them itself), each with
-``draw() -> (q, k, v)`` in float64 on the CPU, laid out (batch, heads, seqlen, head_dim).
+``draw(device) -> (q, k, v)`` in float64 on that device, laid out (batch, heads, seqlen,
+head_dim).
 
 ``check_inputs`` refuses inputs the attention cannot be measured on: a NaN or Inf in Q, K or V
 (an Inf in K makes the FP8 descale fall back to 1 and the cast saturate, so every FP8 output
@@ -42,11 +43,12 @@ class DistInputs:
     head_dim: int
     seed: int
 
-    def draw(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def draw(self, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from ..data import distributions
 
         shape = distributions.AttnShape(self.batch, self.heads, self.seqlen, self.head_dim, kv_heads=self.kv_heads)
-        return distributions.generate(self.dist, shape, self.seed, **dict(self.params))
+        # On a GPU the family draws there (seconds of CPU float64 sampling saved at paper size).
+        return distributions.generate(self.dist, shape, self.seed, device=device, **dict(self.params))
 
     def describe(self) -> str:
         p = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.params)
@@ -60,11 +62,11 @@ class CaptureInputs:
     path: str
     layer: int
 
-    def draw(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def draw(self, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from ..data.distributions.capture_file import _capture  # one load per file and process
 
         q, k, v = _capture(self.path).qkv(self.layer)
-        return tuple(t.unsqueeze(0).to(torch.float64) for t in (q, k, v))
+        return tuple(t.unsqueeze(0).to(device=device, dtype=torch.float64) for t in (q, k, v))
 
     def describe(self) -> str:
         return f"capture {self.path} layer {self.layer}"
@@ -83,8 +85,8 @@ class TensorInputs:
         """From (heads, seq, d) or (batch, heads, seq, d) tensors."""
         return cls(*(t if t.dim() == 4 else t.unsqueeze(0) for t in (q, k, v)))
 
-    def draw(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(t.to(torch.float64) for t in (self.q, self.k, self.v))
+    def draw(self, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(t.to(device=device, dtype=torch.float64) for t in (self.q, self.k, self.v))
 
     def describe(self) -> str:
         return "tensors in memory"
@@ -92,25 +94,46 @@ class TensorInputs:
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, where: str) -> None:
     """Refuse non-finite inputs, and inputs whose float64 attention overflows (see module docstring)."""
+    amaxes = []
     for name, t in (("Q", q), ("K", k), ("V", v)):
-        bad = int((~torch.isfinite(t)).sum())
+        bad, amax = _nonfinite_and_amax(t)
         if bad:
             raise UsageError(f"{where}: {bad} non-finite value(s) in {name}; FP8 casts would saturate them into "
                              "finite results, so they are refused: fix the data or the distribution's parameters")
+        amaxes.append(amax)
     d, n = q.shape[-1], k.shape[-2]
-    aq, ak, av = (float(t.abs().max()) if t.numel() else 0.0 for t in (q, k, v))
+    aq, ak, av = amaxes
     if aq * ak * d * scale > _F64_SAFE or av * n > _F64_SAFE:
         raise UsageError(f"{where}: |Q| up to {aq:.3g}, |K| up to {ak:.3g}, |V| up to {av:.3g} overflow float64 "
                          "attention (the reference itself would be Inf/NaN); use smaller parameters")
 
 
+def _nonfinite_and_amax(t: torch.Tensor) -> tuple[int, float]:
+    from ..numerics import native
+
+    if t.numel() == 0:
+        return 0, 0.0
+    fast = native.abs_stats(t, [0.0])  # one pass in C on the CPU
+    if fast is not None:
+        return fast[2], fast[1]
+    return int((~torch.isfinite(t)).sum()), float(t.abs().max())
+
+
 def input_histogram(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
-    """Counts of |x| per HIST_EDGES bin for Q, K, V -> [3, bins]; the last bin counts |x| >= 1000."""
-    edges = torch.tensor(HIST_EDGES, dtype=torch.float64)
+    """Counts of |x| per HIST_EDGES bin for Q, K, V -> [3, bins]; the last bin counts |x| >= 1000.
+    Computed where the tensors are (a GPU never copies them back); one C pass per tensor on
+    the CPU, the same counts as ``torch.bucketize(|x|, edges, right=True) - 1``."""
+    from ..numerics import native
+
     rows = []
     for t in (q, k, v):
-        idx = torch.bucketize(t.abs().flatten().cpu(), edges, right=True) - 1
-        rows.append(torch.bincount(idx, minlength=len(HIST_EDGES)).numpy().astype(np.float64))
+        fast = native.abs_stats(t, HIST_EDGES)
+        if fast is not None:
+            rows.append(fast[0].numpy().astype(np.float64))
+            continue
+        edges = torch.tensor(HIST_EDGES, dtype=torch.float64, device=t.device)
+        idx = torch.bucketize(t.abs().flatten(), edges, right=True) - 1
+        rows.append(torch.bincount(idx, minlength=len(HIST_EDGES)).cpu().numpy().astype(np.float64))
     return np.stack(rows)
 
 

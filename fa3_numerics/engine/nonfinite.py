@@ -73,14 +73,11 @@ def scan(ds: xr.Dataset, sample_dims=("batch", "head")) -> list[Finding]:
         counts = xr.where(hidden, 1.0, counts)
     fixed = {}
     if "seed" not in counts.dims and "seeds" in ds.attrs:
-        import json
+        from .conventions import attr_list
 
-        try:
-            seeds = json.loads(ds.attrs["seeds"])
-            if len(seeds) == 1:
-                fixed["seed"] = seeds[0]
-        except (TypeError, ValueError):
-            pass
+        seeds = attr_list(ds, "seeds")
+        if len(seeds) == 1:
+            fixed["seed"] = seeds[0]
     return scan_counts(counts, sample_dims, fixed=fixed)
 
 

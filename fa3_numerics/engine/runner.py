@@ -17,16 +17,22 @@ number of workers. Each finished job is written to the cache as soon as it finis
 (``fa3_numerics.engine.cache``); ``run_tasks`` reads what is cached and submits only what is
 missing, so a killed sweep resumes where it stopped. Non-finite outputs and references are
 measured, not dropped: the metrics carry them and ``notes`` say where.
+
+Progress goes to a ``fa3_numerics.engine.progress.Progress`` (a live display on a terminal, plain
+lines otherwise; any ``Callable[[str], None]`` is wrapped into the plain one): the plan, each task
+and variant as it starts and ends, and, in this process, each tile of the emulator through its
+``PROGRESS`` hook.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -36,7 +42,19 @@ from ..numerics.recipe import Recipe
 from . import cache as _cache
 from .backends import get_backend
 from .inputs import CaptureInputs, DistInputs, TensorInputs, check_inputs, default_scale, input_histogram
+from .progress import Progress, as_progress
 from .sampling import deterministic_matmuls, query_rows
+
+
+class JobEvents(Protocol):
+    """What ``compute_task`` reports while it runs in this process (``run_tasks`` binds it to
+    the task's ``Progress``); on a dask worker nothing is reported until the task returns."""
+
+    def job_start(self, slot: int) -> None: ...
+
+    def job_done(self, slot: int) -> None: ...
+
+    def tile(self, done: int, total: int, unit: str = "tiles") -> None: ...
 
 
 @dataclasses.dataclass
@@ -98,10 +116,27 @@ def _probe(path: str) -> Callable:
     return getattr(importlib.import_module(mod), fn)
 
 
-def compute_task(task: Task, cache_dir: str | None = None, threads: int = 0) -> TaskResult:
+@contextlib.contextmanager
+def _tile_hook(events: JobEvents | None):
+    """Route the emulator's per-tile progress to ``events`` for the duration of one job."""
+    if events is None:
+        yield
+        return
+    from ..numerics.emulator import PROGRESS
+
+    token = PROGRESS.set(events.tile)
+    try:
+        yield
+    finally:
+        PROGRESS.reset(token)
+
+
+def compute_task(task: Task, cache_dir: str | None = None, threads: int = 0,
+                 events: JobEvents | None = None) -> TaskResult:
     """Run every job of ``task``; write each result to the cache as it finishes.
 
     ``threads`` > 0 sets torch's intra-op threads (workers that share the CPU use 1).
+    ``events`` receives each job's start and end and the emulator's tiles (in this process).
     """
     t0 = time.perf_counter()
     if threads > 0:
@@ -116,7 +151,7 @@ def compute_task(task: Task, cache_dir: str | None = None, threads: int = 0) -> 
         device = worker_device(device)
     cdir = Path(cache_dir) if cache_dir else None
     where = f"{task.inputs.describe()}" + (f" at {task.where}" if task.where else "") + f", seed {task.seed}"
-    q, k, v = task.inputs.draw()
+    q, k, v = task.inputs.draw(device)
     n, d = q.shape[2], q.shape[3]
     scale = default_scale(d, task.softmax_scale)
     check_inputs(q, k, v, scale=scale, where=where)
@@ -149,8 +184,11 @@ def compute_task(task: Task, cache_dir: str | None = None, threads: int = 0) -> 
         # Keys added after the emulator's prepare cache was written keep their tensors apart.
         ns = job.recipe.cache_namespace()
         cache = shared.setdefault(ns, {}) if ns else shared
-        o = backend.attention(job.recipe, q, k, v, causal=task.causal, q_index=q_index, rotation_seed=task.seed,
-                              cache=cache, softmax_scale=task.softmax_scale)
+        if events is not None:
+            events.job_start(job.slot)
+        with _tile_hook(events):
+            o = backend.attention(job.recipe, q, k, v, causal=task.causal, q_index=q_index,
+                                  rotation_seed=task.seed, cache=cache, softmax_scale=task.softmax_scale)
         vals = per_sample(o, ref)
         if job.against is not None:
             vals.update(compare_outputs(o, outputs[job.against], ref))
@@ -159,6 +197,8 @@ def compute_task(task: Task, cache_dir: str | None = None, threads: int = 0) -> 
         results[job.slot] = vals
         if cdir is not None and job.key:
             _cache.save(cdir / f"{job.key}.npz", vals)
+        if events is not None:
+            events.job_done(job.slot)
     return TaskResult(results, hist, extras, notes, time.perf_counter() - t0)
 
 
@@ -166,24 +206,46 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+@dataclasses.dataclass
+class _Bound:
+    """A task's events bound to its index in the run (``JobEvents`` for ``compute_task``)."""
+
+    progress: Progress
+    ti: int
+
+    def job_start(self, slot: int) -> None:
+        self.progress.job_start(self.ti, slot)
+
+    def job_done(self, slot: int) -> None:
+        self.progress.job_done(self.ti, slot)
+
+    def tile(self, done: int, total: int, unit: str = "tiles") -> None:
+        self.progress.tile(done, total, unit)
+
+
 def run_tasks(tasks: list[Task], *, cache_dir: Path | None = None, workers: int = 0, scheduler: str | None = None,
-              progress: Callable[[str], None] = _progress, deadline: float | None = None) -> RunResult:
+              progress: Progress | Callable[[str], None] = _progress, deadline: float | None = None,
+              label: str = "") -> RunResult:
     """Results of every task, in task order.
 
     Cached jobs are read, not recomputed; a task whose every job and histogram is cached is not
     submitted. ``workers=0`` (and no ``scheduler``) computes in this process; otherwise tasks go
     to dask.distributed. ``deadline`` (a ``time.perf_counter()`` value, in-process only) skips
-    the tasks that would start after it, leaving their results empty.
+    the tasks that would start after it, leaving their results empty. ``progress``: a
+    ``Progress`` or a callable taking message lines; ``label`` names the run in the display.
     """
+    progress = as_progress(progress)
     results: list[dict[int, dict]] = [{} for _ in tasks]
     hists: list[np.ndarray | None] = [None] * len(tasks)
     extras: list[dict] = [{} for _ in tasks]
     seconds = [float("nan")] * len(tasks)
     notes: list[str] = []
     todo: list[tuple[int, Task]] = []
+    cached_slots: list[set[int]] = []
     reused = 0
     warn = lambda m: progress(f"warning: {m}")  # noqa: E731
     for ti, task in enumerate(tasks):
+        cached_slots.append(set())
         missing = []
         for job in task.jobs:
             got = _cache.load(cache_dir / f"{job.key}.npz", _names(job), warn) if cache_dir and job.key else None
@@ -191,6 +253,7 @@ def run_tasks(tasks: list[Task], *, cache_dir: Path | None = None, workers: int 
                 missing.append(job)
             else:
                 results[ti][job.slot] = got
+                cached_slots[ti].add(job.slot)
                 reused += 1
         # A job compared against another needs that one's outputs, not only its metrics.
         need = {j.against for j in missing if j.against is not None}
@@ -209,11 +272,8 @@ def run_tasks(tasks: list[Task], *, cache_dir: Path | None = None, workers: int 
                                                  hist_key=(task.hist_key if hist_missing else
                                                            (None if task.hist_key is None else "")))))
     total = len(tasks)
-    t0 = time.perf_counter()
-    done = 0
 
     def finish(ti: int, sub: Task, res: TaskResult) -> None:
-        nonlocal done
         results[ti].update(res.metrics)
         if res.hist is not None:
             hists[ti] = res.hist
@@ -222,27 +282,30 @@ def run_tasks(tasks: list[Task], *, cache_dir: Path | None = None, workers: int 
         for note in res.notes:
             notes.append(note)
             progress(f"warning: {note}")
-        done += 1
-        el = time.perf_counter() - t0
-        progress(f"[{total - len(todo) + done}/{total}] {tasks[ti].where or 'single cell'}, seed {sub.seed}: "
-                 f"{len(sub.jobs)} computed, {len(tasks[ti].jobs) - len(sub.jobs)} from cache; "
-                 f"{el:.1f} s elapsed, ~{el / done * (len(todo) - done):.0f} s left")
+        progress.task_done(ti, len(sub.jobs), len(tasks[ti].jobs) - len(sub.jobs), res.seconds)
 
+    queued = {ti for ti, _ in todo}
+    progress.begin(tasks, cached_slots, label, skipped=[ti for ti in range(total) if ti not in queued])
     if len(todo) < total:
         progress(f"{total - len(todo)} of {total} task(s) fully cached; {reused} variant result(s) reused")
     not_run = 0
-    if todo and (workers or scheduler):
-        from .distributed import run_dask
+    try:
+        if todo and (workers or scheduler):
+            from .distributed import run_dask
 
-        run_dask(todo, compute_task, cache_dir=cache_dir, workers=workers, scheduler=scheduler, finish=finish,
-                 progress=progress)
-    else:
-        for i, (ti, sub) in enumerate(todo):
-            if deadline is not None and time.perf_counter() > deadline:
-                not_run = len(todo) - i
-                progress(f"deadline reached: {not_run} task(s) not run")
-                break
-            finish(ti, sub, compute_task(sub, str(cache_dir) if cache_dir else None))
+            run_dask(todo, compute_task, cache_dir=cache_dir, workers=workers, scheduler=scheduler, finish=finish,
+                     progress=progress)
+        else:
+            for i, (ti, sub) in enumerate(todo):
+                if deadline is not None and time.perf_counter() > deadline:
+                    not_run = len(todo) - i
+                    progress(f"deadline reached: {not_run} task(s) not run")
+                    break
+                progress.task_start(ti, [j.slot for j in sub.jobs])
+                finish(ti, sub, compute_task(sub, str(cache_dir) if cache_dir else None,
+                                             events=_Bound(progress, ti)))
+    finally:
+        progress.end()
     return RunResult(results, hists, extras, seconds, reused, notes, not_run)
 
 

@@ -107,18 +107,65 @@ static void step_scalar(int64_t k0, int64_t k1, int64_t N, int64_t j0, int64_t j
 #ifdef __AVX2__
 #define JB 16 /* columns per register block: two ymm of int32 */
 
+/* The per-output work of a step, vectorised (it is done once per 32 products, but in scalar code
+ * it cost more than the products): the same integers as float_exp, c_term and finish above. */
+static inline __m256i exp_v(__m256 x) {
+    /* floor(log2|x|); ZERO_EXP for zeros; subnormals through the exponent of float(mantissa) */
+    __m256i bits = _mm256_castps_si256(x);
+    __m256i ex = _mm256_and_si256(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(0xff));
+    __m256i mant = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffff));
+    __m256i norm = _mm256_sub_epi32(ex, _mm256_set1_epi32(127));
+    __m256i mf = _mm256_castps_si256(_mm256_cvtepi32_ps(mant)); /* exact: mant < 2^23 */
+    __m256i sub = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(mf, 23), _mm256_set1_epi32(0xff)),
+                                   _mm256_set1_epi32(127 + 149));
+    __m256i iszero_ex = _mm256_cmpeq_epi32(ex, _mm256_setzero_si256());
+    __m256i e = _mm256_blendv_epi8(norm, sub, iszero_ex);
+    __m256i iszero = _mm256_and_si256(iszero_ex, _mm256_cmpeq_epi32(mant, _mm256_setzero_si256()));
+    return _mm256_blendv_epi8(e, _mm256_set1_epi32(ZERO_EXP), iszero);
+}
+
+static inline __m256i c_term_v(__m256 x, __m256i emax) {
+    __m256i bits = _mm256_castps_si256(x);
+    __m256i ex = _mm256_and_si256(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(0xff));
+    __m256i mant = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffff));
+    __m256i isnorm = _mm256_cmpgt_epi32(ex, _mm256_setzero_si256());
+    __m256i sig = _mm256_or_si256(mant, _mm256_and_si256(isnorm, _mm256_set1_epi32(0x800000)));
+    __m256i se = _mm256_blendv_epi8(_mm256_set1_epi32(-149), _mm256_sub_epi32(ex, _mm256_set1_epi32(150)), isnorm);
+    __m256i sh = _mm256_sub_epi32(_mm256_add_epi32(se, _mm256_set1_epi32(13)), emax); /* x * 2^(13-emax) = sig * 2^sh */
+    /* AVX2 variable shifts give 0 for counts above 31 (and for "negative" counts, read unsigned) */
+    __m256i right = _mm256_srlv_epi32(sig, _mm256_sub_epi32(_mm256_setzero_si256(), sh));
+    __m256i left = _mm256_sllv_epi32(sig, sh);
+    __m256i mag = _mm256_blendv_epi8(right, left, _mm256_cmpgt_epi32(sh, _mm256_set1_epi32(-1)));
+    __m256i neg = _mm256_srai_epi32(bits, 31);
+    return _mm256_sub_epi32(_mm256_xor_si256(mag, neg), neg);
+}
+
+static inline __m128 finish_half(__m128i tot, __m128i emax) {
+    /* tot * 2^(emax - 13), |tot| truncated to 14 significant bits, rounded to float32 (RNE) */
+    __m256d d = _mm256_cvtepi32_pd(tot); /* exact */
+    __m256i db = _mm256_and_si256(_mm256_castpd_si256(d), _mm256_set1_epi64x(~((1LL << 39) - 1)));
+    __m256i e64 = _mm256_cvtepi32_epi64(emax);
+    e64 = _mm256_add_epi64(e64, _mm256_set1_epi64x(1023 - 13));
+    __m256i live = _mm256_cmpgt_epi64(e64, _mm256_setzero_si256()); /* dead lanes: emax near ZERO_EXP */
+    e64 = _mm256_blendv_epi8(_mm256_set1_epi64x(1023), e64, live);
+    __m256d scale = _mm256_castsi256_pd(_mm256_slli_epi64(e64, 52));
+    d = _mm256_mul_pd(_mm256_castsi256_pd(_mm256_and_si256(db, live)), scale);
+    return _mm256_cvtpd_ps(d);
+}
+
+static inline __m256 finish_v(__m256i tot, __m256i emax) {
+    __m128 lo = finish_half(_mm256_castsi256_si128(tot), _mm256_castsi256_si128(emax));
+    __m128 hi = finish_half(_mm256_extracti128_si256(tot, 1), _mm256_extracti128_si256(emax, 1));
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
+}
+
 /* One k-step for two rows (r0, r1; r1 may equal r0) x columns [j, j + JB). */
 static inline void step_avx2(int64_t k0, int64_t k1, int64_t N, int64_t j, const int32_t *EA0, const int32_t *SA0,
                              const int32_t *EA1, const int32_t *SA1, const int32_t *EB, const int32_t *SB,
                              float *acc0, float *acc1) {
-    int32_t em0[JB], em1[JB];
-    for (int u = 0; u < JB; u++) {
-        em0[u] = acc0[j + u] != 0.0f ? float_exp(acc0[j + u]) : ZERO_EXP;
-        em1[u] = acc1[j + u] != 0.0f ? float_exp(acc1[j + u]) : ZERO_EXP;
-    }
-    __m256i m0a = _mm256_loadu_si256((const __m256i *)em0), m0b = _mm256_loadu_si256((const __m256i *)(em0 + 8));
-    __m256i m1a = _mm256_loadu_si256((const __m256i *)em1), m1b = _mm256_loadu_si256((const __m256i *)(em1 + 8));
-    const __m256i zero = _mm256_setzero_si256(), zexp = _mm256_set1_epi32(ZERO_EXP);
+    const __m256 c0a = _mm256_loadu_ps(acc0 + j), c0b = _mm256_loadu_ps(acc0 + j + 8);
+    const __m256 c1a = _mm256_loadu_ps(acc1 + j), c1b = _mm256_loadu_ps(acc1 + j + 8);
+    __m256i m0a = exp_v(c0a), m0b = exp_v(c0b), m1a = exp_v(c1a), m1b = exp_v(c1b);
     for (int64_t k = k0; k < k1; k++) {
         const int32_t *ebk = EB + k * N + j, *sbk = SB + k * N + j;
         __m256i eba = _mm256_loadu_si256((const __m256i *)ebk), ebb = _mm256_loadu_si256((const __m256i *)(ebk + 8));
@@ -129,19 +176,8 @@ static inline void step_avx2(int64_t k0, int64_t k1, int64_t N, int64_t j, const
         m1a = _mm256_max_epi32(m1a, _mm256_add_epi32(e1, eba));
         m1b = _mm256_max_epi32(m1b, _mm256_add_epi32(e1, ebb));
     }
-    /* a dead lane (no product, C = 0) may have emax a little above ZERO_EXP: keep it dead */
-    (void)zexp;
-    _mm256_storeu_si256((__m256i *)em0, m0a);
-    _mm256_storeu_si256((__m256i *)(em0 + 8), m0b);
-    _mm256_storeu_si256((__m256i *)em1, m1a);
-    _mm256_storeu_si256((__m256i *)(em1 + 8), m1b);
-    int32_t t0[JB], t1[JB];
-    for (int u = 0; u < JB; u++) {
-        t0[u] = c_term(acc0[j + u], em0[u]);
-        t1[u] = c_term(acc1[j + u], em1[u]);
-    }
-    __m256i s0a = _mm256_loadu_si256((const __m256i *)t0), s0b = _mm256_loadu_si256((const __m256i *)(t0 + 8));
-    __m256i s1a = _mm256_loadu_si256((const __m256i *)t1), s1b = _mm256_loadu_si256((const __m256i *)(t1 + 8));
+    /* a dead lane (no product, C = 0) may have emax a little above ZERO_EXP: finish_v keeps it 0 */
+    __m256i s0a = c_term_v(c0a, m0a), s0b = c_term_v(c0b, m0b), s1a = c_term_v(c1a, m1a), s1b = c_term_v(c1b, m1b);
     const __m256i one = _mm256_set1_epi32(1);
     __m256i x0a = _mm256_add_epi32(m0a, one), x0b = _mm256_add_epi32(m0b, one);
     __m256i x1a = _mm256_add_epi32(m1a, one), x1b = _mm256_add_epi32(m1b, one);
@@ -166,15 +202,11 @@ static inline void step_avx2(int64_t k0, int64_t k1, int64_t N, int64_t j, const
         }
 #undef ACC
     }
-    (void)zero;
-    _mm256_storeu_si256((__m256i *)t0, s0a);
-    _mm256_storeu_si256((__m256i *)(t0 + 8), s0b);
-    _mm256_storeu_si256((__m256i *)t1, s1a);
-    _mm256_storeu_si256((__m256i *)(t1 + 8), s1b);
-    for (int u = 0; u < JB; u++) {
-        acc0[j + u] = finish(t0[u], em0[u]);
-        acc1[j + u] = finish(t1[u], em1[u]);
-    }
+    /* both rows are written (the second may be the first again, for an odd last row: same values) */
+    _mm256_storeu_ps(acc0 + j, finish_v(s0a, m0a));
+    _mm256_storeu_ps(acc0 + j + 8, finish_v(s0b, m0b));
+    _mm256_storeu_ps(acc1 + j, finish_v(s1a, m1a));
+    _mm256_storeu_ps(acc1 + j + 8, finish_v(s1b, m1b));
 }
 #endif
 
@@ -208,6 +240,62 @@ void fa3n_mma_fp22(int64_t L, int64_t M, int64_t K, int64_t N, const int32_t *re
             }
         }
     }
+}
+
+/* Split float32 values holding FP8 numbers into (E, S) with x = S * 2^(E - 7), as mma.py's
+ * operand_parts does; returns the number of non-finite inputs (then the caller falls back to the
+ * PyTorch reference, which propagates them). */
+static int64_t split_operands(int64_t n, const float *restrict x, int min_exp, int32_t *restrict e_out,
+                              int32_t *restrict s_out, int nthreads) {
+    int64_t bad = 0;
+#pragma omp parallel for schedule(static) reduction(+ : bad) num_threads(nthreads)
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, &x[i], 4);
+        int32_t field = (int32_t)((bits >> 23) & 0xff);
+        bad += field == 0xff;
+        int32_t et = field - 127;
+        int32_t e = et > min_exp ? et : min_exp;
+        uint32_t sig = (bits & 0x7fffffu) | 0x800000u;
+        int32_t sh = 16 + e - et;
+        int32_t mag = sh > 31 ? 0 : (int32_t)(sig >> sh);
+        int zero = field == 0; /* +-0: no FP8 value is a float32 subnormal */
+        e_out[i] = zero ? ZERO_EXP : e;
+        s_out[i] = zero ? 0 : ((bits >> 31) ? -mag : mag);
+    }
+    return bad;
+}
+
+static int64_t count_nonfinite(int64_t n, const float *x, int nthreads) {
+    int64_t bad = 0;
+#pragma omp parallel for schedule(static) reduction(+ : bad) num_threads(nthreads)
+    for (int64_t i = 0; i < n; i++) bad += !__builtin_isfinite(x[i]);
+    return bad;
+}
+
+/* The MMA model on float32 operands: the split into (E, S) happens here, in one pass, rather than
+ * in PyTorch (which cost three times the model itself). Returns 1 (and computes nothing) when an
+ * operand or the accumulator is not finite. */
+int fa3n_mma_fp22_f32(int64_t L, int64_t M, int64_t K, int64_t N, const float *a, const float *b, const float *c,
+                      float *out, int a_min_exp, int b_min_exp, int nthreads) {
+    int32_t *ea = (int32_t *)malloc(sizeof(int32_t) * (size_t)(L * M * K));
+    int32_t *sa = (int32_t *)malloc(sizeof(int32_t) * (size_t)(L * M * K));
+    int32_t *eb = (int32_t *)malloc(sizeof(int32_t) * (size_t)(L * K * N));
+    int32_t *sb = (int32_t *)malloc(sizeof(int32_t) * (size_t)(L * K * N));
+    int rc = 0;
+    if (!ea || !sa || !eb || !sb) {
+        rc = 2;
+    } else if (split_operands(L * M * K, a, a_min_exp, ea, sa, nthreads) ||
+               split_operands(L * K * N, b, b_min_exp, eb, sb, nthreads) || (c && count_nonfinite(L * M * N, c, nthreads))) {
+        rc = 1;
+    } else {
+        fa3n_mma_fp22(L, M, K, N, ea, sa, eb, sb, c, out, nthreads);
+    }
+    free(ea);
+    free(sa);
+    free(eb);
+    free(sb);
+    return rc;
 }
 
 /* ---- exp2 in double, for float32 results ----
@@ -426,4 +514,48 @@ void fa3n_rescale_rows(int64_t rows, int64_t d, float *restrict acc, const float
         float *a = acc + r * d;
         for (int64_t j = 0; j < d; j++) a[j] = flush32(a[j] * s, ftz);
     }
+}
+
+/* ---- |x| statistics of an input tensor in one pass: histogram over sorted edges, amax, and
+ * the count of non-finite values (NaN/Inf are left out of the histogram and amax). Bin b
+ * holds edges[b] <= |x| < edges[b+1]; the last bin is open above, as torch.bucketize(right=True)
+ * - 1 gives. The bin is found by binary search (exact at the edges). ---- */
+void fa3n_abs_stats(int64_t n, const double *restrict x, const double *restrict edges, int nedges,
+                    int64_t *restrict counts, double *restrict amax_out, int64_t *restrict nonfinite_out,
+                    int nthreads) {
+    int64_t nonfinite = 0;
+    double amax = 0.0;
+    /* edges padded with +inf to a power of two: a branch-free binary search (no mispredicts) */
+    int pw = 1;
+    while (pw < nedges) pw <<= 1;
+    double *pad = (double *)malloc(sizeof(double) * (size_t)pw);
+    for (int b = 0; b < pw; b++) pad[b] = b < nedges ? edges[b] : INFINITY;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int64_t *local = (int64_t *)calloc((size_t)nedges, sizeof(int64_t));
+        int64_t nf = 0;
+        double am = 0.0;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            double a = __builtin_fabs(x[i]);
+            if (!__builtin_isfinite(a)) {
+                nf++;
+                continue;
+            }
+            am = a > am ? a : am;
+            int lo = 0; /* pad[lo] <= a (pad[0] = edges[0] <= |x| by contract) */
+            for (int step = pw >> 1; step > 0; step >>= 1) lo += (a >= pad[lo + step]) ? step : 0;
+            local[lo]++;
+        }
+#pragma omp critical
+        {
+            for (int b = 0; b < nedges; b++) counts[b] += local[b];
+            nonfinite += nf;
+            amax = am > amax ? am : amax;
+        }
+        free(local);
+    }
+    free(pad);
+    *amax_out = amax;
+    *nonfinite_out = nonfinite;
 }

@@ -1,6 +1,7 @@
 """Models of the P.V accumulator of the flash algorithm.
 
-Exposed: ``ACCUMULATORS``, ``register_accumulator``, ``get_accumulator``, ``hopper_mma_on``.
+Exposed: ``ACCUMULATORS``, ``accumulator_names``, ``register_accumulator``, ``get_accumulator``,
+``hopper_mma_on``.
 
 An accumulator is ``fn(acc, p, v, fmts) -> acc``: ``acc`` [.., R, Dv] float32 holds the
 running output already multiplied by this KV tile's online-softmax correction (the kernel's
@@ -86,11 +87,18 @@ def two_level(acc, p, v, fmts):
 ACCUMULATORS = {name: desc for name, (_, desc) in _REGISTRY.items()}
 
 
+def accumulator_names() -> list[str]:
+    """Every registered accumulator (the recipe's ``acc`` vocabulary); ``ACCUMULATORS`` is the
+    snapshot of the FA3 kernel's models that ``validate`` runs."""
+    return list(_REGISTRY)
+
+
 # -- SageAttention v1: FP16 accumulation of P V (issue 11) -------------------------------------
 # Registered after the ``ACCUMULATORS`` snapshot above on purpose: that dict is the list of
 # models of the FA3 kernel's accumulator that ``validate`` runs by default, and FP16
 # accumulation is not one (the FA3 FP8 kernel accumulates in FP22/FP32). ``get_accumulator``
-# finds it; the recipe's ``acc`` vocabulary gains it with the emulator change (phase 2).
+# and the recipe's ``acc`` vocabulary (``accumulator_names``) include it; a recipe check
+# (``keys/acc_fp16.py``) refuses it unless P and V are FP16, the only operands it takes.
 
 FP16_K_STEP = 16  # K of the FP16 MMA (mma.sync m16n8k16 ... f16.f16.f16.f16)
 

@@ -21,10 +21,23 @@ recipe's S and softmax formats (the Table 3 baselines).
 
 All matmuls are float32 with TF32 off; where the kernel fuses a multiply and an add the
 emulator evaluates it in float64 and rounds once.
+
+Recipes of the field (issue 11) run through the same loop:
+
+- formats by family (``numerics/operands.py``): INT8/INT4 Q and K multiply as exact integer
+  codes (a float32 GEMM of codes is exact, ``intformats.float32_gemm_is_exact``) with their
+  per-block/thread/token descales applied to S; MXFP8/NVFP4 operands carry their block scales
+  folded in (exact in float32), and P is block-quantized per tile after the softmax step;
+- smoothing (``smooth=k|qk``) after the rotation (the two commute); with ``qk`` the
+  correction q_mean K'^T ([B, H, query blocks, N_k], held in ``sbias``'s format) is added to
+  each tile's descaled S before the softmax scale, as SageAttention3 loads it into the S
+  accumulator;
+- ``norm=tile``: FlashAttention's Algorithm 1, O kept normalised after every tile (``keys/norm.py``).
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 import os
@@ -32,19 +45,31 @@ import os
 import torch
 
 from .accumulators import get_accumulator, hopper_mma_on
+from .families import element_format, family, mma_format
 from .formats import get_format, quantize_dequantize
 from . import native
+from .intformats import float32_gemm_is_exact
 from .mma import hopper_mma
 from .granularity import PerHead
-from .quant import Quantized, quantize
+from .operands import cast_p, check_tiles, quantize_qk, quantize_v
+from .quant import Quantized
 from .recipe import Recipe
 from .reference import causal_mask, expand_kv
 from .rotation import make_rotation
+from .smoothing import qk_smoothing_bias, smooth_k, smooth_q
+from ..errors import UsageError
 
 LOG2E = math.log2(math.e)
 FLT_MIN_NORMAL = float.fromhex("0x1p-126")  # smallest normal float32
 # Elements of one materialised S chunk (one head) in the standard algorithm; bounds its memory.
 _STD_CHUNK_ELEMS = 1 << 22
+
+# -- progress hook (issue 14; read by fa3_numerics.engine.progress) ---------------------------
+# A caller that shows progress within one emulation sets PROGRESS to f(done, total, unit); it is
+# called after each KV tile (flash) or block of query rows (standard) and never changes a number.
+# A context variable, not a parameter, so that no backend's signature changes for it.
+PROGRESS: contextvars.ContextVar = contextvars.ContextVar("fa3_numerics_emulator_progress", default=None)
+# -- end of progress hook -----------------------------------------------------------------------
 
 
 def _no_tf32():
@@ -65,6 +90,9 @@ class Prepared:
     seqlen_k: int
     block_m: int
     block_n: int
+    # smooth=qk: the correction added to S, [B, H, ceil(seqlen_q / block_m), seqlen_k] float32
+    # holding values of the recipe's ``sbias`` format; row i of Q uses block i // block_m.
+    bias: torch.Tensor | None = None
 
 
 def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_index: torch.Tensor,
@@ -88,9 +116,19 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         _trim(cache, keep=key)
         return val
 
+    check_tiles(recipe, bm, bn)
     rot = make_rotation(recipe.rot, d, rotation_seed)
     rq = lambda: memo(("rot", "q", recipe.rot, rotation_seed), lambda: rot.apply(q.to(torch.float64)))  # noqa: E731
     rk = lambda: memo(("rot", "k", recipe.rot, rotation_seed), lambda: rot.apply(k.to(torch.float64)))  # noqa: E731
+    # Smoothing after the rotation: both are linear per row (mean(K M) = mean(K) M), so the order
+    # does not matter in exact arithmetic, and the rotated tensors are already cached.
+    if recipe.smooth != "none":
+        rk0 = rk
+        rk = lambda: memo(("smooth-k", recipe.rot, rotation_seed), lambda: smooth_k(rk0())[0])  # noqa: E731
+    if recipe.smooth == "qk":
+        rq0 = rq
+        sq = lambda: memo(("smooth-q", recipe.rot, rotation_seed, bm), lambda: smooth_q(rq0(), bm))  # noqa: E731
+        rq = lambda: sq()[0]  # noqa: E731
     # One Q descale per (batch, kv-head) group: the shape the kernel's q_descale takes.
     group = h // hkv if isinstance(g, PerHead) else 1
 
@@ -104,13 +142,17 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     # what the shapes decide here, so a newly registered key can never reuse another recipe's
     # tensors.
     rows_id = (q_index.numel(), int(q_index.sum()))
-    qq = memo(("q", recipe.prepare_key("q"), rotation_seed, bm, group, rows_id),
-              lambda: quantize(rq(), recipe.qk, g, block_rows=bm, group=group, pow2=recipe.pow2, rows=q_index))
-    kq = memo(("k", recipe.prepare_key("k"), rotation_seed, bn),
-              lambda: expand(quantize(rk(), recipe.qk, g, block_rows=bn, pow2=recipe.pow2)))
-    vq = memo(("v", recipe.prepare_key("v"), bn),
-              lambda: expand(quantize(v, recipe.v, g, block_rows=bn, pow2=recipe.pow2)))
-    return Prepared(qq, kq, vq, h, n, k.shape[2], bm, bn)
+    qq = memo(("q", recipe.prepare_key("q"), rotation_seed, bm, bn, group, rows_id),
+              lambda: quantize_qk(rq(), recipe, "q", block_m=bm, block_n=bn, group=group, rows=q_index))
+    kq = memo(("k", recipe.prepare_key("k"), rotation_seed, bm, bn),
+              lambda: expand(quantize_qk(rk(), recipe, "k", block_m=bm, block_n=bn)))
+    vq = memo(("v", recipe.prepare_key("v"), bn), lambda: expand(quantize_v(v, recipe, block_n=bn)))
+    bias = None
+    if recipe.smooth == "qk":
+        # q_mean (K - mu)^T from the unquantized smoothed tensors, rounded once to ``sbias``
+        bias = memo(("bias", recipe.prepare_key("q"), recipe.prepare_key("k"), rotation_seed, bm),
+                    lambda: qk_smoothing_bias(sq()[1], rk(), recipe.sbias).to(torch.float32))
+    return Prepared(qq, kq, vq, h, n, k.shape[2], bm, bn, bias)
 
 
 def _nbytes(v) -> int:
@@ -118,6 +160,8 @@ def _nbytes(v) -> int:
         return v.numel() * v.element_size()
     if isinstance(v, Quantized):
         return _nbytes(v.values) + _nbytes(v.descale)
+    if isinstance(v, tuple):  # smooth_q's (Q - q_b, block means)
+        return sum(_nbytes(x) for x in v)
     return 0
 
 
@@ -186,7 +230,7 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
     qd = pre.q.descale
     kv, kd = native.to_float32(pre.k.values), pre.k.descale
     vv, vd = native.to_float32(pre.v.values), pre.v.descale
-    b, h, r, _ = qv.shape
+    b, h, r, d = qv.shape
     nk = pre.seqlen_k
     accumulate = get_accumulator(recipe.acc)
     # FA3 is compiled with --use_fast_math, so its float32 softmax arithmetic flushes
@@ -195,61 +239,123 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
     # float32 subnormal that the kernel never holds.
     ftz = bool(getattr(recipe, "ftz", True))
     flush = flush_subnormals if ftz else (lambda x: x)
-    qk_fmt, p_fmt, v_fmt = get_format(recipe.qk), get_format(recipe.p), get_format(recipe.v)
-    mma_s = hopper_mma_on(recipe.acc, qk_fmt)
+    # The softmax step casts P~ to a float format itself; microscaling P is quantized after it
+    # from float32 P~ (``operands.cast_p``), so the row sum stays over float32 P~ either way.
+    p_float = family(recipe.p) == "float"
+    p_fmt = get_format(recipe.p) if p_float else None
+    acc_fmts = (mma_format(recipe.p), mma_format(recipe.v))
+    # Integer codes multiply exactly (float32 sums of integers below 2^24); MX operands carry
+    # their block scales and have no Hopper model (a recipe check keeps acc=fp32 for them).
+    qk_elem = element_format(recipe.qk)
+    mma_s = family(recipe.qk) == "float" and hopper_mma_on(recipe.acc, qk_elem)
+    if family(recipe.qk) == "int" and not float32_gemm_is_exact(d, recipe.qk, recipe.qk):
+        raise UsageError(f"head dim {d} is too large for an exact float32 GEMM of {recipe.qk} codes")
     offset = float(recipe.p_offset)
     # Per-(batch, head) descales fold into scale_log2 as the kernel does: the host rounds
     # softmax_scale * log2(e) to float32, the device multiplies it by (q_descale * k_descale).
-    # Per-row or per-key descales (block, token) multiply S element-wise before the max.
+    # Per-row or per-key descales (block, token, thread) multiply S element-wise before the max.
+    # With a smoothing bias (smooth=qk) S is descaled and the bias added first, in float32, and
+    # only the softmax scale remains (SageAttention3 starts the S accumulator at the bias).
+    bias = pre.bias
     fold = _uniform_per_head(qd) and _uniform_per_head(kd)
     base = torch.tensor(float(torch.tensor(scale, dtype=torch.float32)) * LOG2E, dtype=torch.float32, device=dev)
-    sl2 = (base * (qd * kd).to(torch.float32)).to(torch.float32) if fold else torch.ones((), device=dev)
+    if bias is not None:
+        sl2, scaled_s = base, True
+        bias_blk = torch.div(q_index, pre.block_m, rounding_mode="floor")
+    else:
+        sl2 = (base * (qd * kd).to(torch.float32)).to(torch.float32) if fold else torch.ones((), device=dev)
+        scaled_s = fold
     v_end = vd if _uniform_per_head(vd) else None
+    fa1 = recipe.norm == "tile"
 
     m = torch.full((b, h, r, 1), -math.inf, dtype=torch.float32, device=dev)
     # The kernel keeps a row's sum as four partial sums, one per thread of the quad that holds
     # the row, and adds them only at the end (see _quad_row_sum).
     rs4 = torch.zeros((b, h, r, 4), dtype=torch.float32, device=dev)
+    l_fa1 = torch.zeros((b, h, r, 1), dtype=torch.float32, device=dev)  # norm=tile: the running row sum
     acc = torch.zeros((b, h, r, vv.shape[-1]), dtype=torch.float32, device=dev)
     step = native.softmax_step(dev)
     n_tiles = -(-nk // pre.block_n)
     tiles = range(n_tiles - 1, -1, -1) if recipe.order == "reverse" else range(n_tiles)
-    for t in tiles:
-        s0, s1 = t * pre.block_n, min(nk, (t + 1) * pre.block_n)
-        k_t = kv[:, :, s0:s1].transpose(-1, -2)
-        s = hopper_mma(qv, k_t, a_fmt=qk_fmt, b_fmt=qk_fmt) if mma_s else torch.matmul(qv, k_t)
+
+    def softmax(s, s0, s1, m_in, rs_in):
+        """One tile's online softmax: (P~ cast to p_fmt, rescale, m_new, rs4_new); the C step
+        updates m_in and rs_in in place, the PyTorch path returns new tensors (same numbers)."""
         if step is not None:
             # One fused pass per row in C; same numbers as the PyTorch path below.
             lim = (q_index + (nk - pre.seqlen_q) - s0) if causal else None
-            kd_t = None if fold else _rows_k(kd, s0, s1)
-            p8, rescale = step(s, sl2=sl2 if fold else None, qd=None if fold else qd, kd=kd_t, base=base, lim=lim,
-                               m=m, rs4=rs4, offset=offset, ftz=ftz, fmt=p_fmt)
-        else:
-            if not fold:
-                s = s * (qd * _rows_k(kd, s0, s1).transpose(-1, -2) * base).to(torch.float32)
-            if causal:
-                vis = causal_mask(q_index, s0, s1, pre.seqlen_q, nk)
-                s = s.masked_fill(~vis, -math.inf)
-            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-            # The kernel uses 0 in place of a -inf max, so fully masked rows give exp2(-inf) = 0.
-            finite = torch.isfinite(m_new)
-            m_cur = torch.where(finite, m_new, torch.zeros_like(m_new))
-            rescale = flush(exp2_rz(((m - m_cur) * sl2).to(torch.float32)))
-            max_scaled = torch.where(finite, _fma32(m_cur, sl2, -offset), torch.zeros_like(m_cur))
-            p = flush(exp2_rn(_fma32(s, sl2, -max_scaled)))
-            rs4 = _quad_row_sum(flush(rs4 * rescale), p)
-            p8 = quantize_dequantize(p, p_fmt)
-            m = m_new
+            kd_t = None if scaled_s else _rows_k(kd, s0, s1)
+            p8, rescale = step(s, sl2=sl2 if scaled_s else None, qd=None if scaled_s else qd, kd=kd_t, base=base,
+                               lim=lim, m=m_in, rs4=rs_in, offset=offset, ftz=ftz, fmt=p_fmt)
+            return p8, rescale, m_in, rs_in
+        if not scaled_s:
+            s = s * (qd * _rows_k(kd, s0, s1).transpose(-1, -2) * base).to(torch.float32)
+        if causal:
+            vis = causal_mask(q_index, s0, s1, pre.seqlen_q, nk)
+            s = s.masked_fill(~vis, -math.inf)
+        m_new = torch.maximum(m_in, s.amax(dim=-1, keepdim=True))
+        # The kernel uses 0 in place of a -inf max, so fully masked rows give exp2(-inf) = 0.
+        finite = torch.isfinite(m_new)
+        m_cur = torch.where(finite, m_new, torch.zeros_like(m_new))
+        rescale = flush(exp2_rz(((m_in - m_cur) * sl2).to(torch.float32)))
+        max_scaled = torch.where(finite, _fma32(m_cur, sl2, -offset), torch.zeros_like(m_cur))
+        p = flush(exp2_rn(_fma32(s, sl2, -max_scaled)))
+        rs_out = _quad_row_sum(flush(rs_in * rescale), p)
+        p8 = quantize_dequantize(p, p_fmt) if p_fmt is not None else p
+        return p8, rescale, m_new, rs_out
+
+    tick = PROGRESS.get()  # progress hook
+    for i_tile, t in enumerate(tiles):
+        if tick is not None:  # progress hook
+            tick(i_tile, n_tiles, "KV tiles")
+        s0, s1 = t * pre.block_n, min(nk, (t + 1) * pre.block_n)
+        k_t = kv[:, :, s0:s1].transpose(-1, -2)
+        s = hopper_mma(qv, k_t, a_fmt=qk_elem, b_fmt=qk_elem) if mma_s else torch.matmul(qv, k_t)
+        if bias is not None:
+            desc = (qd * _rows_k(kd, s0, s1).transpose(-1, -2)).to(torch.float32)
+            s = (s * desc).to(torch.float32) + bias[:, :, :, s0:s1].index_select(2, bias_blk)
         v_t = vv[:, :, s0:s1]
         if v_end is None:
             v_t = v_t * _rows_k(vd, s0, s1)
-        scaled = native.rescale_rows(acc, rescale, ftz)  # in place, when compiled
-        acc = accumulate(scaled if scaled is not None else flush(acc * rescale), p8, v_t, (p_fmt, v_fmt))
+        if not fa1:
+            p8, rescale, m, rs4 = softmax(s, s0, s1, m, rs4)
+            if not p_float:
+                p8 = cast_p(p8, recipe)
+            scaled = native.rescale_rows(acc, rescale, ftz)  # in place, when compiled
+            acc = accumulate(scaled if scaled is not None else flush(acc * rescale), p8, v_t, acc_fmts)
+            continue
+        # FlashAttention (Algorithm 1): P~ against the tile's own max m~, then
+        # O <- (l e^(m - m_new) O + e^(m~ - m_new) P~ V) / l_new, every product a float32 rounding.
+        m_loc = torch.full_like(m, -math.inf)
+        rs_loc = torch.zeros_like(rs4)
+        p8, _, m_loc, rs_loc = softmax(s, s0, s1, m_loc, rs_loc)
+        if not p_float:
+            p8 = cast_p(p8, recipe)
+        m_new = torch.maximum(m, m_loc)
+        m_cur = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        alpha = flush(exp2_rz(((m - m_cur) * sl2).to(torch.float32)))
+        beta = flush(exp2_rz(((m_loc - m_cur) * sl2).to(torch.float32)))
+        l_new = flush(alpha * l_fa1) + flush(beta * _quad_total(rs_loc))
+        pv = accumulate(torch.zeros_like(acc), p8, v_t, acc_fmts)
+        acc = flush(acc * flush(l_fa1 * alpha)) + flush(pv * beta)
+        acc = torch.where(l_new > 0, acc / torch.where(l_new > 0, l_new, torch.ones_like(l_new)),
+                          torch.zeros_like(acc))
+        m, l_fa1 = m_new, l_new
+    if tick is not None:  # progress hook
+        tick(n_tiles, n_tiles, "KV tiles")
+    if fa1:
+        o = acc * v_end.to(torch.float32) if v_end is not None else acc
+        return quantize_dequantize(o, recipe.out, torch.float64)
     # The kernel's final quad reduction (shuffle-xor by 2, then by 1).
-    row_sum = ((rs4[..., 0] + rs4[..., 2]) + (rs4[..., 1] + rs4[..., 3])).unsqueeze(-1)
+    row_sum = _quad_total(rs4)
     inv = torch.where((row_sum > 0) & torch.isfinite(row_sum), 1.0 / row_sum, torch.zeros_like(row_sum))
     o = acc * (inv * v_end).to(torch.float32) if v_end is not None else acc * inv
     return quantize_dequantize(o, recipe.out, torch.float64)
+
+
+def _quad_total(rs4: torch.Tensor) -> torch.Tensor:
+    """The quad's four partial row sums added as the kernel adds them (shuffle-xor by 2, then 1)."""
+    return ((rs4[..., 0] + rs4[..., 2]) + (rs4[..., 1] + rs4[..., 3])).unsqueeze(-1)
 
 
 def _quad_row_sum(rs4: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -275,7 +381,8 @@ def _rows_k(d: torch.Tensor, s0: int, s1: int) -> torch.Tensor:
 
 def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
     dev = pre.q.values.device
-    s_fmt, sm_fmt, p_fmt = get_format(recipe.s), get_format(recipe.softmax), get_format(recipe.p)
+    s_fmt, sm_fmt = get_format(recipe.s), get_format(recipe.softmax)
+    p_fmt = get_format(recipe.p) if family(recipe.p) == "float" else None
     kv = native.to_float32(pre.k.values)
     vv = native.to_float32(pre.v.values)
     # Q decides the output's heads: K and V of one KV head (MQA) stay unexpanded and broadcast.
@@ -309,6 +416,8 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
         qd = head(qd_all, bi, hi)
         qd = qd[c:c + chunk] if qd.shape[0] > 1 else qd
         s = torch.matmul(qv, head(kv, bi, hi).transpose(-1, -2)) * (qd * head(kd_all, bi, hi).transpose(-1, -2))
+        if pre.bias is not None:  # smooth=qk: the correction joins S before S is rounded and scaled
+            s = s + head(pre.bias, bi, hi).index_select(0, torch.div(idx, pre.block_m, rounding_mode="floor"))
         s = quantize_dequantize(s, s_fmt)
         if not split:
             # A narrow S is scaled after the matmul, in its own format (a second rounding).
@@ -319,16 +428,21 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
 
     blocks = [(bi, hi, c) for bi in range(b) for hi in range(h) for c in range(0, r, chunk)]
     p_mult = 1.0
-    if recipe.p_scale == "tensor" and p_fmt.saturate:
+    if family(recipe.p) == "mx":
+        pass  # block scales give P its range; no multiplier
+    elif recipe.p_scale == "tensor" and p_fmt.saturate:
         # Per-tensor P scale needs the amax of P over every evaluated row first.
         p_amax = max(softmax_rows(*blk).amax().item() for blk in blocks)
         p_mult = p_fmt.max / p_amax if p_amax > 0 else 1.0
     elif recipe.p_scale == "offset":
         p_mult = 2.0 ** recipe.p_offset if p_fmt.saturate else 1.0
     out = torch.empty((b, h, r, dv), dtype=torch.float64, device=dev)
-    for bi, hi, c in blocks:
-        p8 = quantize_dequantize(softmax_rows(bi, hi, c) * p_mult, p_fmt)
+    tick = PROGRESS.get()  # progress hook
+    for i_blk, (bi, hi, c) in enumerate(blocks):
+        p8 = cast_p(softmax_rows(bi, hi, c) * p_mult, recipe, materialised=True)
         v_deq = head(vv, bi, hi) * head(vd_all, bi, hi)
         o = torch.matmul(p8, v_deq) / p_mult
         out[bi, hi, c:c + chunk] = quantize_dequantize(o, recipe.out, torch.float64)
+        if tick is not None:  # progress hook
+            tick(i_blk + 1, len(blocks), "row blocks")
     return out

@@ -1,7 +1,7 @@
 """Floating-point formats used by FP8 attention, and round-to-nearest-even casts into them.
 
 Exposed: ``Format``, ``FORMATS``, ``get_format``, ``cast``, ``round_to_format``,
-``quantize_dequantize``, ``to_float32_round_odd``; microscaling element and scale formats:
+``quantize_dequantize``, ``round_fast``, ``to_float32_round_odd``; microscaling element and scale formats:
 ``E2M1``, ``ELEMENT_FORMATS``, ``element_format``, ``encode_e2m1``, ``decode_e2m1``,
 ``E8M0_MIN_EXP``, ``E8M0_MAX_EXP``, ``round_to_e8m0``, ``encode_e8m0``, ``decode_e8m0``.
 
@@ -112,6 +112,24 @@ def round_to_format(x: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     if not f.has_nan:  # a zero with the NaN's sign bit inverted: ml_dtypes' choice (see above)
         return torch.where(torch.isnan(x), torch.where(torch.signbit(x), 0.0, -0.0).to(x.dtype), y)
     return torch.where(torch.isnan(x), x, y)
+
+
+def round_fast(x: torch.Tensor, fmt: str | Format) -> torch.Tensor:
+    """``round_to_format`` for finite ``x``, through the compiled rounding when it applies (CPU,
+    float32/float64, a format narrower than float32, E2M1 included); same dtype as ``x``, same
+    numbers (tests/test_native.py checks the compiled rounding against ``round_to_format``).
+    Infinities saturate or overflow alike in both; NaN stays NaN in both, except in E2M1, whose
+    reference maps it to a signed zero: a NaN there takes the reference."""
+    f = element_format(fmt)
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and f.mbits < 23:
+        from . import native
+
+        # the compiled rounding reads (mbits, emin, max, saturate); a dtype marks it as a rounding target
+        proxy = f if f.dtype is not None else dataclasses.replace(f, dtype=torch.float32)
+        y = native.round_f64(x, proxy) if x.dtype == torch.float64 else native.round_f32(x, proxy)
+        if y is not None and (f.has_nan or not bool(torch.isnan(y).any())):
+            return y.to(x.dtype)
+    return round_to_format(x, f)
 
 
 def _top_exp(f: Format) -> int:

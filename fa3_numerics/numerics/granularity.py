@@ -2,7 +2,7 @@
 
 Exposed: ``PerTensor``, ``PerHead``, ``PerBlock``, ``PerToken``, ``PerChannel``,
 ``PerThread``, ``PerGroup``, ``Granularity``, ``parse_granularity``, ``amax``, ``group_amax``,
-``expand_groups``, ``sage2_thread_granularities``.
+``expand_groups``, ``sage2_thread_granularities``, ``thread_granularities``.
 
 Each granularity reduces |x| to an amax tensor that broadcasts against x:
 
@@ -24,10 +24,11 @@ Each granularity reduces |x| to an amax tensor that broadcasts against x:
   ``axis`` (head_dim for Q and K, tokens for V). ``amax`` returns it expanded to x's shape;
   ``group_amax`` gives the compact shape, e.g. axis -1: [B, H, N, D] -> [B, H, N, ceil(D / size)].
 
-``parse_granularity`` reads only the first four: the emulator folds a per-(batch, head) or
-per-token descale into S, which is wrong for scales that vary along head_dim, so the new
-granularities reach recipes only with the emulator change that handles them (issue 11,
-phase 2).
+``parse_granularity`` reads the first four, ``thread`` (``PerThread(0)``: SageAttention2's
+per-thread groups at the recipe's tiles, Q ``PerThread(bm / 4, 1)`` and K ``PerThread(bn, 2)``,
+resolved by ``thread_granularities``) and ``channel`` (recipes refuse it for Q and K, whose
+scales would vary along the contraction of Q K^T; V takes it through the ``vgran`` key).
+``PerGroup`` stays out of recipe strings: the microscaling formats (``qk=mxfp8`` ...) carry it.
 """
 
 from __future__ import annotations
@@ -97,15 +98,17 @@ class PerThread:
     WARPK 128 on sm90). ``sage2_thread_granularities`` returns the pairs.
     """
 
-    block: int = 32
+    block: int = 32  # 0: "at the recipe's tiles" (``gran=thread``), see ``thread_granularities``
     width: int = 1
 
     def __post_init__(self):
-        if self.block <= 0 or self.block % 8 or self.width not in (1, 2, 4, 8):
+        if self.block < 0 or self.block % 8 or self.width not in (1, 2, 4, 8):
             raise UsageError(f"PerThread(block={self.block}, width={self.width}): block must be a positive "
-                             "multiple of 8 and width one of 1, 2, 4, 8")
+                             "multiple of 8 (or 0: the recipe's tiles) and width one of 1, 2, 4, 8")
 
     def short_str(self) -> str:
+        if self.block == 0:
+            return "thread"
         return f"thread{self.block}" + ("" if self.width == 1 else f"x{self.width}")
 
 
@@ -142,6 +145,17 @@ def sage2_thread_granularities(arch: str = "sm89") -> tuple[PerThread, PerThread
     raise UsageError(f"unknown architecture {arch!r}; use sm80, sm89, sm90 or sm120")
 
 
+def thread_granularities(block_m: int, block_n: int) -> tuple[PerThread, PerThread]:
+    """(Q, K) granularities of ``gran=thread`` at query tile ``block_m`` and key tile ``block_n``:
+    Q ``PerThread(block_m / 4, 1)`` (four warps split a query tile: WARPQ = BLKQ / 4, 32 of 128
+    on sm80/sm89, 16 of 64 on sm90) and K ``PerThread(block_n, 2)`` (WARPK = BLKK). UsageError
+    when the tiles do not split into MMA fragments (block_m a multiple of 32, block_n of 8)."""
+    if block_m % 32 or block_n % 8 or block_m <= 0 or block_n <= 0:
+        raise UsageError(f"gran=thread needs bm a multiple of 32 and bn a multiple of 8 (the MMA fragments of "
+                         f"four warps); got bm={block_m}, bn={block_n}")
+    return PerThread(block_m // 4, 1), PerThread(block_n, 2)
+
+
 def parse_granularity(text: str) -> Granularity:
     t = text.strip().lower()
     if t == "tensor":
@@ -150,13 +164,18 @@ def parse_granularity(text: str) -> Granularity:
         return PerHead()
     if t == "token":
         return PerToken()
+    if t == "thread":
+        return PerThread(0)
+    if t == "channel":
+        return PerChannel()
     if t.startswith("block"):
         rest = t[len("block"):]
         if rest == "":
             return PerBlock()
         if rest.isdigit() and int(rest) > 0:
             return PerBlock(int(rest))
-    raise UsageError(f"unknown scale granularity {text!r}; use tensor, head, block, blockN (e.g. block64) or token")
+    raise UsageError(f"unknown scale granularity {text!r}; use tensor, head, block, blockN (e.g. block64), token, "
+                     "thread or channel")
 
 
 def amax(x: torch.Tensor, gran: Granularity, *, block_rows: int | None = None, group: int = 1) -> torch.Tensor:
@@ -188,6 +207,8 @@ def amax(x: torch.Tensor, gran: Granularity, *, block_rows: int | None = None, g
     if isinstance(gran, PerChannel):
         return a.amax(dim=2, keepdim=True)
     if isinstance(gran, PerThread):
+        if gran.block == 0:
+            raise UsageError("PerThread(0) stands for the recipe's tiles; resolve it with thread_granularities")
         b, h, n, _ = x.shape
         nblk = -(-n // gran.block)
         tok = torch.nn.functional.pad(a.amax(dim=3), (0, nblk * gran.block - n))  # zeros never raise an amax

@@ -59,7 +59,8 @@ import math
 import torch
 
 from ..errors import UsageError
-from .formats import E2M1, E8M0_MAX_EXP, E8M0_MIN_EXP, Format, element_format, get_format, round_to_format
+from .formats import E2M1, E8M0_MAX_EXP, E8M0_MIN_EXP, Format, element_format, get_format
+from .formats import round_fast as round_to_format  # the reference rounding, compiled where it applies
 from .granularity import Granularity, PerTensor, amax, expand_groups, group_amax
 
 MX_BLOCK = 32
@@ -92,8 +93,9 @@ class BlockScaled:
         return expand_groups(self.scale, self.block, self.axis, self.values.shape[self.axis])
 
     def operand(self) -> torch.Tensor:
-        """values x block scale in float32 (exact; see the module docstring)."""
-        return (self.values.to(torch.float64) * self.expanded_scale().to(torch.float64)).to(torch.float32)
+        """values x block scale in float32 (exact; see the module docstring: at most 6
+        significant bits, far inside float32's range, so the float32 product does not round)."""
+        return self.values.to(torch.float32) * self.expanded_scale().to(torch.float32)
 
     def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         y = self.values.to(torch.float64) * self.expanded_scale().to(torch.float64)
@@ -210,6 +212,9 @@ def quantize_p_two_level(p: torch.Tensor, *, block: int = NVFP4_BLOCK, row_scale
         ok = torch.isfinite(rm) & (rm > 0)
         r = torch.where(ok, rm / P_ROW_TARGET, torch.ones_like(rm)).to(torch.float32)
         p64 = (p64 / r.to(torch.float64)).to(torch.float32).to(torch.float64)
+    if p.dtype == torch.float32 or row_scale == "amax":
+        # P1 holds float32 values (the emulator's P~ per KV tile): the same numbers in float32
+        return _two_level_f32(p64.to(torch.float32), block, match, r)
     sf = (group_amax(p64, block, -1) / E2M1_MAX).to(torch.float32).to(torch.float64)
     s8 = round_to_format(sf, get_format("e4m3"))
     n = p.shape[-1]
@@ -220,3 +225,24 @@ def quantize_p_two_level(p: torch.Tensor, *, block: int = NVFP4_BLOCK, row_scale
         q = q.to(torch.float32).to(torch.float64)  # the kernel's float32 division
     vals = torch.where(live, round_to_format(q, E2M1), torch.zeros_like(q))
     return BlockScaled(vals.to(torch.float32), s8.to(torch.float32), r, E2M1, "e4m3", block, -1)
+
+
+def _two_level_f32(p1: torch.Tensor, block: int, match: str, r) -> BlockScaled:
+    """Level 2 of ``quantize_p_two_level`` for float32-valued P1, computed in float32 where that
+    is exact: a block max is exact, a float32 quotient of float32 values is the correctly rounded
+    float32(P1 / sf) of the kernel form, E2M1 x E4M3 products are exact. The ``scale`` form
+    divides in float64 so that E2M1 rounds the exact quotient once, as the reference does."""
+    n = p1.shape[-1]
+    ng = -(-n // block)
+    pp = torch.nn.functional.pad(p1, (0, ng * block - n)) if ng * block != n else p1
+    pp = pp.reshape(*p1.shape[:-1], ng, block)
+    # P >= 0, so zero padding never raises a block max; NaN propagates as in group_amax
+    sf = (pp.amax(dim=-1, keepdim=True).to(torch.float64) / E2M1_MAX).to(torch.float32)
+    s8 = round_to_format(sf, get_format("e4m3"))
+    div = sf if match == "kernel" else s8
+    live = div > 0
+    safe = torch.where(live, div, torch.ones_like(div))
+    q = pp / safe if match == "kernel" else pp.to(torch.float64) / safe.to(torch.float64)
+    vals = torch.where(live, round_to_format(q, E2M1).to(torch.float32), torch.zeros((), dtype=torch.float32))
+    vals = vals.reshape(*p1.shape[:-1], ng * block)[..., :n]
+    return BlockScaled(vals, s8.squeeze(-1), r, E2M1, "e4m3", block, -1)

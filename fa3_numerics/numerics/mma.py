@@ -54,6 +54,8 @@ import dataclasses
 
 import torch
 
+from .formats import Format
+
 K_STEP = 32  # K of one FP8 wgmma instruction (m64nNk32)
 MANTISSA_BITS = 13
 E4M3_MIN_EXP = -6
@@ -112,7 +114,11 @@ BF16_MMA = MmaModel(16, 25, 23)  # bf16/fp16 wgmma
 def model_for(*fmts) -> MmaModel | None:
     """The fitted model for these operand formats (``Format`` objects), or None when the
     formats have no tensor-core model (e.g. float32 operands: an ideal product)."""
-    if all(f.saturate and f.mbits <= 3 for f in fmts):
+    # Only the FP8 and 16-bit float formats were fitted; integer formats (exact products) and
+    # microscaling elements (E2M1: Blackwell's block-scaled MMA) have no model here.
+    if not all(isinstance(f, Format) for f in fmts):
+        return None
+    if all(f.name in ("e4m3", "e5m2") for f in fmts):
         return FP8_MMA
     if all(f.name in ("bf16", "fp16") for f in fmts):
         return BF16_MMA
@@ -183,11 +189,8 @@ def hopper_fp8_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = No
     from . import native
 
     fast = native.mma(a.device)
-    if fast is not None and _finite(a, b, c):
-        return fast(a, b, c, a_min_exp=a_min_exp, b_min_exp=b_min_exp)
+    if fast is not None:
+        d = fast(a, b, c, a_min_exp=a_min_exp, b_min_exp=b_min_exp)
+        if d is not None:  # None: a non-finite operand, which only the reference propagates
+            return d
     return hopper_fp8_mma_reference(a, b, c, a_min_exp=a_min_exp, b_min_exp=b_min_exp)
-
-
-def _finite(*ts) -> bool:
-    # The integer fast paths have no encoding for NaN or Inf; the reference propagates them.
-    return all(t is None or bool(torch.isfinite(t).all()) for t in ts)

@@ -15,7 +15,8 @@ vectorises it for the CPU it runs on):
   rounding (``numerics/formats.py``);
 - ``fa3n_fwht``: the random Hadamard rotation (``numerics/rotation.py``), same butterflies;
 - ``fa3n_decode_u8``: FP8 to float32 by table lookup;
-- ``fa3n_rescale_rows``: the O rescale between KV tiles, with the kernel's flush to zero.
+- ``fa3n_rescale_rows``: the O rescale between KV tiles, with the kernel's flush to zero;
+- ``fa3n_abs_stats``: histogram, amax and non-finite count of an input in one pass.
 
 Each returns what its PyTorch reference returns; tests/test_native.py compares them. (The
 softmax's float32 exp2 is computed in double by each path's own exp2, so the two could differ
@@ -116,6 +117,8 @@ def _lib():
         return None
     i64, i32, p, f32, f64 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_double
     lib.fa3n_mma_fp22.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, i32]
+    lib.fa3n_mma_fp22_f32.argtypes = [i64, i64, i64, i64, p, p, p, p, i32, i32, i32]
+    lib.fa3n_mma_fp22_f32.restype = ctypes.c_int
     lib.fa3n_softmax_step.argtypes = [i64, i64, i64, p, p, p, p, f32, p, p, p, p, f64, i32, i32, i32, i32, f64, f64,
                                       i32, i32]
     lib.fa3n_round_f64.argtypes = [i64, p, p, i32, i32, f64, f64, i32, i32]
@@ -123,8 +126,9 @@ def _lib():
     lib.fa3n_fwht.argtypes = [i64, i64, p, p, f64, p, i32]
     lib.fa3n_decode_u8.argtypes = [i64, p, p, p, i32]
     lib.fa3n_rescale_rows.argtypes = [i64, i64, p, p, i32, i32]
+    lib.fa3n_abs_stats.argtypes = [i64, p, p, i32, p, p, p, i32]
     for fn in (lib.fa3n_mma_fp22, lib.fa3n_softmax_step, lib.fa3n_round_f64, lib.fa3n_round_f32, lib.fa3n_fwht,
-               lib.fa3n_decode_u8, lib.fa3n_rescale_rows):
+               lib.fa3n_decode_u8, lib.fa3n_rescale_rows, lib.fa3n_abs_stats):
         fn.restype = None
     _STATE["lib"] = lib
     _STATE["why"] = None
@@ -156,22 +160,25 @@ def _fmt_args(fmt) -> tuple[int, int, int, float, float, int]:
 
 def mma(device: torch.device):
     """The compiled Hopper FP8 MMA model for ``device`` (same arguments as
-    ``mma.hopper_fp8_mma_reference``), or None."""
+    ``mma.hopper_fp8_mma_reference``), or None. The returned function gives None for operands
+    it cannot take (non-finite values), and the caller then uses the reference."""
     if device.type != "cpu" or _lib() is None:
         return None
-    from .mma import operand_parts
 
     def run(a, b, c=None, *, a_min_exp, b_min_exp):
         lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         m, k = a.shape[-2:]
         n = b.shape[-1]
-        ea, sa = (t.expand(*lead, m, k).contiguous() for t in operand_parts(a, a_min_exp))
-        eb, sb = (t.expand(*lead, k, n).contiguous() for t in operand_parts(b, b_min_exp))
+        aa = a.to(torch.float32).expand(*lead, m, k).contiguous()
+        bb = b.to(torch.float32).expand(*lead, k, n).contiguous()
         cc = None if c is None else c.to(torch.float32).expand(*lead, m, n).contiguous()
         out = torch.empty(*lead, m, n, dtype=torch.float32)
-        big_l = int(torch.tensor(lead).prod().item()) if lead else 1
-        _lib().fa3n_mma_fp22(big_l, m, k, n, _ptr(ea), _ptr(sa), _ptr(eb), _ptr(sb), _ptr(cc), _ptr(out), _threads())
-        return out
+        big_l = math.prod(lead) if lead else 1
+        rc = _lib().fa3n_mma_fp22_f32(big_l, m, k, n, _ptr(aa), _ptr(bb), _ptr(cc), _ptr(out), int(a_min_exp),
+                                      int(b_min_exp), _threads())
+        if rc == 2:
+            raise MemoryError("the compiled MMA model could not allocate its operand buffers")
+        return None if rc else out
 
     return run
 
@@ -243,6 +250,21 @@ def rescale_rows(acc: torch.Tensor, scale: torch.Tensor, ftz: bool) -> torch.Ten
     s = scale.to(torch.float32).expand(*acc.shape[:-1], 1).contiguous()
     _lib().fa3n_rescale_rows(acc.numel() // acc.shape[-1], acc.shape[-1], _ptr(acc), _ptr(s), int(ftz), _threads())
     return acc
+
+
+def abs_stats(x: torch.Tensor, edges) -> tuple | None:
+    """(histogram of |x| over ``edges`` as int64 counts, amax of the finite |x|, count of
+    non-finite values) in one pass, for a float64 CPU tensor; None when not compiled."""
+    if x.device.type != "cpu" or x.dtype != torch.float64 or _lib() is None:
+        return None
+    xc = x.contiguous()
+    e = torch.as_tensor(edges, dtype=torch.float64).contiguous()
+    counts = torch.zeros(e.numel(), dtype=torch.int64)
+    amax = torch.zeros(1, dtype=torch.float64)
+    nonfinite = torch.zeros(1, dtype=torch.int64)
+    _lib().fa3n_abs_stats(xc.numel(), _ptr(xc), _ptr(e), e.numel(), _ptr(counts), _ptr(amax), _ptr(nonfinite),
+                          _threads())
+    return counts, float(amax), int(nonfinite)
 
 
 def to_float32(x: torch.Tensor) -> torch.Tensor:

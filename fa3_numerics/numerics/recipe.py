@@ -22,8 +22,9 @@ import dataclasses
 
 from ..errors import UsageError
 from . import keys as _keys
+from .families import family, is_narrow
 from .formats import get_format
-from .granularity import PerBlock, PerHead, PerTensor
+from .granularity import PerBlock, PerHead, PerTensor, parse_granularity
 from .tiles import fa3_tiles
 
 
@@ -33,14 +34,27 @@ class _RecipeMethods:
     def __post_init__(self):
         for k in _KEYS:
             object.__setattr__(self, k.field, k.check(getattr(self, k.field)))
+        # Combinations no kernel computes (registered by the key modules), refused in one line.
+        for check in _CHECKS:
+            why = check(self)
+            if why:
+                raise UsageError(f"recipe {self.short_str()}: {why}")
 
     @property
     def fp8(self) -> bool:
-        return get_format(self.qk).mbits <= 3
+        """Q and K in an FP8 float format (e4m3/e5m2): what the FA3 FP8 kernel and an FP8 KV cache take.
+        Integer and microscaling Q/K are not FP8 in this sense (see ``narrow``)."""
+        return family(self.qk) == "float" and get_format(self.qk).mbits <= 3
+
+    @property
+    def narrow(self) -> bool:
+        """Q and K stored in one byte or less (FP8, INT8/INT4, MXFP8, NVFP4)."""
+        return is_narrow(self.qk)
 
     def tiles(self, head_dim: int, causal: bool = False) -> tuple[int, int]:
-        """(kBlockM, kBlockN) with zeros filled from the FA3 kernel's table."""
-        m, n = fa3_tiles(head_dim, fp8=self.fp8, causal=causal)
+        """(kBlockM, kBlockN) with zeros filled from the FA3 kernel's table (its 1-byte tiles for
+        every narrow Q/K format, its 2-byte tiles otherwise)."""
+        m, n = fa3_tiles(head_dim, fp8=self.narrow, causal=causal)
         return (self.bm or m, self.bn or n)
 
     def get(self, key: str):
@@ -99,6 +113,7 @@ class _RecipeMethods:
 
 
 _KEYS = _keys.freeze()
+_CHECKS = _keys.checks()
 Recipe = dataclasses.make_dataclass(
     "Recipe", [(k.field, object, dataclasses.field(default=k.default)) for k in _KEYS],
     bases=(_RecipeMethods,), frozen=True)
@@ -124,6 +139,49 @@ _FLASH16 = Recipe(algo="flash", qk="fp16", v="fp16", p="fp16", out="fp16", p_off
 # With amax/448 scales each block's largest value becomes exact, and block quantization alone
 # lowers the error on this data by ~15% (try `fa3-fp8-no-incoherent,pow2=0`).
 _FA3_FP8 = Recipe(algo="flash", qk="e4m3", v="e4m3", p="e4m3", gran=PerBlock(), pow2=True, rot="hadamard", out="bf16")
+
+# Recipes of the field beside FA3's (issue 11). Each description cites what it follows, says
+# what is not public and what was chosen, and which hardware runs it. Facts from the papers and
+# from thu-ml/SageAttention (sageattention/core.py, csrc/qattn/, sageattention3_blackwell/).
+_SAGE2 = Recipe(qk="int8", gran=parse_granularity("thread"), bm=64, bn=128, smooth="qk", p="e4m3", p_offset=8.807,
+                v="e4m3", vgran="channel", acc="two-level", order="forward", out="bf16")
+_FIELD = [
+    Preset("fa1-fp16", Recipe(qk="fp16", v="fp16", p="fp16", p_offset=0.0, out="fp16", norm="tile", order="forward",
+                              bm=128, bn=128),
+           "FlashAttention (arXiv 2205.14135, Algorithm 1): O normalised after every KV tile (l e^(m-m_new) O + "
+           "e^(m~-m_new) P~V) / l_new, tiles visited first to last, FP16 Q/K/V/P, float32 softmax. Chosen (Algorithm 1 "
+           "leaves them open): 128x128 tiles, O float32 between tiles (flash-attn 1.x's o_tmp), exp2. "
+           "Requires: sm75+ (FP16 tensor cores)"),
+    Preset("sage1", Recipe(qk="int8", gran=PerBlock(), bm=128, bn=64, smooth="k", ties="away", p="fp16",
+                           p_offset=0.0, v="fp16", acc="fp16", order="forward", out="fp16"),
+           "SageAttention (arXiv 2410.02367, sec. 4; triton/attn_qk_int8_per_block.py): INT8 Q/K, one scale per "
+           "128-query / 64-key block, K smoothed (sec. 4.2), P and V FP16, P V accumulated in FP16 per 64-key tile "
+           "(tl.dot out_dtype fp16) and float32 across tiles, tiles first to last. Not modelled: sm_scale*log2(e) "
+           "folded into Q before its quantization. Requires: sm80+ (INT8 mma)"),
+    Preset("sage2-int8", _SAGE2,
+           "SageAttention2 (arXiv 2411.10958, sec. 3-4) on Hopper (qk_int_sv_f8_cuda_sm90.cu): INT8 Q/K per thread "
+           "(Q 16-row warp slices of 64-query tiles, K 128-key tiles), Q and K smoothed (sec. 3.2; the public kernels "
+           "smooth K only: add smooth=k for them), P~ = exp2(. - (max - 8.807)) in FP8 e4m3, V FP8 per channel, P V "
+           "two-level (FP22 wgmma per tile into a zeroed buffer, float32 across), tiles first to last. The sm89 "
+           "kernel uses 128x64 tiles (bm=128,bn=64). Requires: sm89/sm90 (FP8 mma)"),
+    Preset("sage2-int4", dataclasses.replace(_SAGE2, qk="int4", bm=128, bn=64),
+           "SageAttention2 with INT4 Q/K (arXiv 2411.10958, sec. 3; no public kernel): as sage2-int8 with the sm89 "
+           "geometry (128x64 tiles, Q 32-row warp slices), the Hopper FP22 model assumed for Ada's FP8 MMA (the "
+           "paper measured it on the RTX 4090). Requires: sm80/sm89 (INT4 mma.sync; Hopper's wgmma has no INT4)"),
+    Preset("sage3-nvfp4", Recipe(qk="nvfp4", v="nvfp4", p="nvfp4", p_offset=11.3923, nvts="none", smooth="qk",
+                                 sbias="bf16", acc="fp32", bm=128, bn=128, order="reverse", out="bf16"),
+           "SageAttention3 (arXiv 2505.11594, sec. 3; sageattention3_blackwell/): NVFP4 Q/K/V (E2M1, E4M3 scale per "
+           "16 along head_dim for Q/K and along keys for V, no tensor scale), Q (128-row blocks) and K smoothed with "
+           "the bias q_mean K^T taken in BF16, two-level P (exp2 offset log2(2688), then E4M3 scales per 16 keys, "
+           "elements divided by the unrounded scale), float32 accumulation, 128x128 tiles last to first (its "
+           "mainloop, as FA3). Not modelled: the block scale of P from ex2 of the block's max score. "
+           "Requires: sm100/sm120 (Blackwell FP4 block-scaled MMA); public kernel: head dims 64 and 128"),
+    Preset("fa3-mxfp8", Recipe(qk="mxfp8", v="mxfp8", p="e4m3", p_offset=8.0, mxscale="ceil", acc="fp32", bm=128,
+                               bn=128),
+           "what-if, no public kernel: FA3's FP8 pipeline with OCP MXFP8 Q/K/V (e4m3 with an E8M0 scale per 32 "
+           "elements along head_dim / keys, NVIDIA's ceil rounding), P e4m3 with the offset 2^8 (unit scales), "
+           "float32 accumulation, 128x128 tiles last to first. Requires: sm100 (block-scaled MMA)"),
+]
 
 PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("baseline-fp16", _FP16_STD,
@@ -152,6 +210,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            "the public FA3 FP8 kernel with per-head descales after a random Hadamard on Q and K, Hopper MMA model"),
     Preset("exact", Recipe(qk="fp32", v="fp32", p="fp32", out="fp32", p_offset=0.0),
            "tile-by-tile FP32 attention without quantization: checks the emulator itself"),
+    *_FIELD,
 ]}
 
 TABLE3 = ("baseline-fp16", "fa2-fp16", "fa3-fp16", "baseline-fp8", "fa3-fp8", "fa3-fp8-no-block-quant",

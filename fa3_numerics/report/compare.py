@@ -1,6 +1,10 @@
-"""The comparison of two runs as text and Markdown.
+"""The comparison of two runs as text, Markdown and HTML: warnings first, then the table.
 
-Exposed: ``text_report``, ``markdown_report``.
+Exposed: ``text_report``, ``markdown_report``, ``html_report``, ``compare_document``, ``warnings``.
+
+What can make a comparison misleading comes before the numbers: settings that differ between the
+runs (seqlen 512 against 8192), sides with non-finite samples, intervals on fewer than 8 samples,
+recipes that differ under one label. Then the table, one number format per column.
 """
 
 from __future__ import annotations
@@ -9,48 +13,66 @@ import math
 
 import xarray as xr
 
-from ..studies.compare import findings
-from .format import fmt_e as _e
-from .format import nonfinite_text
+from ..studies.compare import findings, sample_warnings
+from .document import Bullets, Document, Section, Table, render
+from .format import column_format, fmt_interval, nonfinite_text, ratio_format
 
 
-def _table(res: dict) -> tuple[list[str], list[list[str]]]:
+def _table(res: dict) -> Table:
     m = res["metric"]
+    rows = res["rows"]
+    fa = column_format([x for r in rows for x in (r["a"], r["a_lo"], r["a_hi"])])
+    fb = column_format([x for r in rows for x in (r["b"], r["b_lo"], r["b_hi"])])
+    # ratios near 1 need the digits that tell them apart (0.9987 beside 1.0004)
+    fr = ratio_format([x for r in rows for x in (r["ratio"], r["ratio_lo"], r["ratio_hi"])])
     head = res["dims"] + ["variant", f"A {m}", "A 95% CI", f"B {m}", "B 95% CI", "B/A", "B/A 95% CI", "covers 1"]
     body = []
-    for r in res["rows"]:
+    for r in rows:
         cov = "-" if r["covers_1"] is None else ("yes" if r["covers_1"] else "NO")
-        side = {s: (nonfinite_text(r[f"nonfinite_{s}"], r[f"n_{s}"]) if r[f"nonfinite_{s}"] else _e(r[s]))
-                for s in ("a", "b")}
+        side = {s: (nonfinite_text(r[f"nonfinite_{s}"], r[f"n_{s}"]) if r[f"nonfinite_{s}"] else f(r[s]))
+                for s, f in (("a", fa), ("b", fb))}
+        ratio_ci = "-" if not math.isfinite(r["ratio_lo"]) else f"[{fr(r['ratio_lo'])}, {fr(r['ratio_hi'])}]"
         body.append([str(r[d]) for d in res["dims"]] + [
-            r["variant"] + ("" if r["same_spec"] else " (*)"), side["a"], f"[{_e(r['a_lo'])}, {_e(r['a_hi'])}]",
-            side["b"], f"[{_e(r['b_lo'])}, {_e(r['b_hi'])}]",
-            "-" if not math.isfinite(r["ratio"]) else f"{r['ratio']:.3f}",
-            f"[{'-' if not math.isfinite(r['ratio_lo']) else format(r['ratio_lo'], '.3f')}, "
-            f"{'-' if not math.isfinite(r['ratio_hi']) else format(r['ratio_hi'], '.3f')}]", cov])
-    return head, body
+            r["variant"] + ("" if r["same_spec"] else " (*)"), side["a"], fmt_interval(r["a_lo"], r["a_hi"], fa),
+            side["b"], fmt_interval(r["b_lo"], r["b_hi"], fb), fr(r["ratio"]), ratio_ci, cov])
+    numeric = [False] * len(res["dims"]) + [False, True, True, True, True, True, True, False]
+    return Table(head, body, numeric)
 
 
 def _side(label: str, path: str, ds: xr.Dataset, code: str = "") -> str:
+    from ..engine.conventions import attr_list
+
     at = ds.attrs
+    backend = at.get("backend") or (", ".join(dict.fromkeys(str(b) for b in ds["backend"].values))
+                                    if "backend" in ds.coords else "?")
     return (f"{label}: {code}{path}{code} — {at.get('device_name', '?')} ({at.get('device', '?')}), backend "
-            f"{at.get('backend', '?')}, seeds {at.get('seeds', '?')}, commit {str(at.get('git_commit', '?'))[:12]}; "
-            f"command: {code}{at.get('command', '?')}{code}")
+            f"{backend}, seeds {attr_list(ds, 'seeds') or '?'}, commit "
+            f"{str(at.get('git_commit', '?'))[:12]}; command: {code}{at.get('command', '?')}{code}")
+
+
+def warnings(res: dict) -> list[str]:
+    """What to read before the table: differing settings, non-finite sides, few samples."""
+    out = []
+    if res["differs"]:
+        out.append("SETTINGS DIFFER between the runs (the ratios compare different settings): "
+                   + "; ".join(res["differs"]) + ".")
+    bad = findings(res)
+    if bad:
+        out.append(f"NON-FINITE: {len(bad)} side(s) of a compared row hold NaN or Inf samples and have no value "
+                   "or ratio: " + "; ".join(bad) + ".")
+    out += sample_warnings(res)
+    if any(not r["same_spec"] for r in res["rows"]):
+        out.append("(*) the variant's recipe spec differs between A and B.")
+    return out
 
 
 def _notes(res: dict) -> list[str]:
     rows = res["rows"]
-    bad = findings(res)
     n_cov = sum(1 for r in rows if r["covers_1"])
     n_def = sum(1 for r in rows if r["covers_1"] is not None)
-    notes = [f"{n_cov} of {n_def} ratio intervals (95%, bootstrap of B/A over each side's samples) cover 1."]
-    if bad:
-        notes.insert(0, f"NON-FINITE: {len(bad)} side(s) of a compared row hold NaN or Inf samples and have no value "
-                        "or ratio: " + "; ".join(bad) + ".")
-    if any(not r["same_spec"] for r in rows):
-        notes.append("(*) the variant's recipe spec differs between A and B.")
-    if res["differs"]:
-        notes.append("fixed parameters that differ: " + "; ".join(res["differs"]) + ".")
+    how = ("paired: both runs hold the same (seed, batch, head) samples" if res.get("paired")
+           else "the two runs' samples resampled independently")
+    notes = [f"{n_cov} of {n_def} ratio intervals (95% BCa bootstrap of B/A; {how}) cover 1."]
     if res["only_a"]:
         notes.append("only in A (not compared): " + ", ".join(res["only_a"]) + ".")
     if res["only_b"]:
@@ -59,18 +81,35 @@ def _notes(res: dict) -> list[str]:
 
 
 def text_report(res: dict, a: xr.Dataset, b: xr.Dataset, path_a: str, path_b: str) -> str:
-    head, body = _table(res)
-    widths = [max(len(h), *(len(x[i]) for x in body)) for i, h in enumerate(head)]
-    fmt = lambda cols: "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()  # noqa: E731
-    lines = [_side("A", path_a, a), _side("B", path_b, b), "", fmt(head), fmt(["-" * w for w in widths])]
-    lines += [fmt(x) for x in body]
+    t = _table(res)
+    body = [[c.replace("`", "") for c in r] for r in t.rows]
+    widths = [max(len(h), *(len(x[i]) for x in body)) if body else len(h) for i, h in enumerate(t.columns)]
+
+    def line(cols):
+        return "  ".join(c.rjust(w) if n else c.ljust(w) for c, w, n in zip(cols, widths, t.numeric)).rstrip()
+
+    lines = [f"warning: {w}" for w in warnings(res)]
+    lines += [_side("A", path_a, a), _side("B", path_b, b), "", line(t.columns), line(["-" * w for w in widths])]
+    lines += [line(x) for x in body]
     return "\n".join(lines + [""] + _notes(res))
 
 
+def compare_document(res: dict, a: xr.Dataset, b: xr.Dataset, path_a: str, path_b: str) -> Document:
+    doc = Document(f"Comparison of {res['metric']}: B / A")
+    warn = warnings(res)
+    if warn:
+        doc.lead.append(Bullets(warn, "warning"))
+    doc.lead.append(Bullets([_side("A", path_a, a, "`"), _side("B", path_b, b, "`")], "where"))
+    doc.sections.append(Section("Ratios", [_table(res), Bullets(_notes(res), "note")]))
+    return doc
+
+
 def markdown_report(res: dict, a: xr.Dataset, b: xr.Dataset, path_a: str, path_b: str) -> str:
-    head, body = _table(res)
-    lines = [f"# Comparison of {res['metric']}: B / A", "", f"- {_side('A', path_a, a, '`')}",
-             f"- {_side('B', path_b, b, '`')}", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(x) + " |" for x in body]
-    return "\n".join(lines + [""] + [f"- {n}" for n in _notes(res)]) + "\n"
+    return render(compare_document(res, a, b, path_a, path_b), "md")
+
+
+def html_report(res: dict, a: xr.Dataset, b: xr.Dataset, path_a: str, path_b: str) -> str:
+    return render(compare_document(res, a, b, path_a, path_b), "html")
+
+
+__all__ = ["text_report", "markdown_report", "html_report", "compare_document", "warnings"]

@@ -1,35 +1,100 @@
-"""The content of a report as a list of blocks, rendered to Markdown or HTML elsewhere.
+"""The content of every report as a document model, rendered to HTML and Markdown from jinja2
+templates.
 
-Exposed: ``Block``, ``build_document``.
+Exposed: ``Document``, ``Section``, ``Para``, ``Bullets``, ``Table``, ``Fig``, ``Markdown``,
+``Block`` (the older flat model, still accepted), ``from_blocks``, ``render``, ``write_document``,
+``md_inline``.
 
-Blocks carry Markdown-flavoured inline text (backticks for code, ``**`` for bold) and
-Markdown tables, so that the Markdown and the HTML reports say exactly the same things.
-Tables and provenance reuse ``fa3_numerics.report.summary``; nothing here depends on the time of
-rendering, so the same dataset always gives the same report.
+A ``Document`` has a title, a lead (where it ran, warnings, headlines: what the first screen
+shows) and sections of blocks:
+
+- ``Para``: a paragraph of Markdown-flavoured inline text (backticks for code, ``**`` for bold);
+  ``role`` "where", "headline" or "warning" styles it in HTML;
+- ``Bullets``: a list of such lines;
+- ``Table``: columns and rows of inline text, numeric columns right-aligned; ``long`` tables
+  are collapsed in the HTML (``<details>``) so that they never bury what follows;
+- ``Fig``: a ``fa3_numerics.report.plots.Figure``;
+- ``Markdown``: a Markdown fragment (tables, lists) from older report code.
+
+``render(doc, "html")`` fills ``templates/report.html.j2``: one self-contained page (styles
+inline, figures as PNG data URIs, no scripts, no external links); ``render(doc, "md")`` fills
+``templates/report.md.j2`` with figures as files. Inline text and Markdown fragments become HTML
+through markdown-it-py (CommonMark, tables enabled, raw HTML escaped): the same words in both
+formats, and no hand-written Markdown parser. Nothing depends on the time of rendering.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
-import math
+import functools
+from pathlib import Path
+from typing import Iterable, Union
 
-import numpy as np
-import xarray as xr
+from .plots import Figure
 
-from ..engine.dataset import paper_setting, summary_table
-from .format import fmt_e as _e
-from .format import nonfinite_text
-from .summary import markdown_table, nonfinite_block, provenance_block
-from .figures import SYMBOL, Figure, _eq, _fmt_val, paper_setting_text, reference_cell, swept_dims
+FORMATS = ("html", "md")
 
 
+@dataclasses.dataclass
+class Para:
+    text: str
+    role: str = ""  # "", "where", "headline", "warning", "note"
 
-def other_metrics(ds: xr.Dataset, metric: str) -> list[str]:
-    """Every registered metric the dataset holds besides the headline, in registry order."""
-    from ..numerics.metrics import metrics
 
-    return [m for m in metrics() if m != metric and m in ds]
+@dataclasses.dataclass
+class Bullets:
+    items: list[str]
+    role: str = ""
 
+
+@dataclasses.dataclass
+class Table:
+    columns: list[str]
+    rows: list[list[str]]
+    numeric: list[bool] | None = None  # per column: right-aligned
+    caption: str = ""
+    long: bool = False  # collapsed in the HTML, with ``summary`` as its handle
+    summary: str = ""
+
+    def __post_init__(self):
+        if self.numeric is None:
+            self.numeric = [False] * len(self.columns)
+
+
+@dataclasses.dataclass
+class Fig:
+    figure: Figure
+
+
+@dataclasses.dataclass
+class Markdown:
+    text: str
+
+
+BlockT = Union[Para, Bullets, Table, Fig, Markdown]
+
+
+@dataclasses.dataclass
+class Section:
+    title: str
+    blocks: list[BlockT] = dataclasses.field(default_factory=list)
+    level: int = 2
+    id: str = ""
+
+
+@dataclasses.dataclass
+class Document:
+    title: str
+    lead: list[BlockT] = dataclasses.field(default_factory=list)
+    sections: list[Section] = dataclasses.field(default_factory=list)
+
+    def figures(self) -> list[Figure]:
+        return [b.figure for s in self.sections for b in s.blocks if isinstance(b, Fig)] + \
+            [b.figure for b in self.lead if isinstance(b, Fig)]
+
+
+# -- the older flat model (report/impact.py builds it) -------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Block:
@@ -38,92 +103,124 @@ class Block:
     figure: Figure | None = None
 
 
-def where_line(ds: xr.Dataset) -> str:
-    a = ds.attrs
-    return (f"**Where it ran:** {a.get('device_name', '?')} (device `{a.get('device', '?')}`, backend "
-            f"`{a.get('backend', '?')}`, {a.get('platform', '?')}). **Command:** `{a.get('command', '?')}`")
+def from_blocks(blocks: Iterable[Block]) -> Document:
+    """A ``Document`` of flat blocks: h1 the title, paragraphs before the first h2 the lead."""
+    doc = Document("fa3-numerics report")
+    current: list = doc.lead
+    for b in blocks:
+        if b.kind == "h1":
+            doc.title = b.text
+        elif b.kind == "h2":
+            doc.sections.append(Section(b.text))
+            current = doc.sections[-1].blocks
+        elif b.kind == "p":
+            current.append(Para(b.text, "where" if current is doc.lead and not current else ""))
+        elif b.kind in ("table", "list"):
+            current.append(Markdown(b.text))
+        elif b.kind == "figure" and b.figure is not None:
+            if current is doc.lead:  # a figure belongs to a section
+                doc.sections.append(Section("Figures"))
+                current = doc.sections[-1].blocks
+            current.append(Fig(b.figure))
+    return doc
 
 
-def build_document(ds: xr.Dataset, figures: list[Figure], rows: list[dict], metric: str = "rmse") -> list[Block]:
-    exp = ds.attrs.get("experiment", "run")
-    desc = ds.attrs.get("description", "")
-    sw = swept_dims(ds)
-    ref = reference_cell(ds)
-    blocks = [Block("h1", f"{exp}: {desc}" if desc else exp), Block("p", where_line(ds))]
-    flag = nonfinite_block(ds)
-    if flag:
-        head_, _, items = flag.partition("\n\n")
-        blocks += [Block("p", head_), Block("list", items)]
-    shape = " × ".join(f"{ds.sizes[d]} {SYMBOL.get(d, d)}" for d in sw) or "a single cell"
-    nsamp = int(np.prod([ds.sizes.get(d, 1) for d in ("seed", "batch", "head")]))
-    blocks.append(Block("p", f"{ds.sizes['variant']} variant(s) over {shape}; {nsamp} samples per "
-                             f"(cell, variant) = {ds.sizes.get('seed', 1)} seed(s) × {ds.sizes.get('batch', 1)} "
-                             f"batch × {ds.sizes.get('head', 1)} heads, every cell drawn from the same seeds. "
-                             f"Intervals are 95% percentile bootstrap over those samples."
-                             + (" Figures that fix a swept parameter use the reference cell "
-                                + ", ".join(f"{SYMBOL.get(d, d)}={_fmt_val(v)}" for d, v in ref.items()) + "."
-                                if ref else "")))
-    head = _headline(ds, rows, ref)
-    if head:
-        blocks.append(Block("p", head))
-    blocks.append(Block("h2", "Figures"))
-    blocks += [Block("figure", figure=f) for f in figures]
-    blocks.append(Block("h2", f"{metric.upper()} against the float64 reference"))
-    blocks.append(Block("p", f"Measured on {ds.attrs.get('device_name', '?')} (device `{ds.attrs.get('device', '?')}`, "
-                             f"backend `{ds.attrs.get('backend', '?')}`) by `{ds.attrs.get('command', '?')}`. "
-                             "Paper values (FA3 paper, Table 3) are listed only for cells in the paper's setting "
-                             f"({paper_setting_text()})."))
-    blocks.append(Block("table", markdown_table(ds, metric)))
-    other = _other_metrics(ds, ref, metric)
-    if other:
-        where = ", ".join(f"{SYMBOL.get(d, d)}={_fmt_val(v)}" for d, v in ref.items())
-        blocks.append(Block("h2", "Other metrics" + (f" at {where}" if where else "")))
-        blocks.append(Block("table", other))
-    blocks.append(Block("h2", "Provenance"))
-    blocks.append(Block("list", provenance_block(ds)))
-    blocks.append(Block("h2", "Variants (full recipe specs)"))
-    blocks.append(Block("list", "\n".join(f"- `{v}`: `{s}`" for v, s in zip(ds["variant"].values, ds["spec"].values))))
-    return blocks
+# -- rendering ------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _markdown_it():
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("commonmark", {"html": False}).enable("table")
 
 
-def _headline(ds: xr.Dataset, rows: list[dict], ref: dict) -> str:
-    """One sentence on the paper's comparison, where the run has the paper's setting."""
-    at = [r for r in rows if all(_eq(r[d], v) for d, v in ref.items())]
-    by = {r["variant"]: r for r in at}
-    if not paper_setting(ds, ref) or "baseline-fp8" not in by or "fa3-fp8" not in by:
-        return ""
-    b, f = by["baseline-fp8"]["value"], by["fa3-fp8"]["value"]
-    if not (math.isfinite(b) and math.isfinite(f) and f > 0):
-        return ""
-    ratios = [r["ratio"] for r in at if math.isfinite(r["ratio"])]
-    pb, pf = by["baseline-fp8"]["paper"], by["fa3-fp8"]["paper"]
-    out = f"**Headline:** in the paper's setting, fa3-fp8 has {b / f:.2f}× lower RMSE than baseline-fp8"
-    if math.isfinite(pb) and math.isfinite(pf) and pf > 0:
-        out += f" (paper: {pb / pf:.2f}×)"
-    if ratios:
-        out += f"; ours / paper ranges from {min(ratios):.2f} to {max(ratios):.2f} over {len(ratios)} variants"
-    return out + "."
+def md_inline(text: str) -> str:
+    """Inline Markdown (code, bold, emphasis) as HTML; any HTML in ``text`` is escaped."""
+    return _markdown_it().renderInline(str(text))
 
 
-def _other_metrics(ds: xr.Dataset, ref: dict, metric: str = "rmse") -> str:
-    ms = other_metrics(ds, metric)
-    if not ms:
-        return ""
-    tables = {m: {r["variant"]: r for r in summary_table(ds, m) if all(_eq(r[d], v) for d, v in ref.items())}
-              for m in ms}
-    lines = ["| variant | " + " | ".join(f"{m} [95% CI]" if m != "nonfinite" else "non-finite outputs" for m in ms)
-             + " |", "|" + "---|" * (len(ms) + 1)]
-    for v in [str(x) for x in ds["variant"].values]:
-        cols = []
-        for m in ms:
-            r = tables[m].get(v)
-            if r is None:
-                cols.append("-")
-            elif m == "nonfinite":
-                cols.append(f"{int(r['value'])}" if math.isfinite(r["value"]) else "-")
-            elif r["nonfinite"]:
-                cols.append(nonfinite_text(r["nonfinite"], r["n"]))
-            else:
-                cols.append(f"{_e(r['value'])} [{_e(r['lo'])}, {_e(r['hi'])}]")
-        lines.append(f"| `{v}` | " + " | ".join(cols) + " |")
-    return "\n".join(lines)
+def md_block(text: str) -> str:
+    """A Markdown fragment (paragraphs, lists, tables) as HTML."""
+    return _markdown_it().render(str(text))
+
+
+def _md_cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def md_table(t: Table) -> str:
+    """A ``Table`` as a Markdown (GFM) table, numeric columns right-aligned."""
+    head = "| " + " | ".join(_md_cell(c) for c in t.columns) + " |"
+    rule = "|" + "".join("---:|" if n else "---|" for n in t.numeric)
+    return "\n".join([head, rule] + ["| " + " | ".join(_md_cell(c) for c in r) + " |" for r in t.rows])
+
+
+def md_bullets(items: list[str]) -> str:
+    return "\n".join(f"- {i}" for i in items)
+
+
+@functools.lru_cache(maxsize=1)
+def _env():
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader("fa3_numerics.report", "templates"),
+                             autoescape=lambda name: bool(name) and name.endswith(".html.j2"),
+                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+                             undefined=jinja2.StrictUndefined)
+    env.filters.update(md_inline=lambda t: _markup(md_inline(t)), md_block=lambda t: _markup(md_block(t)),
+                       md_table=md_table, md_bullets=md_bullets, b64=lambda b: base64.b64encode(b).decode("ascii"))
+    env.globals.update(kind=lambda b: type(b).__name__)
+    return env
+
+
+def _markup(html: str):
+    from markupsafe import Markup
+
+    return Markup(html)
+
+
+def render(doc: Document, fmt: str, figure_dir: str = "figures") -> str:
+    """``doc`` as one HTML page or one Markdown file (figures referenced in ``figure_dir``)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}")
+    numbers: dict[str, int] = {}
+    for f in doc.figures():
+        numbers.setdefault(f.name, len(numbers) + 1)
+    template = _env().get_template(f"report.{fmt}.j2")
+    prefix = f"{figure_dir}/" if figure_dir else ""
+    return template.render(doc=doc, numbers=numbers, prefix=prefix)
+
+
+def write_document(doc: Document, out_dir: str | Path, *, stem: str = "report", formats=FORMATS,
+                   figure_dir: str = "figures", extra: Iterable[tuple[str, bytes]] = ()) -> list[Path]:
+    """Write ``doc`` into ``out_dir``: ``<stem>.md`` with every figure as PNG and SVG in
+    ``figure_dir`` (stale figures of an earlier render removed), ``<stem>.html`` self-contained,
+    and ``extra`` (name, bytes) files; each whole or not at all. Returns the files written."""
+    from ..engine.files import atomic_write
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    if "md" in formats:
+        fig_dir = out / figure_dir if figure_dir else out
+        fig_dir.mkdir(parents=True, exist_ok=True)
+        figs = doc.figures()
+        if figure_dir:  # a folder of our own: figures of an earlier render with other dims go
+            keep = {f"{f.name}.{ext}" for f in figs for ext in ("png", "svg")}
+            for stale in [*fig_dir.glob("*.png"), *fig_dir.glob("*.svg")]:
+                if stale.name not in keep:
+                    stale.unlink()
+        for f in figs:
+            written.append(atomic_write(fig_dir / f"{f.name}.png", f.png))
+            if f.svg:
+                written.append(atomic_write(fig_dir / f"{f.name}.svg", f.svg))
+        written.append(atomic_write(out / f"{stem}.md", render(doc, "md", figure_dir)))
+    if "html" in formats:
+        written.append(atomic_write(out / f"{stem}.html", render(doc, "html", figure_dir)))
+    for name, data in extra:
+        written.append(atomic_write(out / name, data))
+    return written
+
+
+__all__ = ["Document", "Section", "Para", "Bullets", "Table", "Fig", "Markdown", "Block", "from_blocks", "render",
+           "write_document", "md_inline", "md_block", "FORMATS"]

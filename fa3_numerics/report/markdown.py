@@ -1,25 +1,16 @@
-"""Markdown report: ``report.md`` with its figures as PNG files in ``figures/`` beside it.
+"""Markdown of a flat block list (the older document model, still used by
+``fa3_numerics.report.impact``), from the jinja2 template ``templates/report.md.j2``.
 
 Exposed: ``render_markdown``.
 """
 
 from __future__ import annotations
 
-from .document import Block
+from .document import Block, from_blocks, render
 
 
 def render_markdown(blocks: list[Block], figure_dir: str = "figures") -> str:
-    out = []
-    n = 0
-    for b in blocks:
-        if b.kind == "h1":
-            out.append(f"# {b.text}")
-        elif b.kind == "h2":
-            out.append(f"## {b.text}")
-        elif b.kind in ("p", "table", "list"):
-            out.append(b.text)
-        elif b.kind == "figure":
-            n += 1
-            f = b.figure
-            out.append(f"### Figure {n}. {f.title}\n\n![{f.title}]({figure_dir}/{f.name}.png)\n\n*{f.caption}*")
-    return "\n\n".join(out) + "\n"
+    return render(from_blocks(blocks), "md", figure_dir)
+
+
+__all__ = ["render_markdown"]

@@ -1,11 +1,14 @@
-"""Plain-text and Markdown summaries of a run's dataset (tables only; figures live in report/).
+"""Tables of a run's dataset: the full table, the pivots, the text table, provenance.
 
-Exposed: ``text_table``, ``markdown_table``, ``markdown_summary``, ``provenance_block``,
-``nonfinite_block``.
+Exposed: ``full_table``, ``pivot_tables``, ``text_table``, ``markdown_table``, ``markdown_summary``,
+``provenance_items``, ``provenance_block``, ``nonfinite_block``, ``few_samples_line``,
+``cell_keys``.
 
 A variant whose samples hold NaN or Inf shows "non-finite (k of n samples)" in place of its
 value, and the summary opens with the list of such results: never an estimate over the finite
-rest that would read as complete.
+rest that would read as complete. Every column uses one number format
+(``fa3_numerics.report.format.column_format``); an interval over fewer than 8 samples is marked
+with ``FEW`` and explained at the top.
 """
 
 from __future__ import annotations
@@ -14,58 +17,151 @@ import math
 
 import xarray as xr
 
+from ..engine.conventions import attr_list
 from ..engine.dataset import summary_table
-from .format import fmt_e as _e
-from .format import fmt_value
+from ..numerics.metrics.bootstrap import MIN_SAMPLES, few_samples
+from .document import Table, md_table
+from .format import FEW, column_format, fmt_interval, fmt_ratio, fmt_value
+
+_ROW_KEYS = ("variant", "value", "lo", "hi", "n", "nonfinite", "paper", "ratio")
+SYMBOL = {"p": "p", "sigma": "σ", "seqlen": "seqlen", "head_dim": "head dim", "causal": "causal"}
 
 
-def _rows(ds: xr.Dataset, metric: str):
-    rows = summary_table(ds, metric)
-    keys = [k for k in rows[0] if k not in ("variant", "value", "lo", "hi", "n", "nonfinite", "paper", "ratio")] \
-        if rows else []
-    return rows, keys
+def cell_keys(rows: list[dict]) -> list[str]:
+    """The swept parameters of ``summary_table`` rows, in order."""
+    return [k for k in rows[0] if k not in _ROW_KEYS] if rows else []
 
 
-def text_table(ds: xr.Dataset, metric: str = "rmse") -> str:
-    rows, keys = _rows(ds, metric)
-    head = keys + ["variant", metric, "95% CI", "samples", "paper", "ours/paper"]
-    body = [[str(r[k]) for k in keys] + [r["variant"], fmt_value(r["value"], r["nonfinite"], r["n"]),
-                                           f"[{_e(r['lo'])}, {_e(r['hi'])}]", str(r["n"]),
-                                           _e(r["paper"]), "-" if not math.isfinite(r["ratio"]) else f"{r['ratio']:.2f}"]
-            for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    fmt = lambda cols: "  ".join(c.ljust(w) for c, w in zip(cols, widths))  # noqa: E731
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(b) for b in body])
+def fmt_param(v) -> str:
+    """A parameter value as the reports write it (1e-04 as 0.0001, 10.0 as 10, True as true)."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, float):
+        return str(int(v)) if v.is_integer() and abs(v) < 1e6 else f"{v:g}"
+    return str(v)
+
+
+def full_table(ds: xr.Dataset, metric: str = "rmse", rows: list[dict] | None = None) -> Table:
+    """Every (cell, variant): value, interval, samples, the paper's value and ours / paper."""
+    rows = summary_table(ds, metric) if rows is None else rows
+    keys = cell_keys(rows)
+    val = column_format([x for r in rows for x in (r["value"], r["lo"], r["hi"])])
+    pap = column_format([r["paper"] for r in rows])
+    body = []
+    for r in rows:
+        value = fmt_value(r["value"], r["nonfinite"], r["n"], val)
+        body.append([fmt_param(r[k]) for k in keys] + [
+            f"`{r['variant']}`", f"**{value}**" if r["nonfinite"] else value,
+            fmt_interval(r["lo"], r["hi"], val, few_samples(r["n"])), str(r["n"]), pap(r["paper"]),
+            fmt_ratio(r["ratio"])])
+    cols = [SYMBOL.get(k, k) for k in keys] + ["variant", metric, "95% CI", "samples", "paper (Table 3)",
+                                                 "ours / paper"]
+    return Table(cols, body, [False] * len(keys) + [False, True, True, True, True, True])
 
 
 def markdown_table(ds: xr.Dataset, metric: str = "rmse") -> str:
-    rows, keys = _rows(ds, metric)
-    head = keys + ["variant", metric, "95% CI", "samples", "paper (Table 3)", "ours / paper"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        value = fmt_value(r["value"], r["nonfinite"], r["n"])
-        cols = [str(r[k]) for k in keys] + [f"`{r['variant']}`", f"**{value}**" if r["nonfinite"] else value,
-                                            f"[{_e(r['lo'])}, {_e(r['hi'])}]",
-                                            str(r["n"]), _e(r["paper"]),
-                                            "-" if not math.isfinite(r["ratio"]) else f"{r['ratio']:.2f}"]
-        lines.append("| " + " | ".join(cols) + " |")
-    return "\n".join(lines)
+    return md_table(full_table(ds, metric))
+
+
+def text_table(ds: xr.Dataset, metric: str = "rmse") -> str:
+    """The full table as aligned plain text (the command's stdout)."""
+    t = full_table(ds, metric)
+    strip = lambda c: c.replace("`", "").replace("**", "")  # noqa: E731
+    head = [strip(c) for c in t.columns]
+    body = [[strip(c) for c in r] for r in t.rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+
+    def line(cols):
+        return "  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(cols, widths, t.numeric)).rstrip()
+
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+
+
+def _cell_label(where: dict) -> str:
+    return ", ".join(f"{SYMBOL.get(k, k)}={fmt_param(v)}" for k, v in where.items()) or "single cell"
+
+
+def _eq(a, b) -> bool:
+    try:
+        return math.isclose(float(a), float(b), rel_tol=1e-9)
+    except (TypeError, ValueError):
+        return a == b
+
+
+def pivot_tables(ds: xr.Dataset, rows: list[dict], metric: str, ref: dict, max_cells: int = 8) -> list[Table]:
+    """Variants against cells, the best of each column in bold: one table of every cell when
+    there are at most ``max_cells``, else one per swept parameter with the others at the
+    reference cell ``ref``."""
+    keys = cell_keys(rows)
+    variants = [str(v) for v in ds["variant"].values]
+    cells = list(dict.fromkeys(tuple(r[k] for k in keys) for r in rows))
+    if len(cells) <= max_cells or not keys:
+        groups = [("", [dict(zip(keys, c)) for c in cells])]
+    else:
+        groups = []
+        for d in [k for k in keys if ds.sizes.get(k, 1) > 1]:
+            others = {k: v for k, v in ref.items() if k != d}
+            vals = [c[keys.index(d)] for c in cells if all(_eq(c[keys.index(k)], v) for k, v in others.items())]
+            groups.append((d, [{**others, d: v} for v in dict.fromkeys(vals)]))
+    worse_lower = _worse_lower(metric)
+    out = []
+    for d, wheres in groups:
+        picked = [[next((r for r in rows if r["variant"] == v and all(_eq(r[k], w[k]) for k in keys)), None)
+                   for w in wheres] for v in variants]
+        fmt = column_format([r["value"] for row in picked for r in row if r])
+        best = []
+        for j in range(len(wheres)):
+            col = [row[j]["value"] for row in picked if row[j] and not row[j]["nonfinite"]
+                   and math.isfinite(row[j]["value"])]
+            best.append((max(col) if worse_lower else min(col)) if col else None)
+        body = []
+        for v, row in zip(variants, picked):
+            cells_txt = []
+            for j, r in enumerate(row):
+                if r is None:
+                    cells_txt.append("-")
+                    continue
+                t = fmt_value(r["value"], r["nonfinite"], r["n"], fmt)
+                cells_txt.append(f"**{t}**" if best[j] is not None and r["value"] == best[j] else t)
+            body.append([f"`{v}`"] + cells_txt)
+        if d:
+            fixed = _cell_label({k: v for k, v in ref.items() if k != d})
+            cols = ["variant"] + [f"{SYMBOL.get(d, d)}={fmt_param(w[d])}" for w in wheres]
+            caption = f"{metric.upper()} against {SYMBOL.get(d, d)} at {fixed}; the best of each column in bold."
+        else:
+            cols = ["variant"] + [_cell_label(w) for w in wheres]
+            caption = f"{metric.upper()} of each variant in each cell; the best of each column in bold."
+        out.append(Table(cols, body, [False] + [True] * len(wheres), caption=caption))
+    return out
+
+
+def _worse_lower(metric: str) -> bool:
+    from ..numerics.metrics import metrics
+
+    m = metrics().get(metric)
+    return m is not None and m.worse == "lower"
+
+
+def provenance_items(ds: xr.Dataset) -> list[str]:
+    a = ds.attrs
+    fixed = {k: ds.coords[k].values.item() for k in ds.coords if ds.coords[k].ndim == 0}
+    seeds = attr_list(ds, "seeds") or a.get("seeds", "?")
+    return [
+        f"command: `{a.get('command', '?')}`",
+        f"device: {a.get('device', '?')} ({a.get('device_name', '?')}), backend `{a.get('backend', '?')}`",
+        f"git commit: `{a.get('git_commit', '?')}`; created {a.get('created_utc', '?')}; wall time "
+        f"{a.get('wall_seconds', '?')} s",
+        f"versions: fa3-numerics {a.get('version_fa3_numerics')}, torch {a.get('version_torch')}, "
+        f"numpy {a.get('version_numpy')}, scipy {a.get('version_scipy')}, xarray {a.get('version_xarray')}, "
+        f"python {a.get('python')}",
+        f"distribution `{a.get('dist')}`; fixed parameters: " + ", ".join(f"{k}={fmt_param(v)}" for k, v in fixed.items()),
+        f"seeds {seeds}; query rows: {a.get('rows_sampling')}; intervals: 95% BCa bootstrap "
+        f"(scipy.stats.bootstrap) over (seed, batch, head) samples",
+    ]
 
 
 def provenance_block(ds: xr.Dataset) -> str:
-    a = ds.attrs
-    fixed = {k: ds.coords[k].values.item() for k in ds.coords if ds.coords[k].ndim == 0}
-    lines = [
-        f"- command: `{a.get('command', '?')}`",
-        f"- device: {a.get('device', '?')} ({a.get('device_name', '?')}), backend `{a.get('backend', '?')}`",
-        f"- git commit: `{a.get('git_commit', '?')}`; created {a.get('created_utc', '?')}; wall time {a.get('wall_seconds', '?')} s",
-        f"- versions: fa3-numerics {a.get('version_fa3_numerics')}, torch {a.get('version_torch')}, "
-        f"numpy {a.get('version_numpy')}, xarray {a.get('version_xarray')}, python {a.get('python')}",
-        f"- distribution `{a.get('dist')}`; fixed parameters: " + ", ".join(f"{k}={v}" for k, v in fixed.items()),
-        f"- seeds {a.get('seeds')}; query rows: {a.get('rows_sampling')}; interval: 95% percentile bootstrap "
-        f"over (seed, batch, head) samples",
-    ]
-    return "\n".join(lines)
+    return "\n".join(f"- {x}" for x in provenance_items(ds))
 
 
 def nonfinite_block(ds: xr.Dataset) -> str:
@@ -79,12 +175,25 @@ def nonfinite_block(ds: xr.Dataset) -> str:
             "their pooled values read \"non-finite (k of n samples)\":\n\n" + "\n".join(f"- {f.line()}" for f in found))
 
 
+def few_samples_line(n: int) -> str:
+    """The warning for intervals over ``n`` samples ('' when there are enough)."""
+    if not few_samples(n):
+        return ""
+    return (f"**Few samples.** Every interval rests on {n} (seed, batch, head) sample(s), fewer than {MIN_SAMPLES} "
+            f"(marked {FEW}): read them as rough. More seeds (`--seeds 0,1,2,3`) or heads sharpen them.")
+
+
 def markdown_summary(ds: xr.Dataset) -> str:
     title = ds.attrs.get("description") or ds.attrs.get("experiment", "run")
     spec_lines = "\n".join(f"- `{v}`: `{s}`" for v, s in zip(ds["variant"].values, ds["spec"].values))
     flag = nonfinite_block(ds)
+    rows = summary_table(ds)
+    few = few_samples_line(rows[0]["n"]) if rows else ""
     return (f"# {ds.attrs.get('experiment', 'run')}: {title}\n\n" + (f"{flag}\n\n" if flag else "") +
-            "## RMSE against the float64 reference\n\n"
-            f"{markdown_table(ds)}\n\n## Provenance\n\n{provenance_block(ds)}\n\n## Variants (full recipe specs)\n\n"
-            f"{spec_lines}\n")
+            (f"{few}\n\n" if few else "") + "## RMSE against the float64 reference\n\n"
+            f"{md_table(full_table(ds, 'rmse', rows))}\n\n## Provenance\n\n{provenance_block(ds)}\n\n"
+            f"## Variants (full recipe specs)\n\n{spec_lines}\n")
 
+
+__all__ = ["full_table", "pivot_tables", "text_table", "markdown_table", "markdown_summary", "provenance_items",
+           "provenance_block", "nonfinite_block", "few_samples_line", "cell_keys", "fmt_param", "SYMBOL"]

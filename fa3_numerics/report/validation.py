@@ -1,6 +1,12 @@
-"""The validation report: the emulator against the kernel, case by case, as Markdown.
+"""The validation report: the emulator against the kernel, case by case, as ``validation.html`` and
+``validation.md``.
 
-Exposed: ``markdown_validation``, ``write_validation``.
+Exposed: ``validation_document``, ``markdown_validation``, ``write_validation``, ``fig_fidelity``.
+
+The page leads with the verdict per accumulator model, then the figure of F per case, then the
+tables (every case; per layer x head on a capture). ``markdown_validation(ds)`` is the body without
+the title, for commands and scripts that print or embed it (``validate``'s stdout,
+``kernels/device/h200.py``). Datasets written before the non-finite counts existed still render.
 """
 
 from __future__ import annotations
@@ -9,11 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..engine.files import atomic_write
+from .document import Bullets, Document, Fig, Para, Section, Table, render
 from .format import fmt_f
+from .plots import Figure, finish, new_fig, plain_ticks, theme
 
 
 def _nonfinite_cell(ds, i: int, accs: list[str]) -> str:
+    if "nonfinite_kernel" not in ds:
+        return "-"
     k = ds["nonfinite_kernel"].values[i]
     only = [ds["nonfinite_emulator_only"].sel(acc=a).values[i] for a in accs]
     if not np.isfinite(k):
@@ -23,24 +32,20 @@ def _nonfinite_cell(ds, i: int, accs: list[str]) -> str:
     return f"**kernel {int(k)}; emulator-only " + "/".join(str(int(x)) if np.isfinite(x) else "-" for x in only) + "**"
 
 
-def markdown_validation(ds) -> str:
-    from ..studies.validate import F_LIMIT, accumulator_ranking, findings
+def _findings(ds) -> list[str]:
+    if "nonfinite_kernel" not in ds:
+        return []
+    from ..studies.validate import findings
 
-    accs = [str(a) for a in ds["acc"].values]
-    label = ds.attrs.get("kernel_label", ds.attrs.get("backend", "?"))
-    lines = [f"Kernel: `{label}` ({ds.attrs.get('kernel_version', ds.attrs.get('kernel_module', ''))}) on "
-             f"{ds.attrs.get('device_name', ds.attrs.get('device', '?'))}; emulator default acc "
-             f"`{ds.attrs.get('recipe_default_acc')}`. F = RMSE(emulator, kernel) / RMSE(kernel, float64) over the "
-             f"outputs finite in both; **bold** F > {F_LIMIT} (FP8 cases must stay below it). Every query row unless "
-             "the case name ends in rowsN (N sampled rows). Non-finite: the kernel's outputs, and the emulator's "
-             "where the kernel's are finite, per accumulator (the target is 0).", ""]
-    bad = findings(ds)
-    if bad:
-        lines += ["**Non-finite outputs** (F and the identical share are over the outputs finite in both):", ""]
-        lines += [f"- {b}" for b in bad] + [""]
-    head = ["case", "n", "causal", "h/kv", "d", "data", "descale", "rot", "RMSE(kernel)"]
+    return findings(ds)
+
+
+def _case_table(ds, accs: list[str]) -> Table:
+    from ..studies.validate import F_LIMIT
+
+    head = ["case", "format", "n", "causal", "h/kv", "d", "data", "descale", "rot", "RMSE(kernel)"]
     head += [f"F {a}" for a in accs] + [f"identical {a}" for a in accs] + ["non-finite"]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    body = []
     for i in range(ds.sizes["case"]):
         c = ds.isel(case=i)
         fp8 = str(c["dtype"].values) == "fp8"
@@ -57,30 +62,21 @@ def markdown_validation(ds) -> str:
         idn = [("-" if not np.isfinite(float(c["identical"].sel(acc=a))) else f"{float(c['identical'].sel(acc=a)):.1%}")
                for a in accs]
         rk = float(c["rmse_kernel"])
-        dist = str(c["dist"].values)
+        dist = str(c["dist"].values) if "dist" in c else "outliers"
         data = (f"p {float(c['p']):g}, σ {float(c['sigma']):g}" if dist == "outliers" else
                 f"layer {c['params'].values}".replace("layer=", "") if dist.startswith("capture-file:") else
                 f"{dist} {c['params'].values}")
-        row = [str(c["dtype"].values), str(int(c["seqlen"])), "yes" if int(c["causal"]) else "no",
-               f"{int(c['heads'])}/{int(c['kv_heads'])}", str(int(c["head_dim"])), data,
-               str(c["gran"].values) if fp8 else "-", str(c["rot"].values),
-               "-" if not np.isfinite(rk) else f"{rk:.3e}"] + fs + idn + [_nonfinite_cell(ds, i, accs)]
-        lines.append("| " + " | ".join(row) + " |")
-    lines += _per_head(ds, accs)
-    rank = accumulator_ranking(ds)
-    if rank:
-        lines += ["", "Accumulator models over the FP8 cases (best first):", "",
-                  "| acc | max F | median F | mean bit-identical | cases | non-finite where the kernel's are finite "
-                  "| F <= 0.01 everywhere, all finite |", "|---|---|---|---|---|---|---|"]
-        for r in rank:
-            lines.append(f"| `{r['acc']}` | {fmt_f(r['max_F'])} | {fmt_f(r['median_F'])} | {r['mean_identical']:.1%} | "
-                         f"{r['cases']} | {r['nonfinite_only']} | {'yes' if r['pass'] else 'no'} |")
-    return "\n".join(lines) + "\n"
+        body.append([f"`{c['case'].values}`", str(c["dtype"].values), str(int(c["seqlen"])), "yes" if int(c["causal"]) else "no",
+                     f"{int(c['heads'])}/{int(c['kv_heads'])}", str(int(c["head_dim"])), data,
+                     str(c["gran"].values) if fp8 else "-", str(c["rot"].values),
+                     "-" if not np.isfinite(rk) else f"{rk:.3e}"] + fs + idn + [_nonfinite_cell(ds, i, accs)])
+    numeric = [False, False, True, False, True, True, False, False, False, True] + [True] * (2 * len(accs)) + [False]
+    return Table(head, body, numeric, long=len(body) > 30, summary="Every case")
 
 
-def _per_head(ds, accs: list[str]) -> list[str]:
+def _per_head(ds, accs: list[str]) -> list:
     """For cases on a capture: F and the identical share per layer x head (the worst heads)."""
-    if "fidelity_sample" not in ds:
+    if "fidelity_sample" not in ds or "dist" not in ds:
         return []
     cap = [i for i, d in enumerate(ds["dist"].values) if str(d).startswith("capture-file:")]
     if not cap:
@@ -94,17 +90,136 @@ def _per_head(ds, accs: list[str]) -> list[str]:
                 rows.append((float(ds["fidelity_sample"].values[i, j, h]), str(ds["case"].values[i]), layer, h, a,
                              float(ds["identical_sample"].values[i, j, h])))
     rows.sort(key=lambda r: -r[0] if np.isfinite(r[0]) else -np.inf)
-    lines = ["", f"Per layer x head on the capture ({len(rows)} layer x head x accumulator values; the 15 with the "
-             "largest F, all in `fidelity_sample` and `identical_sample` of the dataset):", "",
-             "| case | layer | head | acc | F | identical |", "|---|---|---|---|---|---|"]
-    for f, case, layer, h, a, idn in rows[:15]:
-        lines.append(f"| {case} | {layer} | {h} | `{a}` | {fmt_f(f)} | {idn:.1%} |")
-    return lines
+    return [Para(f"Per layer x head on the capture ({len(rows)} layer x head x accumulator values; the 15 with the "
+                 "largest F, all in `fidelity_sample` and `identical_sample` of the dataset):"),
+            Table(["case", "layer", "head", "acc", "F", "identical"],
+                  [[case, layer, str(h), f"`{a}`", fmt_f(f), f"{idn:.1%}"] for f, case, layer, h, a, idn in rows[:15]],
+                  [False, True, True, False, True, True])]
 
 
-def write_validation(ds, out: Path) -> Path:
-    """``out/validation.md``, whole or not at all."""
-    return atomic_write(Path(out) / "validation.md", markdown_validation(ds))
+def _ranking(ds) -> list:
+    from ..studies.validate import F_LIMIT, accumulator_ranking
+
+    rank = accumulator_ranking(ds) if "nonfinite_emulator_only" in ds else _ranking_old(ds)
+    if not rank:
+        return []
+    return [Table(["acc", "max F", "median F", "mean bit-identical", "cases",
+                   "non-finite where the kernel's are finite", f"F <= {F_LIMIT} everywhere, all finite"],
+                  [[f"`{r['acc']}`", fmt_f(r["max_F"]), fmt_f(r["median_F"]), f"{r['mean_identical']:.1%}",
+                    str(r["cases"]), str(r["nonfinite_only"]), "yes" if r["pass"] else "no"] for r in rank],
+                  [False, True, True, True, True, True, False],
+                  caption="Accumulator models over the FP8 cases (best first):")]
 
 
-__all__ = ["markdown_validation", "write_validation"]
+def _ranking_old(ds) -> list[dict]:
+    """The ranking of a dataset written before the non-finite counts (none are then known)."""
+    from ..studies.validate import F_LIMIT
+
+    fp8 = ds["dtype"].values == "fp8"
+    out = []
+    for a in ds["acc"].values:
+        f = ds["fidelity"].sel(acc=a).values[fp8]
+        f = f[np.isfinite(f)]
+        idn = ds["identical"].sel(acc=a).values[fp8]
+        if f.size:
+            out.append({"acc": str(a), "max_F": float(f.max()), "median_F": float(np.median(f)),
+                        "mean_identical": float(np.nanmean(idn)), "cases": int(f.size), "nonfinite_only": 0,
+                        "pass": bool(f.max() <= F_LIMIT)})
+    return sorted(out, key=lambda r: (r["max_F"], r["median_F"]))
+
+
+def fig_fidelity(ds) -> Figure | None:
+    """F per case and accumulator model, log axis, the F limit marked."""
+    import matplotlib as mpl
+
+    from ..studies.validate import F_AIM, F_LIMIT
+
+    f = ds["fidelity"].values
+    if not np.isfinite(f).any():
+        return None
+    accs = [str(a) for a in ds["acc"].values]
+    cases = [str(c) for c in ds["case"].values]
+    with mpl.rc_context():
+        theme(font_scale=0.95)
+        import seaborn as sns
+
+        fig, axes = new_fig(12, 0.32 * len(cases) + 1.8)
+        ax = axes[0, 0]
+        pal = sns.color_palette("colorblind", len(accs))
+        y = np.arange(len(cases))[::-1]
+        pos = f[np.isfinite(f) & (f > 0)]
+        floor = pos.min() / 2 if pos.size else 1e-6
+        for j, a in enumerate(accs):
+            x = np.where(f[:, j] > 0, f[:, j], floor)  # F = 0 (bit-identical everywhere) sits at the left edge
+            ax.scatter(x, y + (j - (len(accs) - 1) / 2) * 0.22, color=pal[j], marker="osD^v"[j % 5], s=26,
+                       label=a, zorder=3)
+        ax.axvline(F_LIMIT, color="#d55e00", lw=1.2, ls="--", label=f"limit {F_LIMIT:g} (FP8 cases)")
+        ax.axvline(F_AIM, color="0.5", lw=1, ls=":", label=f"aim {F_AIM:g}")
+        ax.set_xscale("log")
+        plain_ticks(ax, "x")
+        ax.set_yticks(y, cases, fontsize=8)
+        ax.set_xlabel("F = RMSE(emulator − kernel) / RMSE(kernel − float64), log scale")
+        handles, names = ax.get_legend_handles_labels()  # outside the axes: it must not cover a case
+        fig.legend(handles, names, title="emulator accumulator", fontsize=8.5, loc="outside right upper")
+        ax.set_title("Emulator against the kernel, per case", fontsize=11)
+        return finish(fig, "fidelity", "F per case and accumulator model",
+                      "Each dot is one case's F for one emulator accumulator model; smaller is closer to the kernel. "
+                      f"The dashed line is the bar every FP8 case must stay under ({F_LIMIT:g}); F = 0 (every output "
+                      "bit-identical) is drawn at the left edge.")
+
+
+def _intro(ds) -> str:
+    from ..studies.validate import F_LIMIT
+
+    label = ds.attrs.get("kernel_label", ds.attrs.get("backend", "?"))
+    return (f"Kernel: `{label}` ({ds.attrs.get('kernel_version', ds.attrs.get('kernel_module', ''))}) on "
+            f"{ds.attrs.get('device_name', ds.attrs.get('device', '?'))}; emulator default acc "
+            f"`{ds.attrs.get('recipe_default_acc')}`. F = RMSE(emulator, kernel) / RMSE(kernel, float64) over the "
+            f"outputs finite in both; **bold** F > {F_LIMIT} (FP8 cases must stay below it). Every query row unless "
+            "the case name ends in rowsN (N sampled rows). Non-finite: the kernel's outputs, and the emulator's "
+            "where the kernel's are finite, per accumulator (the target is 0).")
+
+
+def _blocks(ds, with_figure: bool) -> tuple[list, list[Section]]:
+    accs = [str(a) for a in ds["acc"].values]
+    lead: list = [Para(_intro(ds), "where")]
+    bad = _findings(ds)
+    if bad:
+        lead += [Para("**Non-finite outputs** (F and the identical share are over the outputs finite in both):",
+                      "warning"), Bullets(bad, "warning")]
+    sections = []
+    ranking = _ranking(ds)
+    if ranking:
+        sections.append(Section("Which accumulator model the kernel matches", ranking))
+    fig = fig_fidelity(ds) if with_figure else None
+    if fig is not None:
+        sections.append(Section("Figure", [Fig(fig)]))
+    sections.append(Section("Every case", [_case_table(ds, accs)] + _per_head(ds, accs)))
+    return lead, sections
+
+
+def validation_document(ds) -> Document:
+    lead, sections = _blocks(ds, with_figure=True)
+    a = ds.attrs
+    sections.append(Section("Provenance", [Bullets([
+        f"command: `{a.get('command', '?')}`", f"git commit `{a.get('git_commit', '?')}`; created "
+        f"{a.get('created_utc', '?')}", f"torch {a.get('version_torch')}, python {a.get('python')}"])]))
+    return Document(f"Validation: the emulator against `{a.get('kernel_label', a.get('backend', '?'))}`", lead, sections)
+
+
+def markdown_validation(ds) -> str:
+    """The body of the report (verdict, every case) as Markdown, without title or figure."""
+    lead, sections = _blocks(ds, with_figure=False)
+    text = render(Document("", lead, sections), "md")
+    return text.split("\n", 1)[1].lstrip("\n") if text.startswith("# ") else text
+
+
+def write_validation(ds, out: Path, formats=("html", "md")) -> Path:
+    """``out/validation.md``, ``validation.html`` and the figure, each whole or not at all."""
+    from .document import write_document
+
+    write_document(validation_document(ds), out, stem="validation", formats=formats, figure_dir="")
+    return Path(out) / "validation.md"
+
+
+__all__ = ["validation_document", "markdown_validation", "write_validation", "fig_fidelity"]

@@ -106,9 +106,21 @@ def factor_recipe(levels: dict[str, str]) -> Recipe:
     return Recipe.from_str(",".join(parts))
 
 
-def variant_label(levels: dict[str, str]) -> str:
-    """``gran|rot|...``: every registered factor's level, defaults filled in, in registry order."""
-    return "|".join(levels.get(n, f.default) for n, f in factors().items())
+# The original six factors are written positionally in variant labels; every factor registered
+# later (smooth, qkfmt, vfmt, ...) is appended as ``name=level`` only when not at its default, so
+# the labels of recipes that existed before a factor did, in datasets and reports, never change.
+POSITIONAL = ("gran", "rot", "p", "acc", "fmt", "scale")
+
+
+def variant_label(levels: dict[str, str], names: list[str] | None = None) -> str:
+    """``gran|rot|p|acc|fmt|scale`` levels (defaults filled in), then ``|name=level`` for any other
+    factor (of ``names``, default: the registry's) away from its default."""
+    reg = factors()
+    names = list(reg) if names is None else names
+    fixed = [levels.get(n, reg[n].default if n in reg else "") for n in POSITIONAL if n in names]
+    extra = [f"{n}={levels[n]}" for n in names if n not in POSITIONAL and n in levels and n in reg
+             and levels[n] != reg[n].default]
+    return "|".join(fixed + extra)
 
 
 @dataclasses.dataclass(frozen=True)

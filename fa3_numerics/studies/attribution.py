@@ -68,12 +68,14 @@ def _mse(ds: xr.Dataset, label: str) -> xr.DataArray:
     return (ds["rmse"].sel(variant=label) ** 2)
 
 
-def attribution_table(ds: xr.Dataset, *, n_boot: int = 400, level: float = 0.95, seed: int = 0) -> "pandas.DataFrame":  # noqa: F821
-    """One row per (cell, full variant, stage): the stage's MSE and share, with bootstrap
-    intervals over (seed, batch, head) samples, plus the full recipe's MSE and the
-    additivity ratio full / sum of stages. Needs an ablation dataset with ``stage`` and
+def attribution_table(ds: xr.Dataset, *, n_boot: int = 1000, level: float = 0.95, seed: int = 0) -> "pandas.DataFrame":  # noqa: F821
+    """One row per (cell, full variant, stage): the stage's MSE and share, with BCa intervals
+    (``scipy.stats.bootstrap``) over (seed, batch, head) samples, plus the full recipe's MSE and
+    the additivity ratio full / sum of stages. Needs an ablation dataset with ``stage`` and
     ``stage_of_*`` coordinates (``fa3_numerics.studies.ablation``)."""
     import pandas as pd
+
+    from ..numerics.metrics.bootstrap import bca
 
     rmse = ds["rmse"].stack(sample=("seed", "batch", "head")).transpose(..., "variant", "sample")
     cell_dims = [d for d in rmse.dims if d not in ("variant", "sample")]
@@ -81,45 +83,51 @@ def attribution_table(ds: xr.Dataset, *, n_boot: int = 400, level: float = 0.95,
     labels = [str(v) for v in ds["variant"].values]
     pos = {v: i for i, v in enumerate(labels)}
     arr = rmse.values  # [..cells.., variant, sample]
-    n_s = arr.shape[-1]
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, n_s, size=(n_boot, n_s))
-    lo_q, hi_q = (1 - level) / 2, (1 + level) / 2
+    ia = list(STAGES).index("acc")
+    stage_idx = {v: [pos[str(ds[f"stage_of_{s}"].sel(variant=v).item())] for s in STAGES] for v in full}
+    # MMA accumulator: its stage is the MSE increase over the float32-accumulator recipe
+    acc_diff = {v: str(ds["stage"].values[stage_idx[v][ia]]) != "exact" for v in full}
+
+    def stat(sq, axis=-1):
+        """sq [variants, stages + full, samples] squared errors -> [variants, shares + full MSE +
+        additivity]: shares of the summed stage MSEs, the full recipe's MSE, full / sum."""
+        mse = sq.mean(axis=axis)  # [variants, stages + 1, ...]
+        st = mse[:, :-1].copy()
+        st[:, ia] = np.maximum(st[:, ia], 0.0)  # a difference can dip below 0 by sampling noise
+        total = st.sum(axis=1, keepdims=True)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.concatenate([st / total, mse[:, -1:], mse[:, -1:] / total], axis=1)
+
     rows = []
-    cell_shape = arr.shape[:-2]
-    for cidx in np.ndindex(*cell_shape):
+    for cidx in np.ndindex(*arr.shape[:-2]):
         where = {d: _item(rmse.coords[d].values[i]) for d, i in zip(cell_dims, cidx)}
         sub = arr[cidx]  # [variant, sample]
+        todo, sq = [], []
         for v in full:
             fv = sub[pos[v]]
-            if not np.isfinite(fv).all():
-                continue
-            stage_idx = [pos[str(ds[f"stage_of_{s}"].sel(variant=v).item())] for s in STAGES]
-            st = sub[stage_idx] ** 2  # [stage, sample]
-            ia = list(STAGES).index("acc")
-            acc_diff = str(ds["stage"].values[stage_idx[ia]]) != "exact"
-            if acc_diff:  # MMA accumulator: the MSE increase over the float32-accumulator recipe
+            st = sub[stage_idx[v]] ** 2  # [stage, sample]
+            if acc_diff[v]:
                 st[ia] = fv ** 2 - st[ia]
-            if not np.isfinite(st).all():
-                continue
-            mse = st.mean(axis=1)
-            boot = st[:, idx].mean(axis=2)  # [stage, boot]
-            mse[ia], boot[ia] = max(mse[ia], 0.0), np.maximum(boot[ia], 0.0)
-            share_b = boot / boot.sum(axis=0, keepdims=True)
-            full_mse = float(np.mean(fv ** 2))
-            full_b = (fv[idx] ** 2).mean(axis=1)
-            add_b = full_b / boot.sum(axis=0)
+            if np.isfinite(fv).all() and np.isfinite(st).all():
+                todo.append(v)
+                sq.append(np.concatenate([st, fv[None] ** 2]))
+        if not todo:
+            continue
+        # One BCa call per cell, every variant of it at once (they share the samples).
+        est, lo, hi = bca(stat, (np.stack(sq),), level=level, n_boot=n_boot, seed=seed)
+        mse = np.stack(sq).mean(axis=-1)
+        ns = len(STAGES)
+        for j, v in enumerate(todo):
+            stage_mse = mse[j, :ns].copy()
+            stage_mse[ia] = max(stage_mse[ia], 0.0)
             for k, s in enumerate(STAGES):
-                rows.append({**where, "variant": v, "stage": s, "stage_variant": labels[stage_idx[k]],
-                             "measured": "difference" if (s == "acc" and acc_diff) else "alone",
-                             "mse": float(mse[k]), "share": float(mse[k] / mse.sum()),
-                             "share_lo": float(np.quantile(share_b[k], lo_q)),
-                             "share_hi": float(np.quantile(share_b[k], hi_q)),
-                             "full_mse": full_mse, "full_lo": float(np.quantile(full_b, lo_q)),
-                             "full_hi": float(np.quantile(full_b, hi_q)),
-                             "additivity": full_mse / float(mse.sum()),
-                             "additivity_lo": float(np.quantile(add_b, lo_q)),
-                             "additivity_hi": float(np.quantile(add_b, hi_q))})
+                rows.append({**where, "variant": v, "stage": s, "stage_variant": labels[stage_idx[v][k]],
+                             "measured": "difference" if (s == "acc" and acc_diff[v]) else "alone",
+                             "mse": float(stage_mse[k]), "share": float(est[j, k]),
+                             "share_lo": float(lo[j, k]), "share_hi": float(hi[j, k]),
+                             "full_mse": float(est[j, ns]), "full_lo": float(lo[j, ns]),
+                             "full_hi": float(hi[j, ns]), "additivity": float(est[j, ns + 1]),
+                             "additivity_lo": float(lo[j, ns + 1]), "additivity_hi": float(hi[j, ns + 1])})
     return pd.DataFrame(rows)
 
 

@@ -46,7 +46,10 @@ from ..numerics.recipe import PRESETS, Recipe, parse_recipes
 from ..numerics.tiles import check_head_dim, fa3_tiles
 from .audit_stats import SINK_TOKENS, STAT_DEFINITIONS
 
-DEFAULT_VARIANTS = ("baseline-fp8", "fa3-fp8", "fa3-fp8-no-block-quant", "fa3-fp8-no-incoherent")
+# The paper's FP8 rows, then the remedies of the field (issue 11): the public kernel with K smoothed,
+# SageAttention2 (INT8) and 3 (NVFP4), and FA3's pipeline in MXFP8.
+DEFAULT_VARIANTS = ("baseline-fp8", "fa3-fp8", "fa3-fp8-no-block-quant", "fa3-fp8-no-incoherent",
+                    "fa3-fp8-kernel,smooth=k", "sage2-int8", "sage3-nvfp4", "fa3-mxfp8")
 AUDIT_FORMAT = "fa3-numerics-audit/1"
 PROBE = "fa3_numerics.studies.audit_stats:probe"
 
@@ -67,10 +70,19 @@ def rank_metrics() -> tuple[str, ...]:
 def recipe_cost(recipe: Recipe) -> int:
     """Relative cost of a recipe over the public FA3 FP8 kernel with one descale per tensor: the
     sum of each recipe key's registered cost. Scales: per tensor 0, per (kv-)head 1 (the kernel's
-    descale shape), per block 3 (needs a kernel change), per token 4. Rotation: a random Hadamard
-    on Q and K costs 2 (an extra O(d log d) pass), a dense orthogonal rotation 4.
-    ``algo=standard`` (S and P materialised) adds 6, 16-bit Q/K instead of FP8 adds 8 (half the
-    tensor-core throughput). Ties keep the order given."""
+    descale shape), per block or per thread 3 (needs a kernel change), per token 4; V per channel
+    (``vgran=channel``) 1. Rotation: a random Hadamard on Q and K costs 2 (an extra O(d log d)
+    pass), a dense orthogonal rotation 4. ``algo=standard`` (S and P materialised) adds 6, 16-bit
+    Q/K instead of a one-byte format adds 8 (half the tensor-core throughput).
+
+    Recipes of the field: INT8/INT4 Q/K 0 (same or higher throughput than FP8); microscaling
+    (MXFP8/NVFP4) Q/K 1 and V 1 (block scales to write and a block-scaled MMA), P 2 (a block
+    amax per KV tile in registers); smoothing K 1 (a mean over tokens, fused into the quantizer),
+    Q and K 3 (block means, the bias GEMM and a bias tile per KV tile); FlashAttention's per-tile
+    normalisation (``norm=tile``) 2. Keys of rounding rules (``ties``, ``mxscale``, ``pmatch``,
+    ``nvts``, ``sbias``) and accumulators cost 0. Costs order implementation effort and overhead on
+    the hardware each recipe needs; they do not compare GPUs (the presets' ``variants`` text says
+    which). Ties keep the order given."""
     return sum(k.cost(getattr(recipe, k.field)) for k in keys() if k.cost is not None)
 
 

@@ -1,14 +1,28 @@
-"""Compare two runs' datasets: the same variants side by side with ratios B / A.
+"""Compare two runs' datasets: the same variants side by side with ratios B / A, and gates.
 
-Exposed: ``compare``, ``findings`` (the rendering is ``fa3_numerics.report.compare``).
+Exposed: ``compare``, ``findings``, ``match_variants``, ``gate``, ``sample_warnings``
+(the rendering is ``fa3_numerics.report.compare``).
 
-For two machines, two backends, two seeds, or before/after a change. Variants are aligned
-by label, swept parameters by their common values (a parameter swept in one run and fixed
-in the other is compared at the fixed value). Each side's value is the pooled metric over
-its (seed, batch, head) samples with the 95% percentile-bootstrap interval of
-``fa3_numerics.numerics.metrics.bootstrap_ci``; the ratio's interval is the percentile interval of
-the ratio of independent bootstrap replicates of the two sides, so "covers 1" means the
-two runs agree within sampling noise.
+For two machines, two backends, two seeds, or before/after a change.
+
+- **Variants** are matched by label; a hardware variant named ``BACKEND:VARIANT`` (``fa3:fa3-fp8-kernel``,
+  ``triton:fa3-fp8``, as ``kernels/device/h200.py`` names them) matches the variant of the other
+  run that computes the same recipe (same spec), else the one named ``VARIANT``. Several
+  hardware variants may match one emulator variant (``sdpa-flash:fa3-fp16`` and
+  ``sdpa-cudnn:fa3-fp16``): each is a row.
+- **Cells**: swept parameters are aligned by their common values (a parameter swept in one run
+  and fixed in the other is compared at the fixed value). Fixed parameters that differ (seqlen
+  512 against 8192) do not stop the comparison; they are returned in ``differs``, which the
+  rendering puts first, as a warning.
+- **Intervals**: each side's value is the pooled metric over its (seed, batch, head) samples with
+  its BCa interval (``fa3_numerics.numerics.metrics.bootstrap``); the ratio's BCa interval
+  resamples both sides, *paired* when the two runs hold the same samples (same seeds, batch and
+  heads: the same inputs when the data agree, so that a CPU-GPU comparison is as tight as the
+  inputs allow), independently otherwise. "Covers 1" then means the runs agree within sampling
+  noise.
+- **Gates** (``gate``), like pytest-benchmark's ``--benchmark-compare-fail``: ``fail_above``
+  fails a row whose ratio B/A (point estimate) exceeds it, for error metrics (larger is worse);
+  ``fail_if_not_covered`` fails a row whose ratio interval excludes 1.
 
 A side whose samples hold NaN (non-finite outputs) has no value and no interval: the row says
 "non-finite (k of n samples)" and ``findings`` lists it, never a ratio over the finite rest.
@@ -24,9 +38,11 @@ import xarray as xr
 
 from ..engine.dataset import SAMPLE_DIMS
 from ..errors import UsageError
-from ..numerics.metrics import bootstrap_ci, bootstrap_stats, get_metric, metrics, nonfinite_samples, pooled
+from ..numerics.metrics import bootstrap_ci, get_metric, metrics, nonfinite_samples, pool_rule, pooled
+from ..numerics.metrics.bootstrap import MIN_SAMPLES, bca, few_samples, pool_fn
 
-N_BOOT = 2000
+# Coordinates that describe variants or bins, not the setting of a run.
+_NOT_SETTINGS = ("variant", "spec", "paper_rmse", "abs_bin_lo", "abs_bin", "tensor", "backend")
 
 
 def _swept(ds: xr.Dataset, metric: str) -> list[str]:
@@ -49,12 +65,62 @@ def _same(a, b) -> bool:
         return a == b
 
 
-def _boot(metric: str, values: np.ndarray, seed: int, n_boot: int = N_BOOT) -> np.ndarray:
-    return bootstrap_stats(metric, values, n_boot=n_boot, seed=seed)
+def _specs(ds: xr.Dataset) -> dict[str, str]:
+    labels = [str(v) for v in ds["variant"].values]
+    return dict(zip(labels, (str(s) for s in ds["spec"].values))) if "spec" in ds.coords else {}
+
+
+def _unprefixed(label: str) -> str | None:
+    """``VARIANT`` of a hardware label ``BACKEND:VARIANT``; None for a plain label. A recipe spec
+    never holds ':' (keys are written key=value), so the first ':' is the backend's."""
+    head, sep, rest = label.partition(":")
+    return rest if sep and head and "=" not in head else None
+
+
+def match_variants(a: xr.Dataset, b: xr.Dataset) -> list[tuple[str, str]]:
+    """Pairs (label in A, label in B), in A's order then B's: same label; else a ``BACKEND:``
+    label on one side matched to the other side's variant with the same spec, else the same
+    name after the prefix."""
+    la, lb = [str(v) for v in a["variant"].values], [str(v) for v in b["variant"].values]
+    sa, sb = _specs(a), _specs(b)
+    pairs = [(v, v) for v in la if v in lb]
+    used_a, used_b = {p[0] for p in pairs}, {p[1] for p in pairs}
+
+    def find(label: str, spec: str | None, pool: list[str], specs: dict[str, str], used: set[str]) -> str | None:
+        plain = [v for v in pool if v not in used and _unprefixed(v) is None]
+        by_spec = [v for v in plain if spec is not None and specs.get(v) == spec]
+        name = _unprefixed(label)
+        by_name = [v for v in plain if name is not None and v == name]
+        return (by_spec or by_name or [None])[0]
+
+    for v in lb:  # hardware variants of B against A's emulator variants
+        if v not in used_b and _unprefixed(v) is not None:
+            hit = find(v, sb.get(v), la, sa, set())
+            if hit is not None:
+                pairs.append((hit, v))
+                used_b.add(v)
+    for v in la:  # and the other way round
+        if v not in used_a and _unprefixed(v) is not None and not any(p[0] == v for p in pairs):
+            hit = find(v, sa.get(v), lb, sb, used_b)
+            if hit is not None:
+                pairs.append((v, hit))
+    order_a = {v: i for i, v in enumerate(la)}
+    order_b = {v: i for i, v in enumerate(lb)}
+    return sorted(pairs, key=lambda p: (order_a[p[0]], order_b[p[1]]))
+
+
+def _paired(a: xr.Dataset, b: xr.Dataset, metric: str) -> bool:
+    """Both runs hold the same (seed, batch, head) samples, in the same order."""
+    for d in SAMPLE_DIMS:
+        if (d in a[metric].dims) != (d in b[metric].dims):
+            return False
+        if d in a[metric].dims and not np.array_equal(np.asarray(a[d].values), np.asarray(b[d].values)):
+            return False
+    return True
 
 
 def compare(a: xr.Dataset, b: xr.Dataset, metric: str = "rmse", level: float = 0.95) -> dict:
-    """Rows (cell, variant) with A, B, their intervals, ratio B/A, its interval and coverage of 1."""
+    """Rows (cell, variant pair) with A, B, their intervals, ratio B/A, its interval and coverage of 1."""
     get_metric(metric)  # a registered metric, or the one-line error listing them
     for name, ds in (("A", a), ("B", b)):
         if metric not in ds:
@@ -62,10 +128,10 @@ def compare(a: xr.Dataset, b: xr.Dataset, metric: str = "rmse", level: float = 0
                              f"{', '.join(m for m in metrics() if m in ds)}")
     va = [str(v) for v in a["variant"].values]
     vb = [str(v) for v in b["variant"].values]
-    common = [v for v in va if v in vb]
-    if not common:
+    pairs = match_variants(a, b)
+    if not pairs:
         raise UsageError(f"no variants in common (A has {', '.join(va)}; B has {', '.join(vb)}); "
-                         "compare runs of the same variants")
+                         "compare runs of the same variants (or BACKEND:VARIANT against VARIANT)")
     sa, sb = _swept(a, metric), _swept(b, metric)
     dims = [d for d in sa] + [d for d in sb if d not in sa]
     cell_values: dict[str, list] = {}
@@ -77,40 +143,58 @@ def compare(a: xr.Dataset, b: xr.Dataset, metric: str = "rmse", level: float = 0
         if not vals:
             raise UsageError(f"no common values of {d} (A: {xa}; B: {xb}); compare runs that share a setting")
         cell_values[d] = vals
-    # fixed parameters that differ are reported, not refused (e.g. a before/after comparison)
-    differs = []
-    for d in sorted(set(a.coords) | set(b.coords)):
-        if d in dims or d in ("variant", "spec", "paper_rmse", "abs_bin_lo", "tensor") or d in SAMPLE_DIMS:
-            continue
-        xa, xb = _values(a, d), _values(b, d)
-        if len(xa) == 1 and len(xb) == 1 and not _same(xa[0], xb[0]):
-            differs.append(f"{d}: A {xa[0]}, B {xb[0]}")
-    spec_a = dict(zip(va, (str(s) for s in a["spec"].values))) if "spec" in a.coords else {}
-    spec_b = dict(zip(vb, (str(s) for s in b["spec"].values))) if "spec" in b.coords else {}
+    differs = _differs(a, b, dims)
+    spec_a, spec_b = _specs(a), _specs(b)
+    paired = _paired(a, b, metric)
+    rule = pool_rule(metric)
+    pool = pool_fn(rule)
     rows = []
-    q = [(1 - level) / 2, (1 + level) / 2]
     for combo in itertools.product(*(cell_values[d] for d in dims)):
         where = dict(zip(dims, combo))
         sub_a, sub_b = _at(a[metric], where), _at(b[metric], where)
-        for v in common:
-            xa = sub_a.sel(variant=v).values
-            xb = sub_b.sel(variant=v).values
+        for v, w in pairs:
+            xa = sub_a.sel(variant=v).values.ravel()
+            xb = sub_b.sel(variant=w).values.ravel()
             pa, pb = pooled(metric, xa), pooled(metric, xb)
             la, ha = bootstrap_ci(metric, xa, level=level)
             lb, hb = bootstrap_ci(metric, xb, level=level)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                rep = _boot(metric, xb, seed=1) / _boot(metric, xa, seed=0)
-            rep = rep[np.isfinite(rep)]
-            rlo, rhi = (float(x) for x in np.quantile(rep, q)) if rep.size else (math.nan, math.nan)
             ratio = pb / pa if pa and math.isfinite(pa) and math.isfinite(pb) else math.nan
+            rlo = rhi = math.nan
+            if math.isfinite(ratio) and (not paired or xa.size == xb.size):
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    _, rlo, rhi = bca(lambda x, y, axis=-1: pool(y, axis=axis) / pool(x, axis=axis), (xa, xb),
+                                      level=level, paired=paired and xa.size == xb.size, seed=1)
+                rlo, rhi = float(rlo), float(rhi)
             covers = bool(rlo <= 1.0 <= rhi) if math.isfinite(rlo) else None
-            rows.append({**where, "variant": v, "a": pa, "a_lo": la, "a_hi": ha, "b": pb, "b_lo": lb, "b_hi": hb,
+            rows.append({**where, "variant": v if v == w else f"{v} ↔ {w}", "variant_a": v, "variant_b": w,
+                         "a": pa, "a_lo": la, "a_hi": ha, "b": pb, "b_lo": lb, "b_hi": hb,
                          "ratio": ratio, "ratio_lo": rlo, "ratio_hi": rhi, "covers_1": covers,
                          "n_a": xa.size, "n_b": xb.size, "nonfinite_a": nonfinite_samples(xa)[0],
                          "nonfinite_b": nonfinite_samples(xb)[0],
-                         "same_spec": spec_a.get(v) == spec_b.get(v)})
-    return {"metric": metric, "dims": dims, "rows": rows, "differs": differs,
-            "only_a": [v for v in va if v not in vb], "only_b": [v for v in vb if v not in va]}
+                         "same_spec": spec_a.get(v) == spec_b.get(w)})
+    return {"metric": metric, "dims": dims, "rows": rows, "differs": differs, "paired": paired, "level": level,
+            "pool": rule, "only_a": [v for v in va if v not in {p[0] for p in pairs}],
+            "only_b": [v for v in vb if v not in {p[1] for p in pairs}]}
+
+
+def _differs(a: xr.Dataset, b: xr.Dataset, dims: list[str]) -> list[str]:
+    """Fixed settings that differ between the runs, as 'name: A x, B y' (reported, not refused:
+    a before/after comparison may change one on purpose)."""
+    out = []
+    for d in sorted(set(a.coords) | set(b.coords)):
+        if d in dims or d in _NOT_SETTINGS or d in SAMPLE_DIMS:
+            continue
+        xa, xb = _values(a, d), _values(b, d)
+        if len(xa) == 1 and len(xb) == 1 and not _same(xa[0], xb[0]):
+            out.append(f"{d}: A {xa[0]}, B {xb[0]}")
+        elif len(xa) == 1 and not xb and d not in a.dims:
+            out.append(f"{d}: A {xa[0]}, B not recorded")
+        elif len(xb) == 1 and not xa and d not in b.dims:
+            out.append(f"{d}: A not recorded, B {xb[0]}")
+    for key in ("dist",):
+        if a.attrs.get(key) != b.attrs.get(key):
+            out.append(f"{key}: A {a.attrs.get(key, '?')}, B {b.attrs.get(key, '?')}")
+    return out
 
 
 def _at(da: xr.DataArray, where: dict) -> xr.DataArray:
@@ -121,6 +205,10 @@ def _at(da: xr.DataArray, where: dict) -> xr.DataArray:
     return da
 
 
+def _cell(res: dict, r: dict) -> str:
+    return ", ".join(f"{d}={r[d]}" for d in res["dims"]) or "single cell"
+
+
 def findings(res: dict) -> list[str]:
     """One line per compared row whose A or B samples hold non-finite values."""
     out = []
@@ -128,7 +216,39 @@ def findings(res: dict) -> list[str]:
         for side in ("a", "b"):
             k = r[f"nonfinite_{side}"]
             if k:
-                cell = ", ".join(f"{d}={r[d]}" for d in res["dims"]) or "single cell"
-                out.append(f"non-finite results in {side.upper()}: variant {r['variant']!r}, {cell}: {k} of "
-                           f"{r[f'n_{side}']} samples")
+                out.append(f"non-finite results in {side.upper()}: variant {r[f'variant_{side}']!r}, {_cell(res, r)}: "
+                           f"{k} of {r[f'n_{side}']} samples")
     return out
+
+
+def sample_warnings(res: dict) -> list[str]:
+    """Intervals that rest on fewer than ``MIN_SAMPLES`` samples, one line per side."""
+    out = []
+    for side in ("a", "b"):
+        n = sorted({r[f"n_{side}"] for r in res["rows"] if few_samples(r[f"n_{side}"])})
+        if n:
+            out.append(f"{side.upper()}'s intervals rest on {', '.join(map(str, n))} sample(s), fewer than "
+                       f"{MIN_SAMPLES}: they are rough; run more seeds or heads for a sharper comparison")
+    return out
+
+
+def gate(res: dict, *, fail_above: float | None = None, fail_if_not_covered: bool = False) -> list[str]:
+    """The rows that fail the gates, one line each (empty: passed)."""
+    out = []
+    if fail_above is not None:
+        m = get_metric(res["metric"])
+        if m.worse != "higher":
+            raise UsageError(f"--fail-above applies to error metrics (larger is worse); {res['metric']} is not one: "
+                             f"use {', '.join(n for n, x in metrics().items() if x.worse == 'higher')}")
+    for r in res["rows"]:
+        where = f"{r['variant']} at {_cell(res, r)}"
+        if fail_above is not None and math.isfinite(r["ratio"]) and r["ratio"] > fail_above:
+            out.append(f"{where}: B/A = {r['ratio']:.4g} > {fail_above:g} (interval [{r['ratio_lo']:.4g}, "
+                       f"{r['ratio_hi']:.4g}])")
+        if fail_if_not_covered and r["covers_1"] is False:
+            out.append(f"{where}: the {res['level']:.0%} interval of B/A [{r['ratio_lo']:.4g}, {r['ratio_hi']:.4g}] "
+                       "excludes 1")
+    return out
+
+
+__all__ = ["compare", "findings", "match_variants", "gate", "sample_warnings"]

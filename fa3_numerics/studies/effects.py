@@ -1,7 +1,7 @@
 """Effects in an ablation dataset: main effects, two-way interactions, paired contrasts.
 
 Exposed: ``Frame``, ``CELL_DIMS``, ``cell_frame``, ``dataset_factors``, ``main_effects``,
-``interactions``, ``interaction_means``, ``per_data_effects``, ``ratio``, ``paper_finding``,
+``interactions``, ``interaction_means``, ``per_data_effects``, ``ratio``, ``growth``, ``paper_finding``,
 ``block_quant_effect``, ``base_shape``, ``seqlen_table``, ``NAMED``, ``named_variants``.
 
 The response is log10 of the pooled RMSE of a (data, seqlen, head_dim, causal, variant)
@@ -19,10 +19,14 @@ registered since does not change how an old dataset reads). Cells that ran with 
 samples cannot enter a log-RMSE: they are left out and listed in ``Frame.nonfinite``, which the
 report prints; they are never dropped silently.
 
-Intervals: percentile bootstrap over (seed, batch, head) samples, resampled jointly for
-every cell (the same samples index every cell, so paired contrasts keep their pairing),
-``n_boot`` draws with a fixed seed; ``fa3_numerics.numerics.metrics.bootstrap_ci`` for single cells.
-The prose and figures of the report are ``fa3_numerics.report.ablation``.
+Intervals: BCa bootstrap (``scipy.stats.bootstrap`` through
+``fa3_numerics.numerics.metrics.bootstrap.bca``) of each effect as a statistic of the per-sample
+RMSEs of the cells it involves. The (seed, batch, head) samples are resampled jointly for every
+cell (the same samples index every cell, so paired contrasts keep their pairing), ``n_boot``
+resamples with a fixed seed; ``fa3_numerics.numerics.metrics.bootstrap_ci`` for single cells.
+Every statistic below is written over the rows of ``Frame.x`` and keeps any trailing axes, which
+is how scipy evaluates it on all resamples at once. The prose and figures of the report are
+``fa3_numerics.report.ablation``.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ LEVEL = 0.95
 def dataset_factors(ds: xr.Dataset) -> list[str]:
     """The ablation factors of ``ds``, in its label order."""
     if "factors" in ds.attrs:
-        return [f for f in json.loads(ds.attrs["factors"]) if f in ds.coords]
+        from ..engine.conventions import attr_list
+
+        return [f for f in attr_list(ds, "factors") if f in ds.coords]
     from ..numerics.keys import factors
 
     return [f for f in factors() if f in ds.coords]
@@ -56,25 +62,48 @@ def _defaults(fr) -> dict:
 
 
 class Frame:
-    """Cells as rows: ``df`` (factor columns, string-valued) and ``y`` [rows, 1 + n_boot]
-    (column 0 the point estimate of log10 RMSE, the rest bootstrap draws); ``nonfinite``: the
-    cells that ran but hold non-finite samples (row dicts), left out of ``df``."""
+    """Cells as rows: ``df`` (factor columns, string-valued), ``x`` [rows, samples] (each
+    sample's RMSE) and ``y`` [rows] (log10 of the RMSE pooled over the samples);
+    ``nonfinite``: the cells that ran but hold non-finite samples (row dicts), left out of ``df``.
+    ``n_boot`` and ``seed`` are those of every interval computed from it."""
 
-    def __init__(self, df, y, order, factors, nonfinite=()):
-        self.df, self.y, self.order, self.factors = df, y, order, list(factors)
+    def __init__(self, df, x, order, factors, nonfinite=(), n_boot: int = 1000, seed: int = 0):
+        self.df, self.x, self.order, self.factors = df, np.asarray(x, dtype=np.float64), order, list(factors)
+        self.y = _log_rms(self.x)
         self.nonfinite = list(nonfinite)
+        self.n_boot, self.seed = n_boot, seed
 
     @property
     def analysis_factors(self) -> tuple[str, ...]:
         return tuple(self.factors) + CELL_DIMS
 
+    @property
+    def samples(self) -> int:
+        return self.x.shape[-1]
+
     def subset(self, mask) -> "Frame":
         mask = np.asarray(mask)
-        return Frame(self.df[mask].reset_index(drop=True), self.y[mask], self.order, self.factors)
+        return Frame(self.df[mask].reset_index(drop=True), self.x[mask], self.order, self.factors,
+                     n_boot=self.n_boot, seed=self.seed)
+
+    def interval(self, mask, stat):
+        """(estimate, lo, hi) of ``stat(y)``, ``y`` the log10 pooled RMSE of the rows in ``mask``
+        (its first axis; ``stat`` keeps any trailing ones), by BCa over the samples."""
+        from ..numerics.metrics.bootstrap import bca
+
+        x = self.x[np.asarray(mask)]
+        return bca(lambda xs, axis=-1: stat(_log_rms(xs, axis=axis)), (x,), level=LEVEL, n_boot=self.n_boot,
+                   seed=self.seed)
 
 
-def cell_frame(ds: xr.Dataset, *, n_boot: int = 200, seed: int = 0) -> Frame:
-    """Every full-recipe cell that ran, with its log10 pooled RMSE and bootstrap draws."""
+def _log_rms(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.log10(np.sqrt(np.mean(np.asarray(x) ** 2, axis=axis)))
+
+
+def cell_frame(ds: xr.Dataset, *, n_boot: int = 1000, seed: int = 0) -> Frame:
+    """Every full-recipe cell that ran, with its per-sample RMSEs (``n_boot``: resamples of the
+    intervals computed from the frame)."""
     import pandas as pd
 
     factors = dataset_factors(ds)
@@ -87,12 +116,8 @@ def cell_frame(ds: xr.Dataset, *, n_boot: int = 200, seed: int = 0) -> Frame:
             .transpose(*CELL_DIMS, "variant", "sample").notnull().values.any(axis=-1)
     else:
         ran = np.isfinite(x).any(axis=-1)
-    n_s = x.shape[-1]
-    idx = np.random.default_rng(seed).integers(0, n_s, size=(n_boot, n_s))
-    point = np.sqrt(np.mean(x ** 2, axis=-1))[..., None]
-    boot = np.sqrt(np.mean(x[..., idx] ** 2, axis=-1))
-    y = np.log10(np.concatenate([point, boot], axis=-1)).reshape(-1, 1 + n_boot)
-    grid = list(itertools.product(*(range(x.shape[i]) for i in range(len(CELL_DIMS) + 1))))
+    x = x.reshape(-1, x.shape[-1])
+    grid = list(itertools.product(*(range(da.shape[i]) for i in range(len(CELL_DIMS) + 1))))
     rows = []
     for ci in grid:
         row = {d: str(da.coords[d].values[i]) for d, i in zip(CELL_DIMS, ci)}
@@ -102,13 +127,14 @@ def cell_frame(ds: xr.Dataset, *, n_boot: int = 200, seed: int = 0) -> Frame:
         row["variant"] = v
         rows.append(row)
     df = pd.DataFrame(rows)
-    ok = np.isfinite(y).all(axis=1)
-    bad = ran.reshape(-1) & ~ok
+    finite = np.isfinite(x).all(axis=1)
+    ok = finite & (x > 0).all(axis=1)  # a zero RMSE has no logarithm (an exact recipe)
+    bad = ran.reshape(-1) & ~finite
     order = {f: list(dict.fromkeys(str(ds[f].sel(variant=v).item()) for v in full)) for f in factors}
     for d in CELL_DIMS:
         order[d] = [str(v) for v in ds[d].values]
-    return Frame(df[ok].reset_index(drop=True), y[ok], order, factors,
-                 [rows[i] for i in np.flatnonzero(bad)])
+    return Frame(df[ok].reset_index(drop=True), x[ok], order, factors,
+                 [rows[i] for i in np.flatnonzero(bad)], n_boot=n_boot, seed=seed)
 
 
 def _active(fr: Frame, factors) -> list[str]:
@@ -135,16 +161,13 @@ def _complete_sets(fr: Frame, on: list[str]):
 
 
 def _group_mean(y: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """Mean of ``y`` (first axis: rows) over the rows of each group, put back on every row."""
     n = codes.max() + 1
-    s = np.zeros((n, y.shape[1]))
-    np.add.at(s, codes, y)
+    flat = y.reshape(y.shape[0], -1)
+    s = np.zeros((n, flat.shape[1]))
+    np.add.at(s, codes, flat)
     c = np.bincount(codes, minlength=n)[:, None]
-    return (s / c)[codes]
-
-
-def _ci(draws: np.ndarray) -> tuple[float, float]:
-    lo, hi = np.quantile(draws, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
-    return float(lo), float(hi)
+    return (s / c)[codes].reshape(y.shape)
 
 
 def main_effects(fr: Frame, factors=None) -> "pandas.DataFrame":  # noqa: F821
@@ -157,29 +180,37 @@ def main_effects(fr: Frame, factors=None) -> "pandas.DataFrame":  # noqa: F821
         if got is None:
             continue
         mask, codes, (levels,), n_sets = got
-        dev = fr.y[mask] - _group_mean(fr.y[mask], codes)
         lv = fr.df[f][mask].to_numpy()
-        eff = np.stack([dev[lv == level].mean(axis=0) for level in levels])
-        size = eff.max(axis=0) - eff.min(axis=0)
-        for level, e in zip(levels, eff):
-            lo, hi = _ci(e[1:])
-            rows.append({"factor": f, "level": level, "effect_log10": e[0], "ratio": 10 ** e[0], "lo": 10 ** lo,
-                         "hi": 10 ** hi, "sets": n_sets, "size": 10 ** size[0], "size_lo": 10 ** _ci(size[1:])[0],
-                         "size_hi": 10 ** _ci(size[1:])[1]})
+        pick = [lv == level for level in levels]
+
+        def stat(y, codes=codes, pick=pick):
+            dev = y - _group_mean(y, codes)
+            eff = np.stack([dev[p].mean(axis=0) for p in pick])  # [levels, ...]
+            return np.concatenate([eff, (eff.max(axis=0) - eff.min(axis=0))[None]])
+
+        est, lo, hi = fr.interval(mask, stat)
+        for k, level in enumerate(levels):
+            rows.append({"factor": f, "level": level, "effect_log10": est[k], "ratio": 10 ** est[k],
+                         "lo": 10 ** lo[k], "hi": 10 ** hi[k], "sets": n_sets, "size": 10 ** est[-1],
+                         "size_lo": 10 ** lo[-1], "size_hi": 10 ** hi[-1]})
     return pd.DataFrame(rows)
 
 
 def interaction_means(fr: Frame, f: str, g: str):
-    """Mean log10 RMSE per (f level, g level) over sets complete in f x g, with draws;
-    None when no such set exists. Returns (levels_f, levels_g, means [Lf, Lg, 1 + B], sets)."""
+    """Mean log10 RMSE per (f level, g level) over sets complete in f x g, with BCa intervals;
+    None when no such set exists. Returns (levels_f, levels_g, mean, lo, hi [Lf, Lg], sets)."""
     got = _complete_sets(fr, [f, g])
     if got is None:
         return None
     mask, codes, (lf, lg), n_sets = got
-    y = fr.y[mask]
     a, b = fr.df[f][mask].to_numpy(), fr.df[g][mask].to_numpy()
-    m = np.stack([np.stack([y[(a == x) & (b == z)].mean(axis=0) for z in lg]) for x in lf])
-    return lf, lg, m, n_sets
+    picks = [[(a == x) & (b == z) for z in lg] for x in lf]
+
+    def stat(y):
+        return np.stack([np.stack([y[p].mean(axis=0) for p in row]) for row in picks])
+
+    est, lo, hi = fr.interval(mask, stat)
+    return lf, lg, est, lo, hi, n_sets
 
 
 def interactions(fr: Frame, factors=None) -> "pandas.DataFrame":  # noqa: F821
@@ -188,15 +219,21 @@ def interactions(fr: Frame, factors=None) -> "pandas.DataFrame":  # noqa: F821
 
     rows = []
     for f, g in itertools.combinations(_active(fr, factors or fr.analysis_factors), 2):
-        got = interaction_means(fr, f, g)
+        got = _complete_sets(fr, [f, g])
         if got is None:
             continue
-        lf, lg, m, n_sets = got
-        r = m - m.mean(axis=1, keepdims=True) - m.mean(axis=0, keepdims=True) + m.mean(axis=(0, 1), keepdims=True)
-        size = np.sqrt((r ** 2).mean(axis=(0, 1)))
-        lo, hi = _ci(size[1:])
-        rows.append({"f": f, "g": g, "levels": f"{len(lf)}x{len(lg)}", "sets": n_sets, "rms_log10": size[0],
-                     "fold": 10 ** size[0], "fold_lo": 10 ** lo, "fold_hi": 10 ** hi})
+        mask, codes, (lf, lg), n_sets = got
+        a, b = fr.df[f][mask].to_numpy(), fr.df[g][mask].to_numpy()
+        picks = [[(a == x) & (b == z) for z in lg] for x in lf]
+
+        def stat(y, picks=picks):
+            m = np.stack([np.stack([y[p].mean(axis=0) for p in row]) for row in picks])  # [Lf, Lg, ...]
+            r = m - m.mean(axis=1, keepdims=True) - m.mean(axis=0, keepdims=True) + m.mean(axis=(0, 1), keepdims=True)
+            return np.sqrt((r ** 2).mean(axis=(0, 1)))
+
+        est, lo, hi = fr.interval(mask, stat)
+        rows.append({"f": f, "g": g, "levels": f"{len(lf)}x{len(lg)}", "sets": n_sets, "rms_log10": float(est),
+                     "fold": 10 ** float(est), "fold_lo": 10 ** float(lo), "fold_hi": 10 ** float(hi)})
     out = pd.DataFrame(rows)
     return out.sort_values("rms_log10", ascending=False).reset_index(drop=True) if len(out) else out
 
@@ -238,10 +275,24 @@ def ratio(fr: Frame, a: dict, b: dict, where: dict) -> tuple[float, float, float
     common = sorted(set(ka) & set(kb))
     if not common:
         return None
-    ya, yb = fr.y[ma], fr.y[mb]
-    d = np.stack([ya[ka == c][0] - yb[kb == c][0] for c in common]).mean(axis=0)
-    lo, hi = _ci(d[1:])
-    return 10 ** d[0], 10 ** lo, 10 ** hi
+    ia, ib = np.flatnonzero(ma), np.flatnonzero(mb)
+    rows_a = [ia[np.flatnonzero(ka == c)[0]] for c in common]
+    rows_b = [ib[np.flatnonzero(kb == c)[0]] for c in common]
+    n = len(common)
+    est, lo, hi = fr.interval(np.array(rows_a + rows_b), lambda y: (y[:n] - y[n:]).mean(axis=0))
+    return 10 ** float(est), 10 ** float(lo), 10 ** float(hi)
+
+
+def growth(fr: Frame, variant: str, data: str, frm, to, where: dict | None = None) -> tuple[float, float, float] | None:
+    """RMSE at seqlen ``to`` / at seqlen ``frm`` of one variant on one data (at ``where``: the
+    base shape), with CI; None when either cell is missing."""
+    fix = {"variant": variant, "data": data, **(where or {})}
+    hi, lo = _lookup(fr, seqlen=to, **fix), _lookup(fr, seqlen=frm, **fix)
+    if not hi.any() or not lo.any():
+        return None
+    idx = np.array([np.flatnonzero(hi)[0], np.flatnonzero(lo)[0]])
+    est, lo_, hi_ = fr.interval(idx, lambda y: y[0] - y[1])
+    return 10 ** float(est), 10 ** float(lo_), 10 ** float(hi_)
 
 
 def paper_finding(fr: Frame, data: str, base: dict | None = None, scale: str | None = None) -> dict:
@@ -325,14 +376,13 @@ NAMED = {
 
 def named_variants(ds: xr.Dataset) -> dict[str, str]:
     """name -> variant label of each named recipe the dataset holds."""
-    from ..numerics.keys import factors
+    from .ablation import variant_label
 
-    reg = factors()
     order = dataset_factors(ds)
     have = {str(v) for v in ds["variant"].values}
     out = {}
     for name, levels in NAMED.items():
-        label = "|".join(levels.get(f, reg[f].default if f in reg else "") for f in order)
+        label = variant_label(levels, order)
         if label in have:
             out[name] = label
     return out

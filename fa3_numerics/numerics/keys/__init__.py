@@ -1,6 +1,7 @@
 """Recipe keys and ablation factors: the vocabulary of ``Recipe``, one registry entry per key.
 
-Exposed: ``RecipeKey``, ``Factor``, ``KEEP``, ``register_key``, ``register_factor``, ``keys``,
+Exposed: ``RecipeKey``, ``Factor``, ``KEEP``, ``register_key``, ``register_factor``, ``register_check``,
+``checks``, ``keys``,
 ``key``, ``factors``, ``load``, ``parse_bool``, ``parse_int``, ``parse_float``, ``fmt_value``.
 
 A key states in one place everything the toolkit needs to know about it (microxcaling's single
@@ -12,6 +13,11 @@ the emulator that implement its non-default values, and its cost in the audit's 
 
 A *factor* is an ablation axis: named levels, each a recipe fragment (``Factor``). A key module
 may register one, and ``run ablation`` grows an option for it.
+
+A *check* (``register_check``) refuses combinations of keys that no kernel computes (e.g. an
+FP16 accumulator under FP8 P): ``fn(recipe) -> None or the reason``; ``Recipe`` runs every
+check when it is made, so a refused combination never reaches a backend. A key that merely has
+no effect under the other keys' values (``ties`` without an integer format) is not refused.
 
 Where keys come from, in order: ``core.py`` (the original keys, in the order that stored spec
 strings use), then every other module of this package by name, then modules named by entry
@@ -161,6 +167,7 @@ class Factor:
 
 _KEYS: dict[str, RecipeKey] = {}
 _FACTORS: dict[str, Factor] = {}
+_CHECKS: list[Callable[[Any], str | None]] = []
 _state = {"loaded": False, "frozen": False}
 
 
@@ -179,6 +186,17 @@ def register_factor(f: Factor) -> Factor:
     require(f.name not in _FACTORS, f"ablation factor {f.name!r} is registered twice")
     _FACTORS[f.name] = f
     return f
+
+
+def register_check(fn: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    """Add a combination check ``fn(recipe) -> None | reason`` (usable as a decorator)."""
+    _CHECKS.append(fn)
+    return fn
+
+
+def checks() -> list[Callable[[Any], str | None]]:
+    load()
+    return list(_CHECKS)
 
 
 def load() -> None:
@@ -222,5 +240,6 @@ def factors() -> dict[str, Factor]:
     return dict(_FACTORS)
 
 
-__all__ = ["RecipeKey", "Factor", "KEEP", "STAGES", "register_key", "register_factor", "keys", "key", "factors", "load",
+__all__ = ["RecipeKey", "Factor", "KEEP", "STAGES", "register_key", "register_factor", "register_check", "checks",
+           "keys", "key", "factors", "load",
            "parse_bool", "parse_int", "parse_float", "fmt_value", "ENTRY_POINT_GROUP"]

@@ -10,15 +10,30 @@ from __future__ import annotations
 import math
 
 from ...errors import UsageError
-from ..accumulators import ACCUMULATORS
-from ..formats import get_format
-from ..granularity import PerBlock, PerHead, PerTensor, PerToken, parse_granularity
+from ..accumulators import accumulator_names
+from ..families import family, is_narrow, operand_name
+from ..granularity import PerBlock, PerHead, PerTensor, PerThread, PerToken, parse_granularity
 from ..rotation import ROTATIONS
 from . import Factor, RecipeKey, parse_bool, parse_float, parse_int, register_factor, register_key
 
 
 def _format(value) -> str:
-    return get_format(value).name
+    return operand_name(value, ("float",), "this key")
+
+
+# Issue 11: Q and K also take integer (INT8/INT4) and microscaling (MXFP8/NVFP4) formats, V and
+# P microscaling ones (``numerics/families.py`` says which and why).
+def _qk_format(value) -> str:
+    return operand_name(value, ("float", "int", "mx"), "qk")
+
+
+def _vp_format(value) -> str:
+    return operand_name(value, ("float", "mx"), "v and p")
+
+
+def _mx_cost(v, cost: int) -> int:
+    # block scales need a block-scaled MMA (Blackwell, sm100) and a quantizer that writes them
+    return cost if family(v) == "mx" else 0
 
 
 def _granularity(value):
@@ -39,7 +54,8 @@ def _tile(value) -> int:
     return value
 
 
-_GRAN_COST = {PerTensor: 0, PerHead: 1, PerBlock: 3, PerToken: 4}
+# per thread (SageAttention2): as many scales as per block plus their fragment-aware layout
+_GRAN_COST = {PerTensor: 0, PerHead: 1, PerBlock: 3, PerThread: 3, PerToken: 4}
 _ROT_COST = {"none": 0, "hadamard": 2, "orthogonal": 4}
 
 
@@ -51,12 +67,18 @@ _core("algo", "flash", "flash: tile by tile with online softmax (FA2/FA3); stand
       choices=("flash", "standard"),
       # S and P materialised in memory: the costliest change to a kernel (audit's cost order).
       cost=lambda v: 6 if v == "standard" else 0)
-_core("qk", "e4m3", "format Q and K are cast to", normalize=_format, stages=("qk",), exact="fp32", tensors=("q", "k"),
-      # 16-bit Q/K halve the tensor-core throughput of FP8.
-      cost=lambda v: 0 if get_format(v).mbits <= 3 else 8)
-_core("v", "e4m3", "format V is cast to", normalize=_format, stages=("v",), exact="fp32", tensors=("v",))
-_core("p", "e4m3", "format P is cast to before the P.V product", normalize=_format, stages=("p",), exact="fp32")
-_core("gran", PerHead(), "scale granularity of Q, K and V: tensor, head, block (the kernel's tile), blockN, token",
+_core("qk", "e4m3", "format Q and K are cast to: a float format, int8/int4 (SageAttention), mxfp8/nvfp4 "
+      "(microscaling along head_dim)", normalize=_qk_format, stages=("qk",), exact="fp32", tensors=("q", "k"),
+      # 16-bit Q/K halve the tensor-core throughput of FP8; block scales need sm100 and a quantizer.
+      cost=lambda v: (0 if is_narrow(v) else 8) + _mx_cost(v, 1))
+_core("v", "e4m3", "format V is cast to: a float format or mxfp8/nvfp4 (microscaling along keys)",
+      normalize=_vp_format, stages=("v",), exact="fp32", tensors=("v",), cost=lambda v: _mx_cost(v, 1))
+_core("p", "e4m3", "format P is cast to before the P.V product: a float format, mxfp8, or nvfp4 (SageAttention3's "
+      "two-level P)", normalize=_vp_format, stages=("p",), exact="fp32",
+      # P is quantized in registers per KV tile: its block amax is an extra reduction per tile
+      cost=lambda v: _mx_cost(v, 2))
+_core("gran", PerHead(), "scale granularity of Q, K and V: tensor, head, block (the kernel's tile), blockN, token, "
+      "thread (SageAttention2: Q per bm/4-row warp slice, K per bn-key tile, in MMA-fragment groups)",
       parse=parse_granularity, normalize=_granularity, stages=("qk", "v"), exact=PerHead(), tensors=("q", "k", "v"),
       # per (kv-)head is the kernel's descale shape; per block needs a kernel change.
       cost=lambda v: _GRAN_COST.get(type(v), 2))
@@ -74,7 +96,8 @@ _core("s", "fp32", "format S is held in (standard algo)", normalize=_format)
 _core("sscale", "after", "where the standard algo applies the softmax scale: after Q K^T, or split as sqrt(scale) "
       "on Q and K (PyTorch's math SDPA)", choices=("after", "split"))
 _core("softmax", "fp32", "format of softmax intermediates (standard algo)", normalize=_format)
-_core("acc", "fp32", "P.V accumulator model", choices=lambda: tuple(ACCUMULATORS), stages=("acc",), exact="fp32")
+_core("acc", "fp32", "P.V accumulator model", choices=lambda: tuple(accumulator_names()), stages=("acc",),
+      exact="fp32")
 _core("out", "bf16", "output format", normalize=_format, stages=("out",), exact="fp32")
 _core("bm", 0, "query tile kBlockM (0 = the FA3 kernel's for this head dim)", parse=parse_int, normalize=_tile,
       tensors=("q",))

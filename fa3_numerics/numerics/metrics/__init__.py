@@ -2,8 +2,8 @@
 samples combine.
 
 Exposed: ``Metric``, ``register_metric``, ``metrics``, ``get_metric``, ``METRICS``, ``Terms``,
-``per_sample``, ``compare_outputs``, ``pooled``, ``nonfinite_samples``, ``bootstrap_stats``,
-``bootstrap_ci``.
+``per_sample``, ``compare_outputs``, ``pooled``, ``nonfinite_samples``, ``bootstrap_ci``, ``pool_rule``;
+intervals come from ``bootstrap`` (``scipy.stats.bootstrap``, BCa).
 
 Every metric is computed per sample (one (batch, head) of one seed) over the evaluated
 query rows and head dim, so that each figure can carry a confidence interval over samples.
@@ -108,7 +108,7 @@ def _load() -> None:
         _loaded = True
         importlib.import_module(f"{__name__}.core")
         for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-            if info.name != "core":
+            if info.name not in ("core", "bootstrap"):  # bootstrap: intervals, not a metric
                 importlib.import_module(f"{__name__}.{info.name}")
 
 
@@ -170,6 +170,11 @@ def _pool(metric: str) -> str:
     return m.pool if m is not None else "mean"
 
 
+def pool_rule(metric: str) -> str:
+    """How ``metric``'s samples pool: rms, mean, max or sum."""
+    return _pool(metric)
+
+
 def pooled(metric: str, values: np.ndarray) -> float:
     """Combine per-sample values by the metric's pool rule: RMSE as sqrt(mean(rmse^2)), max_abs
     as max, counts as sum, the rest as mean. NaN if any sample is NaN (never dropped) or none given."""
@@ -192,34 +197,18 @@ def nonfinite_samples(values: np.ndarray) -> tuple[int, int]:
     return int(np.isnan(v).sum()), int(v.size)
 
 
-def bootstrap_stats(metric: str, values: np.ndarray, *, n_boot: int = 2000, seed: int = 0) -> np.ndarray:
-    """Bootstrap replicates of ``pooled`` over samples (seeded, so reproducible); all NaN when a
-    sample is NaN or fewer than two are given."""
-    v = np.asarray(values, dtype=np.float64).ravel()
-    if v.size < 2 or np.isnan(v).any():
-        return np.full(n_boot, math.nan)
-    idx = np.random.default_rng(seed).integers(0, v.size, size=(n_boot, v.size))
-    rule = _pool(metric)
-    if rule == "rms":
-        return np.sqrt(np.mean(v[idx] ** 2, axis=1))
-    if rule == "max":
-        return np.max(v[idx], axis=1)
-    if rule == "sum":
-        return np.sum(v[idx], axis=1)
-    return np.mean(v[idx], axis=1)
-
-
 def bootstrap_ci(metric: str, values: np.ndarray, *, level: float = 0.95, n_boot: int = 2000,
                  seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of ``pooled`` over samples ((nan, nan) when undefined)."""
-    stats = bootstrap_stats(metric, values, n_boot=n_boot, seed=seed)
-    if not np.isfinite(stats).all():
-        return (math.nan, math.nan)
-    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
+    """BCa bootstrap interval (``scipy.stats.bootstrap``, see ``bootstrap``) of ``pooled`` over the
+    samples in ``values``; (nan, nan) when a sample is NaN or fewer than two are given."""
+    from .bootstrap import bca, pool_fn
+
+    v = np.asarray(values, dtype=np.float64).ravel()
+    _, lo, hi = bca(pool_fn(_pool(metric)), (v,), level=level, n_boot=n_boot, seed=seed)
     return float(lo), float(hi)
 
 
 _load()
 
 __all__ = ["Metric", "Terms", "register_metric", "unregister_metric", "metrics", "get_metric", "METRICS",
-           "per_sample", "compare_outputs", "pooled", "nonfinite_samples", "bootstrap_stats", "bootstrap_ci", "POOLS"]
+           "per_sample", "compare_outputs", "pooled", "nonfinite_samples", "bootstrap_ci", "pool_rule", "POOLS"]
