@@ -116,18 +116,29 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         _trim(cache, keep=key)
         return val
 
+    # Rotated and smoothed Q and K are float64 copies of the whole inputs (268 MB each at the
+    # paper's shape) needed only until they are quantized: they live for this call alone, not
+    # in ``cache``. A second recipe with the same rotation recomputes it (a fraction of a second
+    # with the compiled butterflies) instead of holding half a gigabyte through every variant.
+    local: dict = {}
+
+    def once(key, fn):
+        if key not in local:
+            local[key] = fn()
+        return local[key]
+
     check_tiles(recipe, bm, bn)
     rot = make_rotation(recipe.rot, d, rotation_seed)
-    rq = lambda: memo(("rot", "q", recipe.rot, rotation_seed), lambda: rot.apply(q.to(torch.float64)))  # noqa: E731
-    rk = lambda: memo(("rot", "k", recipe.rot, rotation_seed), lambda: rot.apply(k.to(torch.float64)))  # noqa: E731
+    rq = lambda: once("rot-q", lambda: rot.apply(q.to(torch.float64)))  # noqa: E731
+    rk = lambda: once("rot-k", lambda: rot.apply(k.to(torch.float64)))  # noqa: E731
     # Smoothing after the rotation: both are linear per row (mean(K M) = mean(K) M), so the order
-    # does not matter in exact arithmetic, and the rotated tensors are already cached.
+    # does not matter in exact arithmetic.
     if recipe.smooth != "none":
         rk0 = rk
-        rk = lambda: memo(("smooth-k", recipe.rot, rotation_seed), lambda: smooth_k(rk0())[0])  # noqa: E731
+        rk = lambda: once("smooth-k", lambda: smooth_k(rk0())[0])  # noqa: E731
     if recipe.smooth == "qk":
         rq0 = rq
-        sq = lambda: memo(("smooth-q", recipe.rot, rotation_seed, bm), lambda: smooth_q(rq0(), bm))  # noqa: E731
+        sq = lambda: once("smooth-q", lambda: smooth_q(rq0(), bm))  # noqa: E731
         rq = lambda: sq()[0]  # noqa: E731
     # One Q descale per (batch, kv-head) group: the shape the kernel's q_descale takes.
     group = h // hkv if isinstance(g, PerHead) else 1
@@ -144,6 +155,8 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     rows_id = (q_index.numel(), int(q_index.sum()))
     qq = memo(("q", recipe.prepare_key("q"), rotation_seed, bm, bn, group, rows_id),
               lambda: quantize_qk(rq(), recipe, "q", block_m=bm, block_n=bn, group=group, rows=q_index))
+    if recipe.smooth != "qk":  # the smoothing bias is the only later use of the rotated Q
+        local.pop("rot-q", None)
     kq = memo(("k", recipe.prepare_key("k"), rotation_seed, bm, bn),
               lambda: expand(quantize_qk(rk(), recipe, "k", block_m=bm, block_n=bn)))
     vq = memo(("v", recipe.prepare_key("v"), bn), lambda: expand(quantize_v(v, recipe, block_n=bn)))
@@ -167,9 +180,9 @@ def _nbytes(v) -> int:
 
 def _trim(cache: dict, keep) -> None:
     """Evict least recently used prepared tensors past the byte budget (``FA3N_PREP_CACHE_MB``,
-    default 768): a sweep of many recipes on paper-shape inputs would otherwise keep every
+    default 384): a sweep of many recipes on paper-shape inputs would otherwise keep every
     rotation and quantization alive (4.4 GB for the seven Table 3 rows)."""
-    budget = int(os.environ.get("FA3N_PREP_CACHE_MB", "768")) << 20
+    budget = int(os.environ.get("FA3N_PREP_CACHE_MB", "384")) << 20
     total = sum(_nbytes(v) for v in cache.values())
     for key in list(cache):
         if total <= budget:
@@ -228,8 +241,10 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
     dev = pre.q.values.device
     qv = native.to_float32(pre.q.values)
     qd = pre.q.descale
-    kv, kd = native.to_float32(pre.k.values), pre.k.descale
-    vv, vd = native.to_float32(pre.v.values), pre.v.descale
+    # K and V stay in their narrow storage and are widened one KV tile at a time: whole float32
+    # copies would cost 2 x 134 MB at the paper's shape, the largest item of a run's peak memory.
+    kn, kd = pre.k.values, pre.k.descale
+    vn, vd = pre.v.values, pre.v.descale
     b, h, r, d = qv.shape
     nk = pre.seqlen_k
     accumulate = get_accumulator(recipe.acc)
@@ -273,7 +288,7 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
     # the row, and adds them only at the end (see _quad_row_sum).
     rs4 = torch.zeros((b, h, r, 4), dtype=torch.float32, device=dev)
     l_fa1 = torch.zeros((b, h, r, 1), dtype=torch.float32, device=dev)  # norm=tile: the running row sum
-    acc = torch.zeros((b, h, r, vv.shape[-1]), dtype=torch.float32, device=dev)
+    acc = torch.zeros((b, h, r, vn.shape[-1]), dtype=torch.float32, device=dev)
     step = native.softmax_step(dev)
     n_tiles = -(-nk // pre.block_n)
     tiles = range(n_tiles - 1, -1, -1) if recipe.order == "reverse" else range(n_tiles)
@@ -309,12 +324,12 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
         if tick is not None:  # progress hook
             tick(i_tile, n_tiles, "KV tiles")
         s0, s1 = t * pre.block_n, min(nk, (t + 1) * pre.block_n)
-        k_t = kv[:, :, s0:s1].transpose(-1, -2)
+        k_t = native.to_float32(kn[:, :, s0:s1]).transpose(-1, -2)
         s = hopper_mma(qv, k_t, a_fmt=qk_elem, b_fmt=qk_elem) if mma_s else torch.matmul(qv, k_t)
         if bias is not None:
             desc = (qd * _rows_k(kd, s0, s1).transpose(-1, -2)).to(torch.float32)
             s = (s * desc).to(torch.float32) + bias[:, :, :, s0:s1].index_select(2, bias_blk)
-        v_t = vv[:, :, s0:s1]
+        v_t = native.to_float32(vn[:, :, s0:s1])
         if v_end is None:
             v_t = v_t * _rows_k(vd, s0, s1)
         if not fa1:
@@ -422,9 +437,13 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
         if not split:
             # A narrow S is scaled after the matmul, in its own format (a second rounding).
             s = quantize_dequantize(s * scale, s_fmt) if narrow_s else s * scale
-        if causal:
-            s = s.masked_fill(~causal_mask(idx, 0, nk, pre.seqlen_q, nk), -math.inf)
-        return quantize_dequantize(torch.softmax(s, dim=-1), sm_fmt)
+        if not causal:
+            return quantize_dequantize(torch.softmax(s, dim=-1), sm_fmt)
+        vis = causal_mask(idx, 0, nk, pre.seqlen_q, nk)
+        # A row that sees no key (causal, seqlen_q > seqlen_k) is 0, as in the reference, the flash
+        # algorithm and PyTorch's math SDPA (its safe softmax); a plain softmax of -inf gives NaN.
+        p = torch.softmax(s.masked_fill(~vis, -math.inf), dim=-1).masked_fill(~vis.any(dim=-1, keepdim=True), 0.0)
+        return quantize_dequantize(p, sm_fmt)
 
     blocks = [(bi, hi, c) for bi in range(b) for hi in range(h) for c in range(0, r, chunk)]
     p_mult = 1.0

@@ -180,18 +180,17 @@ def parse_granularity(text: str) -> Granularity:
 
 def amax(x: torch.Tensor, gran: Granularity, *, block_rows: int | None = None, group: int = 1) -> torch.Tensor:
     """amax of |x| at ``gran``, shaped to broadcast against ``x`` (see module docstring)."""
-    a = x.abs()
     if isinstance(gran, PerTensor):
-        return a.amax().reshape(1, 1, 1, 1)
+        return _absmax(x, None).reshape(1, 1, 1, 1)
     if isinstance(gran, PerHead):
-        m = a.amax(dim=(2, 3), keepdim=True)
+        m = _absmax(x, (2, 3), keepdim=True)
         if group > 1:
             b, h = m.shape[:2]
             m = m.reshape(b, h // group, group, 1, 1).amax(dim=2, keepdim=True)
             m = m.expand(b, h // group, group, 1, 1).reshape(b, h, 1, 1)
         return m
     if isinstance(gran, PerToken):
-        return a.amax(dim=3, keepdim=True)
+        return _absmax(x, 3, keepdim=True)
     if isinstance(gran, PerBlock):
         rows = gran.rows or block_rows
         if not rows:
@@ -199,19 +198,19 @@ def amax(x: torch.Tensor, gran: Granularity, *, block_rows: int | None = None, g
         b, h, n, _ = x.shape
         nblk = -(-n // rows)
         pad = nblk * rows - n
-        tok = a.amax(dim=3)
+        tok = _absmax(x, 3)
         if pad:
             tok = torch.nn.functional.pad(tok, (0, pad))
         blk = tok.reshape(b, h, nblk, rows).amax(dim=3)
         return blk.repeat_interleave(rows, dim=2)[:, :, :n].unsqueeze(-1)
     if isinstance(gran, PerChannel):
-        return a.amax(dim=2, keepdim=True)
+        return _absmax(x, 2, keepdim=True)
     if isinstance(gran, PerThread):
         if gran.block == 0:
             raise UsageError("PerThread(0) stands for the recipe's tiles; resolve it with thread_granularities")
         b, h, n, _ = x.shape
         nblk = -(-n // gran.block)
-        tok = torch.nn.functional.pad(a.amax(dim=3), (0, nblk * gran.block - n))  # zeros never raise an amax
+        tok = torch.nn.functional.pad(_absmax(x, 3), (0, nblk * gran.block - n))  # zeros never raise an amax
         # token t = blk * block + r * 8 + c; its group is c // width
         g = tok.reshape(b, h, nblk, gran.block // 8, 8 // gran.width, gran.width).amax(dim=(3, 5), keepdim=True)
         g = g.expand(b, h, nblk, gran.block // 8, 8 // gran.width, gran.width)
@@ -219,6 +218,16 @@ def amax(x: torch.Tensor, gran: Granularity, *, block_rows: int | None = None, g
     if isinstance(gran, PerGroup):
         return expand_groups(group_amax(x, gran.size, gran.axis), gran.size, gran.axis, x.shape[gran.axis])
     raise TypeError(f"not a granularity: {gran!r}")
+
+
+def _absmax(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
+    """max |x| over ``dim`` (all of x for None) without a materialised |x| (a whole float64 K at
+    the paper's shape is 268 MB): the infinity norm reduces |x| on the fly. Exact (a max of
+    absolute values), and NaN propagates as in ``x.abs().amax()``."""
+    if x.numel() == 0 or not x.is_floating_point():
+        a = x.abs()
+        return a.amax() if dim is None else a.amax(dim=dim, keepdim=keepdim)
+    return torch.linalg.vector_norm(x, ord=float("inf"), dim=dim, keepdim=keepdim)
 
 
 def group_amax(x: torch.Tensor, size: int, axis: int = -1) -> torch.Tensor:

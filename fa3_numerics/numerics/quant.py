@@ -71,7 +71,30 @@ def quantize(x: torch.Tensor, fmt: str | Format, gran: Granularity, *, block_row
         one = torch.ones((1, 1, 1, 1), dtype=torch.float32, device=x.device)
         return Quantized(cast(pick(x), f) if f.dtype is not None else pick(x), one, f)
     d = pick(amax_to_scale(amax(x, gran, block_rows=block_rows, group=group), f, pow2=pow2))
-    return Quantized(cast(pick(x).to(torch.float64) / d.to(torch.float64), f), d, f)
+    return Quantized(_scaled_cast(pick(x), d, f), d, f)
+
+
+# float64 elements of one slice of ``_scaled_cast`` (32 MB).
+_SLICE_ELEMS = 1 << 22
+
+
+def _scaled_cast(x: torch.Tensor, d: torch.Tensor, f: Format) -> torch.Tensor:
+    """cast(x / d, f), one slice of rows at a time: the float64 quotient and the rounding's
+    float32 intermediate of a whole paper-shape K or V would be 268 + 134 MB of temporaries,
+    the largest item of a run's peak memory. Each element's arithmetic is unchanged."""
+    n = x.shape[2] if x.dim() == 4 else 0
+    if x.dim() != 4 or x.numel() <= _SLICE_ELEMS or d.dim() != 4 or d.shape[2] not in (1, n):
+        return cast(x.to(torch.float64) / d.to(torch.float64), f)
+    step = max(1, _SLICE_ELEMS // (x.numel() // n))
+    out = None
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        dd = d[:, :, a:b] if d.shape[2] > 1 else d
+        part = cast(x[:, :, a:b].to(torch.float64) / dd.to(torch.float64), f)
+        if out is None:
+            out = torch.empty(part.shape[:2] + (n,) + part.shape[3:], dtype=part.dtype, device=part.device)
+        out[:, :, a:b] = part
+    return out
 
 
 def quantize_int(x: torch.Tensor, fmt: str | IntFormat, gran: Granularity, *, block_rows: int | None = None,
