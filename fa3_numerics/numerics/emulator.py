@@ -180,9 +180,9 @@ def _nbytes(v) -> int:
 
 def _trim(cache: dict, keep) -> None:
     """Evict least recently used prepared tensors past the byte budget (``FA3N_PREP_CACHE_MB``,
-    default 384): a sweep of many recipes on paper-shape inputs would otherwise keep every
+    default 128): a sweep of many recipes on paper-shape inputs would otherwise keep every
     rotation and quantization alive (4.4 GB for the seven Table 3 rows)."""
-    budget = int(os.environ.get("FA3N_PREP_CACHE_MB", "384")) << 20
+    budget = int(os.environ.get("FA3N_PREP_CACHE_MB", "128")) << 20
     total = sum(_nbytes(v) for v in cache.values())
     for key in list(cache):
         if total <= budget:

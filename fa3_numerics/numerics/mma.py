@@ -27,11 +27,14 @@ S(a) S(b) 2^(E(a) + E(b) - 14) and, in units of the step's ulp,
 
 an integer below 2^15 in magnitude, so a step's sum (32 terms and C) fits in an int32.
 
-Two implementations compute the same numbers bit for bit (tests/test_mma.py enumerates edge
+Three implementations compute the same numbers bit for bit (tests/test_mma.py enumerates edge
 cases and random draws): ``hopper_fp8_mma_reference`` in plain PyTorch (any device, float64
-where exponents would leave the float32 range), and a compiled fast path
+where exponents would leave the float32 range), a compiled fast path
 (``fa3_numerics.numerics.native``: C with OpenMP on the CPU, built on first use) that
-``hopper_fp8_mma`` uses when it is available.
+``hopper_fp8_mma`` uses when it is available, and a Triton kernel for CUDA tensors
+(``kernels/triton_/mma_model.py``; tests/test_mma_triton.py), which ``hopper_fp8_mma`` and
+``hopper_mma`` (both models) use when triton imports. Each fast path hands non-finite operands
+to the reference.
 
 The 16-bit tensor core (BF16/FP16 operands, wgmma k16) follows the same scheme with other
 constants, fitted to the FA3 BF16 kernel on an H200 (kernels/device/dump_stress.py probes:
@@ -179,7 +182,25 @@ def hopper_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, 
         return d if c is None else c + d
     if model == FP8_MMA:
         return hopper_fp8_mma(a, b, c, a_min_exp=a_fmt.emin, b_min_exp=b_fmt.emin)
+    fast = _triton_mma(a.device)
+    if fast is not None:
+        d = fast(a, b, c, a_min_exp=a_fmt.emin, b_min_exp=b_fmt.emin, model=model)
+        if d is not None:
+            return d
     return hopper_fp8_mma_reference(a, b, c, a_min_exp=a_fmt.emin, b_min_exp=b_fmt.emin, model=model)
+
+
+def _triton_mma(device: torch.device):
+    """The Triton kernel of the model (``kernels/triton_/mma_model.py``: same numbers as the
+    reference) when it can run on ``device`` (CUDA, triton importable, FA3N_TRITON_MMA not 0),
+    else None. Imported on first use: triton's import costs a second that CPU runs never pay."""
+    if device.type != "cuda":
+        return None
+    try:
+        from fa3_numerics.kernels.triton_ import mma_model
+    except ImportError:
+        return None
+    return mma_model.mma if mma_model.available(device) else None
 
 
 def hopper_fp8_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, *,
@@ -192,5 +213,10 @@ def hopper_fp8_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = No
     if fast is not None:
         d = fast(a, b, c, a_min_exp=a_min_exp, b_min_exp=b_min_exp)
         if d is not None:  # None: a non-finite operand, which only the reference propagates
+            return d
+    gpu = _triton_mma(a.device)
+    if gpu is not None:
+        d = gpu(a, b, c, a_min_exp=a_min_exp, b_min_exp=b_min_exp, model=FP8_MMA)
+        if d is not None:  # None: a non-finite operand or a float32 overflow mid-chain
             return d
     return hopper_fp8_mma_reference(a, b, c, a_min_exp=a_min_exp, b_min_exp=b_min_exp)

@@ -18,7 +18,8 @@ Every error figure carries the BCa bootstrap intervals of
 ``fa3_numerics.engine.dataset.summary_table`` (over (seed, batch, head) samples). Variants whose
 values coincide in every point (fa2-fp16 and fa3-fp16 compute the same numbers at the FA3 tiles
 of some shapes) are drawn once and named together in the legend, so no line hides under another.
-matplotlib and seaborn are imported inside functions (``fa3_numerics.report.plots``).
+matplotlib is imported inside functions (``fa3_numerics.report.plots``); seaborn only by the sweep
+heatmaps (``figures_sweep``): the theme and palette are written out in ``plots``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 import xarray as xr
 
 from ..engine.dataset import PAPER_SETTING, SAMPLE_DIMS
-from .plots import Figure, finish, new_fig, theme
+from .plots import Figure, colorblind, finish, new_fig, theme
 
 MARKERS = ("o", "s", "D", "^", "v", "P", "X", "*", "<", ">", "h", "p")
 LABELS = {
@@ -117,11 +118,9 @@ def make_figures(ds: xr.Dataset, rows: list[dict], metric: str = "rmse") -> list
 
 class _Ctx:
     def __init__(self, ds: xr.Dataset, rows: list[dict], metric: str):
-        import seaborn as sns
-
         self.ds, self.rows, self.metric = ds, rows, metric
         self.variants = [str(v) for v in ds["variant"].values]
-        pal = sns.color_palette("colorblind", max(len(self.variants), 1))
+        pal = colorblind(max(len(self.variants), 1))
         if len(self.variants) > len(pal):  # colorblind has 10 colours; repeat with other markers
             pal = [pal[i % len(pal)] for i in range(len(self.variants))]
         self.color = {v: pal[i] for i, v in enumerate(self.variants)}
@@ -292,8 +291,6 @@ def _differs_from_paper(ctx: _Ctx) -> list[tuple[str, str]]:
 
 
 def _inputs_hist(ctx: _Ctx) -> Figure:
-    import seaborn as sns
-
     ds = ctx.ds
     h = ds["abs_hist"]
     hue_dim = "p" if "p" in ctx.varying else ("sigma" if "sigma" in ctx.varying else None)
@@ -313,7 +310,7 @@ def _inputs_hist(ctx: _Ctx) -> Figure:
     edges = lo[1:]
     centers = np.sqrt(edges[:-1] * edges[1:])
     hue_vals = [_py(v) for v in ds.coords[hue_dim].values] if hue_dim else [None]
-    pal = sns.color_palette("colorblind", max(len(hue_vals), 1))
+    pal = colorblind(max(len(hue_vals), 1))
     fig, axes = new_fig(11, 4.4, 1, 2, sharey=True)
     tensors = [str(t) for t in ds.coords["tensor"].values]
     notes = []

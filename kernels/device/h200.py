@@ -407,30 +407,44 @@ def mma_speed(out: Out, args) -> None:
 
     from fa3_numerics.data import distributions
     from fa3_numerics.numerics.emulator import emulate
+    from fa3_numerics.numerics.mma import _triton_mma
     from fa3_numerics.numerics.recipe import Recipe
 
     dev = args.device
     shape = distributions.AttnShape(2, 16, 8192, 128) if dev.startswith("cuda") else distributions.AttnShape(1, 2, 512, 128)
     q, k, v = distributions.generate("outliers", shape, 0, device=dev, p=0.001, sigma=10.0)
     rows = torch.arange(0, shape.seqlen, 8, device=dev)
+    # Which implementation of the model runs: the Triton kernel on CUDA (kernels/triton_/mma_model.py),
+    # the compiled C on the CPU, else the PyTorch reference.
+    gpu = _triton_mma(torch.device(dev)) is not None
+    impl = "Triton kernel (kernels/triton_/mma_model.py)" if gpu else (
+        "compiled C (numerics/_native.c)" if dev == "cpu" else "PyTorch reference")
     res = {}
     for spec in ("fa3-fp8-kernel,acc=fp32", "fa3-fp8-kernel"):
         r = Recipe.from_str(spec)
-        emulate(r, q, k, v, q_index=rows[:64])  # warm-up
+        emulate(r, q, k, v, q_index=rows[:64])  # warm-up (on CUDA: compiles the Triton kernels)
         _sync(dev)
         t = time.perf_counter()
         emulate(r, q, k, v, q_index=rows)
         _sync(dev)
         res[spec] = round(time.perf_counter() - t, 3)
     ratio = res["fa3-fp8-kernel"] / res["fa3-fp8-kernel,acc=fp32"]
+    stats = {}
+    if gpu:
+        from fa3_numerics.kernels.triton_ import mma_model
+
+        stats = dict(mma_model.STATS)
     out.timings["mma_speed"] = {"seconds": res, "ratio": round(ratio, 2), "rows": int(rows.numel()),
-                                "shape": [shape.batch, shape.heads, shape.seqlen, shape.head_dim]}
+                                "shape": [shape.batch, shape.heads, shape.seqlen, shape.head_dim], "impl": impl,
+                                "kernel_calls": stats}
     out.save_timings()
     out.section("mma", f"## The Hopper MMA model's cost on `{dev}`\n\n{shape.batch} x {shape.heads} heads, seqlen "
                        f"{shape.seqlen}, {rows.numel()} query rows: `fa3-fp8-kernel` (acc=fp22) "
                        f"{res['fa3-fp8-kernel']:.3f} s, `acc=fp32` {res['fa3-fp8-kernel,acc=fp32']:.3f} s: "
-                       f"**{ratio:.2f}x** (target <= 3x).")
-    log(f"mma speed {res} ratio {ratio:.2f}")
+                       f"**{ratio:.2f}x** (target <= 3x). The model ran as the {impl}"
+                       + (f" ({stats.get('calls', 0)} calls, {stats.get('fallbacks', 0)} handed to the reference)"
+                          if gpu else "") + ".")
+    log(f"mma speed {res} ratio {ratio:.2f} impl {impl} {stats}")
 
 
 def _events_median(fn, reps: int, device: str) -> float:
@@ -656,14 +670,16 @@ def emulator_devices(out: Out, args) -> None:
 
 
 def kernel_tests(out: Out, args) -> None:
-    """tests/test_kernels_fa3.py in this process (the kernels package alias is in place)."""
+    """The tests that need this machine, in this process: the FA3 kernel's (tests/test_kernels_fa3.py)
+    and the Triton MMA model's bit-identity with the reference (tests/test_mma_triton.py)."""
     import pytest
 
+    files = ["test_kernels_fa3.py", "test_mma_triton.py"]
     t = time.perf_counter()
-    code = pytest.main(["-q", "-p", "no:cacheprovider", "-rs", str(REPO / "tests" / "test_kernels_fa3.py")])
-    out.timings["kernel_tests"] = {"exit_code": int(code), "seconds": round(time.perf_counter() - t, 2)}
+    code = pytest.main(["-q", "-p", "no:cacheprovider", "-rs", *(str(REPO / "tests" / f) for f in files)])
+    out.timings["kernel_tests"] = {"files": files, "exit_code": int(code), "seconds": round(time.perf_counter() - t, 2)}
     out.save_timings()
-    out.section("tests", f"## tests/test_kernels_fa3.py on this machine\n\npytest exit code {int(code)} "
+    out.section("tests", f"## tests/{' and tests/'.join(files)} on this machine\n\npytest exit code {int(code)} "
                          f"({'all passed' if int(code) == 0 else 'see log.txt'}).")
 
 
