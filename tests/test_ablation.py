@@ -11,46 +11,19 @@ from fa3_numerics.errors import UsageError
 from fa3_numerics.numerics.granularity import PerBlock, PerToken
 from fa3_numerics.numerics.recipe import Recipe
 
-TINY = """
-description = "tiny ablation"
-[[data]]
-dist = "outliers"
-params = { p = [0.001], sigma = [10.0] }
-[[data]]
-dist = "sink-tokens"
-[shape]
-seqlen = [128, 192]
-head_dim = [64]
-heads = 2
-rows = 16
-[run]
-seeds = [0]
-[[design]]
-name = "core"
-gran = ["tensor", "block"]
-rot = ["none", "hadamard"]
-[[design]]
-name = "accumulator"
-gran = ["block"]
-acc = ["fp32", "fp22"]
-seqlen = [128]
-data = ["sink-tokens"]
-"""
+pytestmark = pytest.mark.usefixtures("one_thread")  # cells in-process, as one single-threaded dask worker runs them
 
 
 @pytest.fixture()
-def tiny(tmp_path):
-    path = tmp_path / "tiny.toml"
-    path.write_text(TINY)
-    return str(path)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def tiny(ablation_toml):
+    """Two data (the paper's outliers, sink tokens), seqlen 128 and 192; the core design
+    (gran x rot) and an accumulator design on sink tokens at seqlen 128 only."""
+    return str(ablation_toml(
+        data=(("outliers", {"p": [0.001], "sigma": [10.0]}), ("sink-tokens", None)),
+        shape={"seqlen": [128, 192]},
+        designs=[{"name": "core", "gran": ["tensor", "block"], "rot": ["none", "hadamard"]},
+                 {"name": "accumulator", "gran": ["block"], "acc": ["fp32", "fp22"], "seqlen": [128],
+                  "data": ["sink-tokens"]}]))
 
 
 def test_factor_levels_are_recipe_fragments():
@@ -68,7 +41,7 @@ def test_factor_levels_are_recipe_fragments():
 
 def test_default_definition_loads():
     ab = load_ablation("ablation")
-    assert [d.name for d in ab.designs] == ["core", "scale", "accumulator", "format", "shape"]
+    assert [d.name for d in ab.designs] == ["core", "scale", "accumulator", "format", "shape", "field"]
     assert ab.head_dim[0] == 128 and ab.causal[0] is False and {64, 128} <= set(ab.head_dim)
     assert sum(d.paper for d in ab.data) == 1
     assert {d.dist for d in ab.data} >= {"outliers", "channel-outliers", "sink-tokens", "student-t"}
@@ -76,6 +49,11 @@ def test_default_definition_loads():
     assert len(core.variants()) == 45
     assert "block|hadamard|offset8|fp32|e4m3|pow2" in ab.full and "head|none|offset8|fp22|e4m3|amax" in ab.full
     assert len(ab.seqlen) >= 3  # the seqlen trend needs several
+    # the field design (issue 11) runs on k-bias data; the designs before it keep their data
+    field = ab.designs[-1]
+    assert len(field.variants()) == 48 and {"k-bias bias=8", "k-bias bias=20"} <= set(field.data)
+    assert all(not any(x.startswith("k-bias") for x in d.data or []) and d.data for d in ab.designs[:-1])
+    assert "block|hadamard|offset8|fp32|e4m3|amax|qkfmt=int8|smooth=k" in ab.full
 
 
 def test_overrides_replace_levels_and_select(tiny):
@@ -93,6 +71,7 @@ def test_overrides_replace_levels_and_select(tiny):
         load_ablation("no-such-experiment")
 
 
+@pytest.mark.slow
 def test_dataset_layout_and_cache(tiny, tmp_path):
     ab = load_ablation(tiny)
     msgs = []
@@ -128,6 +107,7 @@ def test_dataset_layout_and_cache(tiny, tmp_path):
         np.testing.assert_array_equal(ds[m].values, again[m].values)
 
 
+@pytest.mark.slow
 def test_cli_run_ablation_writes_dataset_and_report(tiny, tmp_path):
     res = CliRunner().invoke(app, ["run", "ablation", "--experiment", tiny, "--workers", "0", "--designs", "core",
                                    "--seqlen", "128,192", "--out", str(tmp_path / "res"), "--report",
@@ -149,6 +129,7 @@ def test_cli_refuses_bad_options_in_one_line(tiny):
     assert exc.value.code == 2
 
 
+@pytest.mark.slow
 def test_capture_file_as_data(tiny, tmp_path):
     pytest.importorskip("safetensors")
     from fa3_numerics.data import distributions

@@ -1,7 +1,5 @@
 """Analysis of an ablation dataset (studies.effects, report.ablation): effects, interactions and findings recover known structure."""
 
-import itertools
-
 import numpy as np
 import pytest
 import xarray as xr
@@ -9,33 +7,16 @@ import xarray as xr
 from fa3_numerics.report import ablation as R
 from fa3_numerics.studies import effects as A
 
-DATA = ["outliers p=0.001,sigma=10", "channel-outliers"]
-GRAN = ["tensor", "block"]
-ROT = ["none", "hadamard"]
-SEQ = [256, 512]
+DATA = ["outliers p=0.001,sigma=10", "channel-outliers"]  # the data of conftest's synthetic_ablation
 
 
-def synthetic(gran_on_d2: float = 0.0, noise: float = 0.0) -> xr.Dataset:
-    """log10 RMSE = -2 + 0.3 [rot=none] + 0.03 [gran=tensor] + 0.1 [rot=none, data 2]
-    + gran_on_d2 [gran=tensor, data 2] + 0.05 [seqlen 512], equal in all 8 samples."""
-    variants = [f"{g}|{r}|offset8|fp32|e4m3|amax" for g, r in itertools.product(GRAN, ROT)]
-    y = np.zeros((len(DATA), len(SEQ), 1, 1, len(variants), 2, 1, 4))
-    rng = np.random.default_rng(0)
-    for (di, d), (si, s), (vi, (g, r)) in itertools.product(enumerate(DATA), enumerate(SEQ),
-                                                             enumerate(itertools.product(GRAN, ROT))):
-        val = -2 + 0.3 * (r == "none") + 0.03 * (g == "tensor") + 0.1 * (r == "none" and di == 1)
-        val += gran_on_d2 * (g == "tensor" and di == 1) + 0.05 * (s == 512)
-        y[di, si, 0, 0, vi] = val + noise * rng.standard_normal((2, 1, 4))
-    dims = ["data", "seqlen", "head_dim", "causal", "variant", "seed", "batch", "head"]
-    coords = {"data": DATA, "seqlen": SEQ, "head_dim": [128], "causal": [False], "variant": variants,
-              "seed": [0, 1], "batch": [0], "head": np.arange(4), "paper_data": ("data", [True, False]),
-              "stage": ("variant", ["full"] * 4), "spec": ("variant", variants)}
-    for f, lv in zip(("gran", "rot", "p", "acc", "fmt", "scale"), zip(*[v.split("|") for v in variants])):
-        coords[f] = ("variant", list(lv))
-    return xr.Dataset({"rmse": (dims, 10 ** y)}, coords=coords, attrs={"seeds": "[0, 1]"})
+@pytest.fixture
+def synthetic(synthetic_ablation):
+    """The planted-effects dataset of conftest (``synthetic_ablation``)."""
+    return synthetic_ablation
 
 
-def test_main_effects_recover_the_planted_sizes():
+def test_main_effects_recover_the_planted_sizes(synthetic):
     fr = A.cell_frame(synthetic(), n_boot=50)
     me = A.main_effects(fr).set_index(["factor", "level"])
     # rot: 0.3 everywhere + 0.1 on half the data -> none vs hadamard differ by 0.35 in log10.
@@ -46,7 +27,7 @@ def test_main_effects_recover_the_planted_sizes():
     assert me.loc[("rot", "none"), "lo"] == pytest.approx(me.loc[("rot", "none"), "ratio"])  # no sample noise
 
 
-def test_interactions_find_the_planted_pair_only():
+def test_interactions_find_the_planted_pair_only(synthetic):
     fr = A.cell_frame(synthetic(), n_boot=50)
     it = A.interactions(fr).set_index(["f", "g"])
     assert it.loc[("rot", "data"), "rms_log10"] == pytest.approx(0.1 / 4)
@@ -54,7 +35,7 @@ def test_interactions_find_the_planted_pair_only():
     assert it.index[0] == ("rot", "data")
 
 
-def test_paper_finding_and_block_quant_statement():
+def test_paper_finding_and_block_quant_statement(synthetic):
     ds = synthetic(gran_on_d2=0.1)
     fr = A.cell_frame(ds, n_boot=50)
     pf = A.paper_finding(fr, DATA[0])
@@ -73,7 +54,7 @@ def test_paper_finding_and_block_quant_statement():
     assert any("nowhere in the grid" in line for line in calm)
 
 
-def test_not_reproduced_when_block_beats_rotation():
+def test_not_reproduced_when_block_beats_rotation(synthetic):
     ds = synthetic()
     ds["rmse"] = ds["rmse"] * xr.where((ds["gran"] == "tensor") & (ds["rot"] == "hadamard"), 10.0, 1.0)
     fr = A.cell_frame(ds, n_boot=20)
@@ -81,14 +62,15 @@ def test_not_reproduced_when_block_beats_rotation():
     assert any("Paper finding not reproduced" in line for line in lines)
 
 
-def test_bootstrap_intervals_cover_the_point_with_noise():
+def test_bootstrap_intervals_cover_the_point_with_noise(synthetic):
     fr = A.cell_frame(synthetic(noise=0.05), n_boot=200)
     me = A.main_effects(fr)
     assert ((me["lo"] <= me["ratio"]) & (me["ratio"] <= me["hi"])).all()
     assert (me["hi"] > me["lo"]).all()
 
 
-def test_report_renders_from_a_synthetic_dataset(tmp_path):
+@pytest.mark.slow
+def test_report_renders_from_a_synthetic_dataset(tmp_path, synthetic):
     ds = synthetic(noise=0.02)
     ds.attrs.update({"description": "synthetic", "designs": "{}", "base_recipe": "fa3-fp8-kernel"})
     ds = ds.assign_coords(heads=4, batch_size=1, rows=16)

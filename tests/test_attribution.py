@@ -72,35 +72,14 @@ def test_attribution_table_shares_sum_to_one(tiny_ablation_ds):
 
 
 @pytest.fixture(scope="module")
-def tiny_ablation_ds(tmp_path_factory):
+def tiny_ablation_ds(ablation_toml, threads):
+    """The core design (gran x rot) on the paper's outliers at seqlen 192, seeds 0 and 1, run
+    in-process on one thread."""
     from fa3_numerics.studies.ablation import load_ablation, run_ablation
 
-    path = tmp_path_factory.mktemp("attr") / "tiny.toml"
-    path.write_text(TINY)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    path = ablation_toml(description="tiny", shape={"seqlen": [192]}, run={"seeds": [0, 1]})
+    with threads(1):
         return run_ablation(load_ablation(str(path)), workers=0, progress=lambda m: None)
-    finally:
-        torch.set_num_threads(n)
 
-
-TINY = """
-description = "tiny"
-[[data]]
-dist = "outliers"
-params = { p = [0.001], sigma = [10.0] }
-[shape]
-seqlen = [192]
-head_dim = [64]
-heads = 2
-rows = 16
-[run]
-seeds = [0, 1]
-[[design]]
-name = "core"
-gran = ["tensor", "block"]
-rot = ["none", "hadamard"]
-"""
 
 __all__ = ["PerHead"]

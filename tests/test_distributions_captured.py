@@ -21,13 +21,20 @@ from fa3_numerics.data import distributions as D  # noqa: E402
 from fa3_numerics.data.distributions import captured as cd  # noqa: E402
 from fa3_numerics.errors import UsageError  # noqa: E402
 
-from test_audit import HEADS, KV, D as HD, write_capture  # noqa: E402
+# The synthetic capture of conftest's ``write_audit_capture``: 4 query heads, 2 KV heads, head dim 64.
+HEADS, KV, HD = 4, 2, 64
 
 N = 200
 
 
 @pytest.fixture(scope="module")
-def synth(tmp_path_factory):
+def write_capture(write_audit_capture, audit_shape):
+    assert (audit_shape["HEADS"], audit_shape["KV"], audit_shape["D"]) == (HEADS, KV, HD)
+    return write_audit_capture
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory, write_capture):
     path = tmp_path_factory.mktemp("captured") / "c.safetensors"
     write_capture(path, tokens=N)
     return str(path)
@@ -127,7 +134,7 @@ def test_shape_must_match_the_capture(synth):
         D.generate(f"captured:{synth}", D.AttnShape(1, 16, 64, 128), seed=0)
 
 
-def test_rope_metadata_needed_for_repositioning(tmp_path):
+def test_rope_metadata_needed_for_repositioning(tmp_path, write_capture):
     path = tmp_path / "scaled.safetensors"
     write_capture(path, tokens=40, meta_over={"rope": '{"rope_theta": 500000.0, "rope_type": "llama3"}'})
     with pytest.raises(UsageError, match="@rope=0"):
@@ -156,6 +163,7 @@ def real(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer", [3, 15])
 def test_generator_reproduces_amax_profile_and_audit_error(real, layer):
     c = cap.load_capture(real)

@@ -44,6 +44,7 @@ def test_sink_tokens_scale_only_the_first_keys():
     assert torch.equal(q, base[0]) and torch.equal(v, base[2])
 
 
+@pytest.mark.slow
 def test_student_t_has_the_tails_of_its_df():
     from scipy.stats import t
 

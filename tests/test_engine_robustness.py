@@ -13,14 +13,8 @@ import pytest
 from fa3_numerics.engine.dataset import read
 from fa3_numerics.engine.files import OutputFolder, atomic_path, atomic_write, clean_stale_temps
 from fa3_numerics.errors import UsageError
-from fa3_numerics.testing import run_cli
 
 SMALL = ["--seqlen", "128", "--heads", "2", "--batch", "1", "--rows", "16", "--variants", "fa3-fp8,fa3-fp8-no-incoherent"]
-
-
-def cli(args, capsys):
-    code, out, err = run_cli(args, capsys)
-    return code, out, err
 
 
 def one_line_exit_2(code, err, words, after_start: bool = False):
@@ -66,15 +60,16 @@ def test_second_owner_of_a_folder_is_refused_and_the_lock_dies_with_its_process(
     assert sorted(os.listdir(out)) == []  # no lock file left behind
 
 
-def test_concurrent_run_into_the_same_out_is_refused_before_writing(tmp_path, capsys):
+def test_concurrent_run_into_the_same_out_is_refused_before_writing(tmp_path, cli):
     out = tmp_path / "o"
     with OutputFolder(out):  # a run in progress
-        code, _, err = cli(["run", "outliers", *SMALL, "--out", str(out)], capsys)
+        code, _, err = cli(*["run", "outliers", *SMALL, "--out", str(out)])
         one_line_exit_2(code, err, "another fa3-numerics process is writing into")
         assert not (out / "outliers.nc").exists() and not (out / "summary.md").exists()
 
 
-def test_temp_files_of_a_killed_writer_are_removed(tmp_path, capsys):
+@pytest.mark.slow
+def test_temp_files_of_a_killed_writer_are_removed(tmp_path, cli):
     out = tmp_path / "o"
     (out / ".cells").mkdir(parents=True)
     stale = [out / ".outliers.nc.k3j2h1.tmp", out / ".cells" / ".0123abcd.npz.x9y8.tmp", out / ".summary.md.abc.tmp"]
@@ -82,7 +77,7 @@ def test_temp_files_of_a_killed_writer_are_removed(tmp_path, capsys):
         f.write_bytes(b"")  # what SIGKILL during a write leaves
     keep = out / "notes.txt"
     keep.write_text("mine")
-    code, _, err = cli(["run", "outliers", *SMALL, "--out", str(out)], capsys)
+    code, _, err = cli(*["run", "outliers", *SMALL, "--out", str(out)])
     assert code == 0, err
     assert "removed 3 temp file(s) of an interrupted run" in err
     assert not any(f.exists() for f in stale) and keep.read_text() == "mine"
@@ -100,13 +95,14 @@ def test_clean_stale_temps_touches_only_temp_files(tmp_path):
 
 # -- the cache: a broken file is recomputed, with a warning ------------------------------------
 
-def test_truncated_cache_file_is_recomputed_with_a_warning(tmp_path, capsys):
+@pytest.mark.slow
+def test_truncated_cache_file_is_recomputed_with_a_warning(tmp_path, cli):
     out = tmp_path / "o"
-    assert cli(["run", "outliers", *SMALL, "--out", str(out)], capsys)[0] == 0
+    assert cli(*["run", "outliers", *SMALL, "--out", str(out)])[0] == 0
     first = read(out / "outliers.nc")
     victim = sorted((out / ".cells").glob("*.npz"))[0]
     victim.write_bytes(victim.read_bytes()[:40])  # a full disk, a crash of another tool
-    code, _, err = cli(["run", "outliers", *SMALL, "--out", str(out)], capsys)
+    code, _, err = cli(*["run", "outliers", *SMALL, "--out", str(out)])
     assert code == 0, err
     assert f"cached result {victim.name} is unreadable (BadZipFile); recomputing it" in err
     again = read(out / "outliers.nc")
@@ -132,45 +128,46 @@ def test_truncated_cache_file_is_recomputed_with_a_warning(tmp_path, capsys):
     (["--dist", "outliers:p=0.01", "--p", "0.02"], "parameter p is given both in --dist and as --p"),
     (["--dist", "outliers:q=1"], "unknown parameter 'q'"),
 ])
-def test_bad_run_options_are_one_line_exit_2_nothing_written(tmp_path, capsys, args, words):
+def test_bad_run_options_are_one_line_exit_2_nothing_written(tmp_path, cli, args, words):
     out = tmp_path / "o"
     argv = ["run", "outliers", "--heads", "2", "--batch", "1", "--rows", "16", "--seqlen", "128", *args]
     if "--out" not in args:
         argv += ["--out", str(out)]
-    code, _, err = cli(argv, capsys)
+    code, _, err = cli(*argv)
     one_line_exit_2(code, err, words)
     assert not out.exists()
 
 
-def test_out_that_is_a_file_is_refused(tmp_path, capsys):
+def test_out_that_is_a_file_is_refused(tmp_path, cli):
     f = tmp_path / "a_file"
     f.write_text("x")
-    code, _, err = cli(["run", "outliers", *SMALL, "--out", str(f)], capsys)
+    code, _, err = cli(*["run", "outliers", *SMALL, "--out", str(f)])
     one_line_exit_2(code, err, f"--out {f} is a file; pass a folder")
     assert f.read_text() == "x"
 
 
-def test_report_and_compare_destinations(tmp_path, capsys):
+@pytest.mark.slow
+def test_report_and_compare_destinations(tmp_path, cli):
     out = tmp_path / "o"
-    assert cli(["run", "outliers", *SMALL, "--out", str(out)], capsys)[0] == 0
+    assert cli(*["run", "outliers", *SMALL, "--out", str(out)])[0] == 0
     nc = out / "outliers.nc"
     f = tmp_path / "a_file"
     f.write_text("x")
-    code, _, err = cli(["report", str(nc), "--out", str(f)], capsys)
+    code, _, err = cli(*["report", str(nc), "--out", str(f)])
     one_line_exit_2(code, err, "is a file; pass a folder")
     folder = tmp_path / "existing"
     folder.mkdir()
-    code, _, err = cli(["compare", str(nc), str(nc), "--out", str(folder)], capsys)
+    code, _, err = cli(*["compare", str(nc), str(nc), "--out", str(folder)])
     one_line_exit_2(code, err, "is a folder; pass a file name inside it")
     assert list(folder.iterdir()) == [] and not list(tmp_path.glob(".*.tmp"))
-    code, _, err = cli(["compare", str(nc), str(nc), "--out", str(tmp_path / "cmp.md")], capsys)
+    code, _, err = cli(*["compare", str(nc), str(nc), "--out", str(tmp_path / "cmp.md")])
     assert code == 0 and (tmp_path / "cmp.md").read_text().startswith("# Comparison")
 
 
-def test_backends_refuses_an_unknown_device(capsys):
+def test_backends_refuses_an_unknown_device(cli):
     from fa3_numerics.engine.backends import available_backends
 
-    code, _, err = cli(["backends", "--device", "tpu"], capsys)
+    code, _, err = cli(*["backends", "--device", "tpu"])
     one_line_exit_2(code, err, "--device 'tpu' is not a device here; use cpu, cuda or cuda:N")
     assert all(why is not None for why in available_backends("tpu").values())
     assert available_backends("cpu")["emulate"] is None
@@ -178,69 +175,58 @@ def test_backends_refuses_an_unknown_device(capsys):
 
 # -- recorded values are the values used --------------------------------------------------------
 
-def test_rows_beyond_seqlen_record_the_rows_evaluated(tmp_path, capsys):
+@pytest.mark.slow
+def test_rows_beyond_seqlen_record_the_rows_evaluated(tmp_path, cli):
     out = tmp_path / "o"
-    code, _, err = cli(["run", "outliers", "--seqlen", "64,128", "--heads", "1", "--batch", "1", "--rows", "100",
-                        "--variants", "fa3-fp8", "--out", str(out)], capsys)
+    code, _, err = cli(*["run", "outliers", "--seqlen", "64,128", "--heads", "1", "--batch", "1", "--rows", "100",
+                        "--variants", "fa3-fp8", "--out", str(out)])
     assert code == 0, err
     assert "--rows 100 >= seqlen 64" in err
     ds = read(out / "outliers.nc")
     assert ds["rows"].dims == ("seqlen",) and list(ds["rows"].values) == [64, 100]
 
 
-def test_captured_suffix_parameters_are_recorded(tmp_path, capsys):
+@pytest.mark.slow
+def test_captured_suffix_parameters_are_recorded(tmp_path, cli):
     pytest.importorskip("safetensors")
     from fa3_numerics.testing import write_capture
 
     path = tmp_path / "cap.safetensors"
     write_capture(path, heads=2, kv_heads=1, tokens=96)
     out = tmp_path / "o"
-    code, _, err = cli(["run", "outliers", "--dist", f"captured:{path}@rope=0,layer=1", "--heads", "2",
+    code, _, err = cli(*["run", "outliers", "--dist", f"captured:{path}@rope=0,layer=1", "--heads", "2",
                         "--kv-heads", "1", "--head-dim", "64", "--seqlen", "128", "--batch", "1", "--rows", "16",
-                        "--variants", "fa3-fp8", "--out", str(out)], capsys)
+                        "--variants", "fa3-fp8", "--out", str(out)])
     assert code == 0, err
     ds = read(out / "outliers.nc")
     assert float(ds["rope"]) == 0.0 and float(ds["layer"]) == 1.0
     assert ds.attrs["dist"] == f"captured:{path}"
 
 
-def test_ctrl_c_says_what_is_kept(tmp_path, capsys, monkeypatch):
+def test_ctrl_c_says_what_is_kept(tmp_path, cli, monkeypatch):
     import fa3_numerics.studies.outliers as outliers
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(outliers, "run_experiment", interrupted)
-    code, _, err = cli(["run", "outliers", *SMALL, "--out", str(tmp_path / "o")], capsys)
+    code, _, err = cli(*["run", "outliers", *SMALL, "--out", str(tmp_path / "o")])
     assert code == 130
     assert "interrupted; finished results are kept" in err
 
 
-def test_non_finite_inputs_are_refused_with_the_cell(tmp_path, capsys, monkeypatch):
+def test_non_finite_inputs_are_refused_with_the_cell(tmp_path, cli, inf_k):
     """An Inf in K would make the descale fall back to 1 and the cast saturate: every FP8 output
     finite while the reference is NaN. The engine refuses the inputs instead."""
-    import torch
-
-    from fa3_numerics.data import distributions
-
-    def inf_k(shape, seed, *, where: float):
-        g = distributions.generator(seed)
-        q, k, v = (torch.randn(s, generator=g, dtype=torch.float64) for s in (shape.q_shape, shape.kv_shape,
-                                                                           shape.kv_shape))
-        k.view(-1)[int(where)] = float("inf")
-        return q, k, v
-
-    monkeypatch.setitem(distributions._REGISTRY, "inf-k", distributions.Entry(
-        "inf-k", inf_k, "K with one Inf", {"where": (0.0, "flat index of the Inf")}))
-    code, _, err = cli(["run", "outliers", "--dist", "inf-k", "--seqlen", "64", "--heads", "1", "--batch", "1",
-                        "--rows", "8", "--variants", "fa3-fp8", "--out", str(tmp_path / "o")], capsys)
+    code, _, err = cli("run", "outliers", "--dist", inf_k, "--seqlen", "64", "--heads", "1", "--batch", "1",
+                       "--rows", "8", "--variants", "fa3-fp8", "--out", str(tmp_path / "o"))
     one_line_exit_2(code, err, "inf-k(where=0) at single cell, seed 0: 1 non-finite value(s) in K", after_start=True)
 
 
-def test_inputs_that_overflow_float64_attention_are_refused(tmp_path, capsys):
+def test_inputs_that_overflow_float64_attention_are_refused(tmp_path, cli):
     # A family's own parameter check may refuse it up front (outliers' sigma does); the engine
     # refuses whatever gets through: here K's outlier channels at 1e300 make Q K^T overflow.
-    code, _, err = cli(["run", "outliers", "--dist", "channel-outliers", "--scale", "1e300", "--seqlen", "64",
+    code, _, err = cli(*["run", "outliers", "--dist", "channel-outliers", "--scale", "1e300", "--seqlen", "64",
                         "--heads", "1", "--batch", "1", "--rows", "8", "--variants", "fa3-fp8", "--out",
-                        str(tmp_path / "o")], capsys)
+                        str(tmp_path / "o")])
     one_line_exit_2(code, err, "overflow float64 attention", after_start=True)

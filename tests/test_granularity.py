@@ -7,7 +7,7 @@ import torch
 from fa3_numerics.errors import UsageError
 from fa3_numerics.numerics.granularity import (PerBlock, PerChannel, PerGroup, PerHead, PerTensor, PerThread, PerToken,
                                                amax, expand_groups, group_amax, parse_granularity,
-                                               sage2_thread_granularities)
+                                               sage2_thread_granularities, thread_granularities)
 
 
 @pytest.fixture
@@ -92,13 +92,25 @@ def test_per_channel_is_amax_over_tokens(x):
     assert torch.equal(amax(x, PerChannel()), x.abs().amax(dim=2, keepdim=True))
 
 
-def test_new_granularities_stay_out_of_recipe_strings():
-    # the emulator folds per-head / per-token descales into S; scales along head_dim need the
-    # phase-2 emulator change, so recipes cannot name them yet
-    for text in ("channel", "thread32", "group32"):
+def test_recipe_strings_name_thread_and_channel_but_not_explicit_groups():
+    # ``thread`` is SageAttention2's layout at the recipe's tiles (Q and K groups differ, so an
+    # explicit size would be ambiguous); microscaling groups come with the formats (qk=mxfp8)
+    assert parse_granularity("thread") == PerThread(0) and PerThread(0).short_str() == "thread"
+    assert parse_granularity("channel") == PerChannel()
+    for text in ("thread32", "group32"):
         with pytest.raises(UsageError):
             parse_granularity(text)
     assert PerThread(64, 2).short_str() == "thread64x2" and PerGroup(32, 2).short_str() == "group32@2"
+    with pytest.raises(UsageError, match="thread_granularities"):
+        amax(torch.ones(1, 1, 8, 4), PerThread(0))
+
+
+def test_thread_granularities_follow_the_tiles():
+    assert thread_granularities(128, 64) == sage2_thread_granularities("sm89")
+    assert thread_granularities(64, 128) == sage2_thread_granularities("sm90")
+    for bm, bn in ((48, 64), (128, 60)):
+        with pytest.raises(UsageError, match="gran=thread"):
+            thread_granularities(bm, bn)
 
 
 @pytest.mark.parametrize("bad", [lambda: PerThread(12), lambda: PerThread(32, 3), lambda: PerGroup(0),

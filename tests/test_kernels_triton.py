@@ -111,6 +111,7 @@ def interpreted():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_interpreted_quantizer_matches_prepare(interpreted):
     for r in interpreted["quant"]:
         if r["mode"] == "exact-f64":

@@ -120,6 +120,16 @@ CASES = [
     (2, 2, 300, 64, False, "fa3-fp8-kernel,ftz=0"),
     (4, 1, 256, 64, True, "baseline-fp8"),
     (2, 2, 256, 64, False, "baseline-fp16"),
+    # Recipes of the field (issue 11): integer, microscaling and two-level P after the C step,
+    # the smooth=qk bias before it, FlashAttention's per-tile normalisation around it.
+    (2, 2, 300, 64, True, "fa1-fp16"),
+    (4, 2, 300, 64, False, "sage1"),
+    (4, 2, 333, 128, True, "sage2-int8"),
+    (2, 2, 256, 64, False, "sage2-int4,acc=fp32"),
+    (4, 2, 300, 128, True, "sage3-nvfp4"),
+    (2, 1, 300, 64, False, "fa3-mxfp8,p=mxfp8,mxscale=floor"),
+    (2, 2, 256, 64, True, "fa3-fp8-kernel,acc=fp32,smooth=qk,sbias=bf16,norm=tile,bn=64"),
+    (2, 2, 200, 64, False, "sage3-nvfp4,algo=standard,order=reverse,nvts=head,pmatch=scale"),
 ]
 
 
@@ -146,3 +156,39 @@ def test_native_status_names_the_path(monkeypatch):
     finally:
         native._STATE.clear()
         native._STATE.update(saved)
+
+
+@pytest.mark.parametrize("name", ["e2m1", "e4m3", "e5m2"])
+def test_round_fast_is_the_reference_rounding(name):
+    """``formats.round_fast`` (the compiled rounding, E2M1 included, used by the microscaling
+    quantizers) against ``round_to_format``, float64 and float32 inputs, specials included."""
+    from fa3_numerics.numerics.formats import element_format, round_fast
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(100_000, generator=g, dtype=torch.float64) * torch.exp2(
+        torch.randint(-20, 20, (100_000,), generator=g).double())
+    x[:5] = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 2.5], dtype=torch.float64)  # 2.5: an E2M1 tie
+    f = element_format(name)
+    for t in (x, x.float()):
+        got, ref = round_fast(t, f), round_to_format(t, f)
+        assert got.dtype == t.dtype and torch.equal(got, ref)
+        assert torch.equal(torch.signbit(got[2:4]), torch.tensor([False, True]))
+    nan = torch.tensor([float("nan"), 1.0], dtype=torch.float64)
+    assert torch.equal(torch.nan_to_num(round_fast(nan, f), nan=7.0), torch.nan_to_num(round_to_format(nan, f), nan=7.0))
+
+
+def test_softmax_step_row_sums_in_the_kernels_order():
+    """The compiled softmax step on a hand-made tile: scale_log2 1, offset 0 and integer scores
+    make every P~ = 2^s exact. Thread 0 of the quad starts at 1 (the max does not move, so the
+    rescale factor is exactly 1) and adds columns 0 then 1: 1 + 2^-24 rounds to 1 (a tie, to
+    even), + 2^-23 gives 1 + 2^-23 (in the other order: 1 + 2^-22). Column 2 belongs to thread 1,
+    and the flush makes 2^-200 a zero."""
+    step = native.softmax_step(torch.device("cpu"))
+    s = torch.tensor([[[[-24.0, -23.0, 0.0, -200.0, -200.0, -200.0, -200.0, -200.0]]]])
+    m = torch.zeros(1, 1, 1, 1)
+    rs4 = torch.tensor([[[[1.0, 0.0, 0.0, 0.0]]]])
+    p, rescale = step(s.clone(), sl2=torch.ones(1, 1, 1, 1), qd=None, kd=None, base=1.0, lim=None, m=m, rs4=rs4,
+                      offset=0.0, ftz=True, fmt=None)
+    assert rescale.item() == 1.0 and m.item() == 0.0
+    assert p.flatten().tolist() == [2.0 ** -24, 2.0 ** -23, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert rs4.flatten().tolist() == [1.0 + 2.0 ** -23, 1.0, 0.0, 0.0]

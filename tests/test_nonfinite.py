@@ -58,6 +58,7 @@ def overflow_run(tmp_path_factory):
     return out, exc.value.code, err.getvalue()
 
 
+@pytest.mark.slow
 def test_run_warns_names_the_cell_and_exits_3(overflow_run):
     out, code, err = overflow_run
     assert code == 3
@@ -68,6 +69,7 @@ def test_run_warns_names_the_cell_and_exits_3(overflow_run):
     assert "--allow-nonfinite" in err.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_run_writes_everything_and_flags_it(overflow_run):
     out, _, _ = overflow_run
     ds = read(out / "outliers.nc")
@@ -83,12 +85,14 @@ def test_run_writes_everything_and_flags_it(overflow_run):
         assert "Non-finite results" in text and "non-finite (2 of 2 samples)" in text, f
 
 
+@pytest.mark.slow
 def test_allow_nonfinite_exits_0_but_still_warns(tmp_path, capsys):
     code, _, err = run_cli(["run", "outliers", *OVERFLOW, "--out", str(tmp_path / "o"), "--allow-nonfinite"],
                            capsys)
     assert code == 0 and "warning: non-finite results: variant 'baseline-fp16,sscale=after'" in err
 
 
+@pytest.mark.slow
 def test_compare_shows_non_finite_sides_and_exits_3(overflow_run, tmp_path, capsys):
     out, _, _ = overflow_run
     nc = out / "outliers.nc"
@@ -132,20 +136,35 @@ def fp16_factor(monkeypatch):
         {"fp32": "", "fp16": "algo=standard,qk=fp16,v=fp16,p=fp16,s=fp16,softmax=fp16,out=fp16"}))
 
 
+@pytest.mark.slow
 def test_ablation_reports_and_exits_3(fp16_factor, tmp_path, capsys):
     toml = tmp_path / "nf.toml"
     toml.write_text(TOML)
     code, _, err = run_cli(["run", "ablation", "--experiment", str(toml), "--workers", "0", "--out",
                             str(tmp_path / "res"), "--report", str(tmp_path / "rep")], capsys)
     assert code == 3, err
-    assert "warning: non-finite results: variant 'head|none|offset8|fp32|e4m3|amax|fp16'" in err
+    # a factor registered after the original six is labelled name=level (studies.ablation.variant_label)
+    assert "warning: non-finite results: variant 'head|none|offset8|fp32|e4m3|amax|s16=fp16'" in err
     assert "data=outliers p=0.01,sigma=300, seqlen=192, head_dim=64, causal=False, seed 0" in err
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "**Non-finite results.**" in md and "1 cell(s) are left out of the effects" in md
 
 
+def test_ablation_refuses_non_finite_inputs(tmp_path, cli, inf_k, ablation_toml):
+    """Issue 15: on the ablation path too, an Inf in K is refused (exit 2, one line naming the
+    cell) rather than measured as FP8 outputs that a saturating cast made finite."""
+    toml = ablation_toml(data=((inf_k, None),), run={"attribution": False},
+                         designs=[{"name": "core", "gran": ["head"], "rot": ["none", "hadamard"]}])
+    code, _, err = cli("run", "ablation", "--experiment", toml, "--workers", "0", "--out", tmp_path / "res")
+    assert code == 2, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "1 non-finite value(s) in K" in last and "seqlen=128" in last, err
+    assert not (tmp_path / "res" / "tiny.nc").exists()
+
+
 # -- audit -------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_audit_ranks_a_non_finite_head_first_and_exits_3(tmp_path, capsys):
     pytest.importorskip("safetensors")
     from fa3_numerics.studies.audit import audit, rank, recommend
@@ -182,6 +201,7 @@ class NanKernel(MockFa3Backend):
         return o
 
 
+@pytest.mark.slow
 def test_validate_counts_kernel_and_emulator_non_finite_apart(tmp_path, capsys, monkeypatch):
     """A stand-in kernel that returns NaN for one output: counted as the kernel's, not the
     emulator's; F stays defined over the outputs finite in both; exit 3 unless allowed."""

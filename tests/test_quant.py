@@ -12,10 +12,28 @@ def x():
     return torch.randn(2, 4, 300, 64, generator=g, dtype=torch.float64) * 3
 
 
+def _amax_by_loops(x, gran):
+    """amax of |x| at ``gran`` per (batch, head, token), by explicit loops over the groups of
+    tokens that share a scale: no broadcasting tricks."""
+    b, h, n, _ = x.shape
+    rows = {PerTensor: n, PerHead: n, PerToken: 1}.get(type(gran)) or gran.rows
+    out = torch.empty(b, h, n, dtype=torch.float64)
+    for bi in range(b):
+        for hi in range(h):
+            for s0 in range(0, n, rows):
+                grp = x if isinstance(gran, PerTensor) else x[bi, hi, s0:s0 + rows]
+                out[bi, hi, s0:s0 + rows] = grp.abs().max()
+    return out
+
+
 @pytest.mark.parametrize("gran,shape", [(PerTensor(), (1, 1, 1, 1)), (PerHead(), (2, 4, 1, 1)),
                                         (PerToken(), (2, 4, 300, 1)), (PerBlock(128), (2, 4, 300, 1))])
-def test_amax_shapes(x, gran, shape):
-    assert amax(x, gran).shape == shape
+def test_amax_shapes_and_values(x, gran, shape):
+    """The documented shape of each granularity, and its values against explicit loops (the
+    last block of 300 tokens in blocks of 128 is 44 long)."""
+    a = amax(x, gran)
+    assert a.shape == shape
+    assert torch.equal(a.expand(2, 4, 300, 1)[..., 0], _amax_by_loops(x[:, :, :, :], gran))
 
 
 def test_block_amax_is_blockwise(x):
@@ -46,11 +64,40 @@ def test_quantize_is_independent_rounding_of_scaled_values(x, gran, fmt):
     assert rel < 2.0 ** -(f.mbits + 1)
 
 
-def test_pow2_scales_are_powers_of_two(x):
-    q = quantize(x, "e4m3", PerHead(), pow2=True)
-    m, _ = torch.frexp(q.descale)
-    assert torch.all(m == 0.5)
+@pytest.mark.parametrize("gran", [PerTensor(), PerHead(), PerBlock(64), PerToken()])
+def test_pow2_scales_are_the_smallest_power_of_two_that_fits(x, gran):
+    """pow2 descales are 2^ceil(log2(amax / 448)): a power of two, at least amax / 448 (so no
+    value saturates) and less than twice it (so no range is wasted: the largest |value| of each
+    group lies in (224, 448]). Rounding the exponent down would saturate; up twice, waste a bit."""
+    q = quantize(x, "e4m3", gran, pow2=True)
+    d = q.descale.double().expand(2, 4, 300, 1)[..., 0]
+    need = _amax_by_loops(x, gran) / 448
+    m, _ = torch.frexp(d)
+    assert torch.all(m == 0.5)  # powers of two
+    assert torch.all(d >= need) and torch.all(d / 2 < need)
     assert torch.all(q.values.double().abs() <= 448)
+    if isinstance(gran, PerToken):  # each token's largest value, rounded to e4m3, is in [224, 448]
+        assert torch.all(q.values.double().abs().amax(dim=-1) >= 224)
+
+
+@pytest.mark.parametrize("case,amax,want", [
+    ("amax / 448 exactly a power of two", 448 * 2.0 ** -5, 2.0 ** -5),
+    ("a hair above: the next power", 448 * 2.0 ** -5 * (1 + 2.0 ** -20), 2.0 ** -4),
+    ("a hair below: the same power", 448 * 2.0 ** -5 * (1 - 2.0 ** -20), 2.0 ** -5),
+    ("amax 448: descale 1", 448.0, 1.0),
+    ("tiny amax", 448 * 2.0 ** -100 * 1.5, 2.0 ** -99),
+])
+def test_pow2_scale_rounds_up_at_the_edges(case, amax, want):
+    got = amax_to_scale(torch.tensor([amax], dtype=torch.float64), get_format("e4m3"), pow2=True)
+    assert got.dtype == torch.float32 and got.item() == want, case
+
+
+def test_amax_scales_map_each_groups_amax_to_the_format_max(x):
+    """Without pow2 the descale is amax / 448 rounded once to float32 (torchao's amax_to_scale):
+    each group's largest |value| lands on 448 up to that rounding."""
+    q = quantize(x, "e4m3", PerHead())
+    assert torch.equal(q.descale, (x.abs().amax(dim=(2, 3), keepdim=True) / 448).to(torch.float32))
+    assert torch.equal(q.values.double().abs().amax(dim=(2, 3)), torch.full((2, 4), 448.0, dtype=torch.float64))
 
 
 def test_zero_tensor_scale_is_one():

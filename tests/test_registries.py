@@ -19,6 +19,9 @@ from fa3_numerics.testing import run_cli
 TINY = ["--seqlen", "64", "--heads", "2", "--batch", "1", "--rows", "16"]
 
 
+pytestmark = pytest.mark.slow  # each registry exercised through CLI runs
+
+
 def cli_with(app, argv, capsys):
     """Run ``argv`` on a freshly built app (options generated from the registries as they are now)."""
     from fa3_numerics.cli import main

@@ -14,6 +14,9 @@ from fa3_numerics.studies.outliers import load_experiment, run_experiment
 BASE = dict(batch=1, heads=2, rows=32, variants=["baseline-fp8,fa3-fp8"])
 
 
+pytestmark = pytest.mark.slow  # swept CLI runs
+
+
 @pytest.fixture(scope="module")
 def swept():
     lines: list[str] = []

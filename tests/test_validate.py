@@ -1,5 +1,6 @@
 """`fa3-numerics validate`: the grid, the report, and the refusal without a Hopper GPU."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -9,9 +10,6 @@ import torch
 from fa3_numerics.numerics.tiles import fa3_tiles
 from fa3_numerics.studies.validate import (Case, accumulator_ranking, case_recipe, grid, markdown_validation,
                                    run_validation)
-
-NO_HOPPER = not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0))
-
 
 def test_small_grid_covers_the_issue_axes():
     cases = grid("small")
@@ -32,10 +30,21 @@ def test_small_grid_covers_the_issue_axes():
 def test_every_case_runs_on_the_fa3_kernel():
     from fa3_numerics.engine.backends import get_backend
 
+    from fa3_numerics.numerics.granularity import parse_granularity
+
     fa3 = get_backend("fa3")
     for c in grid("full") + grid("small"):
-        assert fa3.supports(case_recipe(c)) is None, c.name
-        assert case_recipe(c, "fp22").acc == "fp22"
+        r = case_recipe(c)
+        assert fa3.supports(r) is None, c.name
+        # what the kernel computes for the case: its formats, descales and rotation, BF16 out
+        if c.dtype == "fp8":
+            assert (r.qk, r.v, r.p, r.gran, r.p_offset) == ("e4m3", "e4m3", "e4m3", parse_granularity(c.gran), 8.0)
+        else:
+            assert (r.qk, r.v, r.p, r.p_offset) == ("bf16", "bf16", "bf16", 0.0)
+        assert (r.rot, r.out, r.algo, r.order) == (c.rot, "bf16", "flash", "reverse")
+        # an accumulator model changes the emulator's recipe in that key and in no other
+        r22 = case_recipe(c, "fp22")
+        assert r22.acc == "fp22" and r22 != r and dataclasses.replace(r22, acc=r.acc) == r
 
 
 def test_run_validation_with_stand_in_kernel(tmp_path):
@@ -67,7 +76,7 @@ def test_deadline_leaves_the_rest_unrun():
     assert np.isnan(ds["fidelity"].values).all()
 
 
-@pytest.mark.skipif(not NO_HOPPER, reason="the refusal path is for machines without a Hopper GPU")
+@pytest.mark.no_hopper
 def test_cli_validate_exits_2_with_one_line_without_the_kernel(capsys):
     from fa3_numerics.cli import main
 
@@ -133,6 +142,7 @@ def test_dist_replaces_the_data_of_every_case():
         with_dist(cases, "nope")
 
 
+@pytest.mark.slow
 def test_captured_validation_per_layer_and_head(tmp_path, capsys):
     """The emulator against the (stand-in) kernel on a capture's recorded tensors, per layer x
     head, with the capture's GQA heads, softmax scale and causal flag."""
@@ -168,6 +178,7 @@ def test_captured_validation_per_layer_and_head(tmp_path, capsys):
     assert "Per layer x head on the capture" in out and "| layer | head |" in out
 
 
+@pytest.mark.slow
 def test_cli_validate_tiny_grid_on_the_stand_in(tmp_path, capsys):
     from fa3_numerics.testing import run_cli
 

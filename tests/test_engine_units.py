@@ -1,0 +1,66 @@
+"""The engine's defences, as units (no CLI run): the cache and the refusal of unusable inputs.
+
+Each was a defect of issue 15 with no test: a truncated ``.cells/*.npz`` raised
+``zipfile.BadZipFile`` out of ``cache.load``; an Inf in K gave FP8 results that a saturating cast
+made finite while the float64 reference was NaN. The CLI behaviour around both is tested in
+test_engine_robustness.py."""
+
+import numpy as np
+import pytest
+import torch
+
+from fa3_numerics.engine import cache
+from fa3_numerics.engine.inputs import check_inputs
+from fa3_numerics.errors import UsageError
+
+
+@pytest.mark.parametrize("cut", [0, 10, 40, 200, -1])
+def test_an_unreadable_cache_file_is_reported_removed_and_recomputed(tmp_path, cut):
+    """Cut anywhere (empty, inside the zip header, inside the data, one byte short): ``load``
+    returns None (recompute), warns once naming the file, and removes it."""
+    path = tmp_path / "cell.npz"
+    cache.save(path, {"rmse": np.arange(64.0), "max_abs": np.ones(64)})
+    whole = path.read_bytes()
+    assert cache.load(path, ["rmse"], warn=pytest.fail)["rmse"].tolist() == list(range(64))
+    path.write_bytes(whole[:cut])
+    warned = []
+    assert cache.load(path, ["rmse", "max_abs"], warn=warned.append) is None
+    assert len(warned) == 1 and "cell.npz is unreadable" in warned[0] and "recomputing it" in warned[0]
+    assert not path.exists()
+
+
+def test_a_cache_file_without_a_newer_metric_is_recomputed_silently(tmp_path):
+    path = tmp_path / "cell.npz"
+    cache.save(path, {"rmse": np.zeros(3)})
+    assert cache.load(path, ["rmse", "new_metric"], warn=pytest.fail) is None
+    assert cache.load(tmp_path / "missing.npz", ["rmse"], warn=pytest.fail) is None
+
+
+@pytest.mark.parametrize("name,bad", [("Q", float("nan")), ("K", float("inf")), ("V", -float("inf"))])
+def test_non_finite_inputs_are_refused_naming_the_tensor(name, bad):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 64, generator=g, dtype=torch.float64) for _ in range(3))
+    {"Q": q, "K": k, "V": v}[name][0, 1, 3, 5] = bad
+    with pytest.raises(UsageError, match=f"cell A: 1 non-finite value\\(s\\) in {name}"):
+        check_inputs(q, k, v, scale=0.125, where="cell A")
+
+
+def test_inputs_whose_float64_attention_overflows_are_refused():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 1, 16, 64, generator=g, dtype=torch.float64) for _ in range(3))
+    check_inputs(q, k, v, scale=0.125, where="x")  # ordinary inputs pass
+    k[0, 0, 0, 0] = 1e300
+    q[0, 0, 0, 0] = 1e10
+    with pytest.raises(UsageError, match="overflow float64"):
+        check_inputs(q, k, v, scale=0.125, where="x")
+
+
+def test_every_study_path_checks_its_inputs(inf_k):
+    """``run outliers`` (and with it ablation, audit and validate, which run through the same
+    engine task) refuses an Inf in K before computing anything."""
+    from fa3_numerics.studies.outliers import load_experiment, run_experiment
+
+    exp = load_experiment("outliers", {"dist": inf_k, "seqlen": [64], "batch": 1, "heads": 1, "rows": 8,
+                                       "variants": ["fa3-fp8"]})
+    with pytest.raises(UsageError, match="1 non-finite value\\(s\\) in K"):
+        run_experiment(exp, progress=lambda m: None)
