@@ -37,7 +37,7 @@ HELP = {
 }
 SOURCE = "experiments/ablation.toml"
 EXAMPLES = examples(
-    "fa3-numerics run ablation                         # the default design: 3-5 minutes on 2 cores",
+    "fa3-numerics run ablation                         # the default design: ~6 minutes on 2 cores",
     "fa3-numerics run ablation --designs core --data outliers --seqlen 1024,4096 --workers 0",
     "fa3-numerics run ablation --p-handling offset8,scale448 --gran head,block --out results/abl",
     "fa3-numerics run ablation --scheduler tcp://HOST:8786   # cells spread over an existing dask cluster",

@@ -29,7 +29,7 @@ HELP = {
 }
 SOURCE = "experiments/outliers.toml"
 EXAMPLES = examples(
-    "fa3-numerics run outliers --p 0.001                        # the paper's Table 3 (~1.5 min on 2 cores)",
+    "fa3-numerics run outliers --p 0.001                        # the paper's Table 3 (~40 s on 2 cores)",
     "fa3-numerics run outliers --seqlen 1024,4096 --p 0.001,0.01 --seeds 0,1,2 --out results/sweep",
     "fa3-numerics run outliers --variants 'fa3-fp8;fa3-fp8,acc=fp22;gran=token,rot=orthogonal'",
     "fa3-numerics run outliers --dist student-t:df=3 --seqlen 2048",

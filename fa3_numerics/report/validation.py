@@ -100,7 +100,9 @@ def _per_head(ds, accs: list[str]) -> list:
 def _ranking(ds) -> list:
     from ..studies.validate import F_LIMIT, accumulator_ranking
 
-    rank = accumulator_ranking(ds) if "nonfinite_emulator_only" in ds else _ranking_old(ds)
+    # Datasets written before the non-finite counts have no nonfinite_emulator_only: the ranking
+    # then counts none, which is all that is known of them.
+    rank = accumulator_ranking(ds)
     if not rank:
         return []
     return [Table(["acc", "max F", "median F", "mean bit-identical", "cases",
@@ -109,23 +111,6 @@ def _ranking(ds) -> list:
                     str(r["cases"]), str(r["nonfinite_only"]), "yes" if r["pass"] else "no"] for r in rank],
                   [False, True, True, True, True, True, False],
                   caption="Accumulator models over the FP8 cases (best first):")]
-
-
-def _ranking_old(ds) -> list[dict]:
-    """The ranking of a dataset written before the non-finite counts (none are then known)."""
-    from ..studies.validate import F_LIMIT
-
-    fp8 = ds["dtype"].values == "fp8"
-    out = []
-    for a in ds["acc"].values:
-        f = ds["fidelity"].sel(acc=a).values[fp8]
-        f = f[np.isfinite(f)]
-        idn = ds["identical"].sel(acc=a).values[fp8]
-        if f.size:
-            out.append({"acc": str(a), "max_F": float(f.max()), "median_F": float(np.median(f)),
-                        "mean_identical": float(np.nanmean(idn)), "cases": int(f.size), "nonfinite_only": 0,
-                        "pass": bool(f.max() <= F_LIMIT)})
-    return sorted(out, key=lambda r: (r["max_F"], r["median_F"]))
 
 
 def fig_fidelity(ds) -> Figure | None:
