@@ -138,6 +138,58 @@ def test_interpreted_gqa_and_masking(interpreted):
     assert g["gqa_identical"] and g["finite"] and g["masked_rows_zero"] and g["live_rows_nonzero"], g
 
 
+# Persistent (software-pipelined) fast kernel against the one-program-per-tile kernel: the same
+# float32 arithmetic, so the same bytes. Cases cover every granularity, a GQA group, rotation on
+# and off, the three output layouts, a seqlen that is no multiple of the tile and several work
+# items per program (the interpreter runs 3 programs); blocks in one tile, in sub-tiles kept in
+# registers (2, 3 and 4 of them, the last partly or wholly past the block or the sequence) and
+# in sub-tiles read again.
+_PERSIST_SNIPPET = r"""
+import json, torch
+from fa3_numerics.kernels.triton_.rotate_quant import rotate_quantize
+from fa3_numerics.numerics.granularity import PerBlock, PerHead, PerTensor, PerToken
+g = torch.Generator().manual_seed(5)
+b, n, h, d = 2, 150, 4, 64
+x = (torch.randn(b, n, h, d, generator=g) * (1 + 10 * (torch.rand(b, n, h, d, generator=g) < 0.01))).to(torch.bfloat16)
+out = []
+for name, gran, grp, rot, lay, pw, extra in [
+        ("token", PerToken(), 1, "hadamard", "bhsd", 0, {}), ("head", PerHead(), 2, "hadamard", "bhds", 0, {}),
+        ("head", PerHead(), 1, "none", "bshd", 1, {}), ("tensor", PerTensor(), 1, "hadamard", "bhsd", 0, {}),
+        ("block96", PerBlock(96), 1, "hadamard", "bhds", 0, {}), ("block64", PerBlock(64), 1, "none", "bhsd", 1, {}),
+        ("block96", PerBlock(96), 1, "hadamard", "bhsd", 0, {"sub_tile": 32, "reread": False}), ("block64", PerBlock(64), 1, "none", "bhsd", 1, {"sub_tile": 32}),
+        ("block96", PerBlock(96), 1, "none", "bhds", 0, {"sub_tile": 32}),
+        ("block112", PerBlock(112), 1, "hadamard", "bshd", 1, {"sub_tile": 32, "reread": False}),
+        ("block96", PerBlock(96), 1, "hadamard", "bhsd", 0, {"sub_tile": 32, "reread": True}),
+        ("block96", PerBlock(96), 1, "hadamard", "bshd", 1, {"sub_tile": 32, "reread": "sync"}),
+        ("block128", PerBlock(128), 1, "none", "bhsd", 0, {"sub_tile": 16})]:
+    for hf in (True, False):
+        kw = dict(layout="bshd", gran=gran, group=grp, rot=rot, seed=3, out_layout=lay, pow2=bool(pw), tile=32)
+        a = rotate_quantize(x, persistent=False, **kw)
+        p = rotate_quantize(x, persistent=True, head_fast=hf, **kw, **extra)
+        out.append({"case": f"{name} {rot} {lay} {extra} head_fast={hf}: {p.launch}", "shape_ok": a.values.shape == p.values.shape,
+                    "bytes": bool(torch.equal(a.values.view(torch.uint8), p.values.view(torch.uint8))),
+                    "descales": bool(torch.equal(a.descale, p.descale))})
+print(json.dumps(out))
+"""
+
+
+def test_interpreted_persistent_kernel_matches_tiled():
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed: the interpreter tests need it (pip install triton)")
+    if GPU_REASON is None:
+        pytest.skip("a GPU is present: test_gpu_persistent_kernel_matches_tiled covers this")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", _PERSIST_SNIPPET], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 26
+    launches = " ".join(r["case"] for r in rows)
+    for mode in ("x2 kept", "x3 kept", "x4 kept", "x3 reread ", "reread-sync"):
+        assert mode in launches, mode
+    for r in rows:
+        assert r["shape_ok"] and r["bytes"] and r["descales"], r
+
+
 # ---------------------------------------------------------------------------- GPU
 
 
@@ -184,3 +236,35 @@ def test_gpu_emulator_reproduces_kernel():
         # O by vd_prev / vd_cur, which aligns the MMA's truncation differently (measured F 0.017).
         limit = 0.03 if "pow2=0" in r["recipe"] else 0.01
         assert r[f"F_{model}"] <= limit, r
+
+
+@gpu
+def test_gpu_persistent_kernel_matches_tiled():
+    """The persistent kernel's descale division (reciprocal + one Markstein correction, fused
+    multiply-adds) gives the IEEE division's bytes; head-first and seq-first orders agree; blocks in
+    sub-tiles kept in registers (2, 3, 4; written transposed on request) and read again (pipelined:
+    the default for 224 rows and transposed outputs; at the block's end: on request). The sweep of
+    kernels/device/triton_h200.py compares one-tile blocks."""
+    from fa3_numerics.kernels.triton_.rotate_quant import rotate_quantize
+    from fa3_numerics.numerics.granularity import PerBlock, PerHead, PerTensor, PerToken
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    b, n, h, d = 2, 1000, 8, 128
+    x = torch.randn(b, n, h, d, generator=g, device="cuda")
+    x = (x * (1 + 10 * (torch.rand(b, n, h, d, generator=g, device="cuda") < 0.01))).to(torch.bfloat16)
+    for gran, grp, rot, lay, extra in [
+            (PerToken(), 1, "hadamard", "bhsd", {}), (PerHead(), 2, "hadamard", "bshd", {}), (PerHead(), 1, "none", "bhds", {}),
+            (PerTensor(), 1, "hadamard", "bhsd", {}), (PerBlock(128), 1, "hadamard", "bhsd", {}),
+            (PerBlock(224), 1, "hadamard", "bhds", {}), (PerBlock(128), 1, "none", "bhds", {}),
+            (PerBlock(224), 1, "none", "bhds", {}), (PerBlock(128), 1, "none", "bhds", {"reread": False}),
+            (PerBlock(224), 1, "hadamard", "bhsd", {"reread": False}), (PerBlock(224), 1, "hadamard", "bshd", {"reread": "sync"}),
+            (PerBlock(160), 1, "hadamard", "bhsd", {"reread": False}), (PerBlock(512), 1, "hadamard", "bhsd", {})]:
+        kw = dict(layout="bshd", gran=gran, group=grp, rot=rot, seed=3, out_layout=lay)
+        # the tiled kernel's blocks of over 256 rows: 64-row sub-tiles (256 need more shared memory than there is)
+        a = rotate_quantize(x, persistent=False, **kw, **({"tile": 64} if isinstance(gran, PerBlock) and gran.rows > 256 else {}))
+        for hf in (True, False):
+            p = rotate_quantize(x, persistent=True, head_fast=hf, **kw, **extra)
+            assert p.launch.startswith("persistent"), (gran, extra, p.launch)
+            assert torch.equal(a.descale, p.descale), (gran, rot, lay, hf, extra, p.launch)
+            same = (a.values.view(torch.uint8) == p.values.view(torch.uint8)).double().mean().item()
+            assert same == 1.0, (gran, rot, lay, hf, extra, p.launch, same)

@@ -10,13 +10,25 @@ plus float32 descales.
 
 Granularity and passes over the input:
 
-- ``block`` (rows per block, e.g. the kernel's tile) and ``token``: one program per block
-  (or per group of rows); the block's amax is taken over sub-tiles and the sub-tiles are
-  rotated again to quantize, so HBM sees each element once (the second read hits L2).
+- ``block`` (rows per block, e.g. the kernel's tile) and ``token``: one pass. In the fast
+  path's persistent kernel a block of up to 64 rows (at head_dim 128) is one tile; a longer
+  block (the FA3 FP8 tiles: 128 rows of Q, 224 of K/V) is walked as 64-row sub-tiles, one per
+  pipelined loop step. Two sub-tiles (128 rows) stay in registers, rotated, until the second
+  gives the block's amax, and are then cast and stored; longer blocks, and blocks written
+  transposed, load theirs a second time (L2 hits) after the amax steps. In the tiled kernel
+  (float64 path) the block's amax is likewise taken over sub-tiles and the sub-tiles are rotated
+  again to quantize. Either way HBM sees each element once.
 - ``head`` (one descale per (batch, kv-head), shared by the heads of a GQA group as the FA3
   kernel's q_descale is) and ``tensor``: a first pass reduces the amax with atomics, a second
   quantizes. No kernel can avoid this second read: every element's scale depends on every
   other element of the head.
+
+Kernels: ``_rq_persistent`` (float32 path, default): a fixed grid of programs (as many per SM
+as the compiled kernel's registers and shared memory allow, at most 3) walks the tiles with
+software-pipelined loads (``cp.async`` into shared memory, ``num_stages``), the +-1 matrix
+loaded once per program. Measured on the H200 against a device-to-device copy:
+reports/h200/triton/report.md. ``_rq_kernel`` (float64 path; ``persistent=False``): one program
+per tile, the first version.
 
 Arithmetic, two modes:
 
@@ -26,7 +38,8 @@ Arithmetic, two modes:
 - ``exact=False`` (the fast path): float32, the rotation as a butterfly or as one tensor-core
   dot with the +-1 matrix diag(signs) H (products exact for BF16/FP16 inputs, float32 sums).
   Rounding differs from the float64 emulator in rare near-ties; ``tests`` and the device run
-  measure how often.
+  measure how often. Both kernels compute the same bytes (the persistent one divides through
+  the reciprocal and a Markstein correction, which is the IEEE division's result).
 
 Rotation implementations: ``butterfly`` (fast Walsh-Hadamard transform, log2(d) stages of
 reshape/split/join in registers) and ``dot`` (x @ (diag(s) H) on the tensor cores).
@@ -67,6 +80,7 @@ if triton is not None:
         if ROT == 2:
             # +-1 entries and BF16/FP16 inputs: every product is exact, the tensor core sums in float32.
             y = tl.dot(x.to(hm.dtype), hm, out_dtype=tl.float32) * tl.load(scal_ptr + 1)
+
         else:
             if EXACT:
                 y = x.to(tl.float64)
@@ -128,6 +142,275 @@ if triton is not None:
         else:
             v = tl.minimum(tl.maximum(v, -FMT_MAX), FMT_MAX)
         return v.to(OUT)
+
+    @triton.jit
+    def _scale_cast(y, d32, MBITS: tl.constexpr, EMIN: tl.constexpr, FMT_MAX: tl.constexpr, OUT: tl.constexpr,
+                    SOFT_CAST: tl.constexpr, DIV: tl.constexpr):
+        """Fast path's y / descale and saturating cast; ``d32`` (float32) broadcasts against y.
+
+        DIV 0: IEEE division (div_rn). 1: y * (1/descale), one more rounding. 2: y / descale
+        correctly rounded from the reciprocal with one Markstein correction (q0 = y r,
+        e = fma(q0, -d, y) exact, q = fma(e, r, q0)): the bytes of DIV 0 for three FP32
+        instructions per element instead of an IEEE division. Needs a fused multiply-add,
+        which Triton's CPU interpreter does not have (it rounds the product), so the
+        interpreter takes DIV 0. No clamp before the cast: cvt.rn.satfinite (and round_fp8)
+        saturate by themselves, and NaN stays NaN as in the emulator's cast."""
+        if DIV == 0:
+            v = tl.math.div_rn(y, tl.broadcast_to(d32, y.shape))
+        else:
+            r = tl.math.div_rn(d32 * 0.0 + 1.0, d32)
+            v = y * r
+            if DIV == 2:
+                # -d per row, not -q0 per element: Triton's negation is 0 - x, one more instruction
+                v = tl.fma(tl.broadcast_to(r, y.shape), tl.fma(v, tl.broadcast_to(0.0 - d32, y.shape), y), v)
+        if SOFT_CAST:
+            v = round_fp8(v, MBITS, EMIN, FMT_MAX)
+        return v.to(OUT)
+
+    @triton.jit
+    def _item(t, H, NBLK, HEAD_FAST: tl.constexpr):
+        """Work item t -> (batch, head, block), heads first or sequence first."""
+        if HEAD_FAST:
+            bk = t // H
+            h = t - bk * H
+            b = bk // NBLK
+            blk = bk - b * NBLK
+        else:
+            bh = t // NBLK
+            blk = t - bh * NBLK
+            b = bh // H
+            h = bh - b * H
+        return b, h, blk
+
+    @triton.jit
+    def _store_q(y, d32, yr, offy, r0, sub, end, MBITS: tl.constexpr, EMIN: tl.constexpr, FMT_MAX: tl.constexpr,
+                 OUT: tl.constexpr, SOFT_CAST: tl.constexpr, DIV: tl.constexpr):
+        """Cast a sub-tile whose first row is r0 and store it at ``yr`` (that row's address) +
+        ``offy``; rows r0 + sub < end only."""
+        q = _scale_cast(y, d32, MBITS, EMIN, FMT_MAX, OUT, SOFT_CAST, DIV)
+        tl.store(yr + offy, q, mask=((r0 + sub) < end)[:, None])
+
+    @triton.jit
+    def _block_subtiles(X, Y, hm, SIGNS, SCAL, DESC, sxb, sxh, sxs, sxd, syb, syh, sys_, syd, sdb, sdh, sdn,
+                        H, N, R, NBLK, TOTAL, pid, nprog, cols, sub, D: tl.constexpr, LOG2D: tl.constexpr,
+                        TILE: tl.constexpr, ROT: tl.constexpr, POW2: tl.constexpr, MBITS: tl.constexpr,
+                        EMIN: tl.constexpr, FMT_MAX: tl.constexpr, OUT: tl.constexpr, SOFT_CAST: tl.constexpr,
+                        DIV: tl.constexpr, STAGES: tl.constexpr, HEAD_FAST: tl.constexpr, SUB: tl.constexpr,
+                        REREAD: tl.constexpr):
+        """Per-block scales, a block as SUB sub-tiles of TILE rows (see _rq_persistent). One loop
+        step per sub-tile (2 SUB with REREAD), all software-pipelined by the same loop, so the
+        next sub-tiles' loads are in flight while one is rotated. The block's amax is the max of
+        its sub-tiles' row maxima (max is exact: the same descale as one tile's reduction).
+
+        Registers: a loop step's addresses are one 64-bit row address (scalar) plus offsets
+        within the tile that do not change between steps, and the load's mask compares ``sub``
+        with a scalar; the store recomputes its mask from scalars. So the pipeline carries a
+        few scalars per stage in flight, not per-row offsets and masks (which, next to the
+        rotated sub-tiles kept in registers, spilled)."""
+        nb = tl.cdiv(TOTAL - pid, nprog)  # blocks of this program: pid, pid + nprog, ...
+        STEPS: tl.constexpr = 2 * SUB if REREAD == 1 else SUB
+        offx = sub[:, None] * sxs + cols[None, :] * sxd
+        offy = sub[:, None] * sys_ + cols[None, :] * syd
+        run = tl.zeros((TILE,), tl.float32)
+        d32 = tl.zeros((), tl.float32) + 1.0
+        s0 = tl.zeros((TILE, D), tl.float32)
+        s1 = tl.zeros((TILE, D), tl.float32)
+        s2 = tl.zeros((TILE, D), tl.float32)
+        for i in tl.range(0, nb * STEPS, num_stages=STAGES):
+            k = i // STEPS
+            j = i - k * STEPS
+            if REREAD == 1:
+                js = tl.where(j >= SUB, j - SUB, j)
+            else:
+                js = j
+            b, h, blk = _item(pid + k * nprog, H, NBLK, HEAD_FAST)
+            b0 = blk * R  # the block's first row
+            r0 = b0 + js * TILE  # this sub-tile's
+            end = tl.minimum(b0 + R, N)
+            xr = X + (b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + r0.to(tl.int64) * sxs)
+            x = tl.load(xr + offx, mask=(sub < end - r0)[:, None], other=0.0)
+            y = _rotate(x, SIGNS, hm, SCAL, TILE, D, LOG2D, ROT, False)
+            if REREAD == 2:
+                # The pipelined loop reads each sub-tile from HBM once (amax); at the block's last
+                # one, the earlier sub-tiles are loaded again (L2 hits) outside the pipeline,
+                # rotated again and cast, then the last one, still in registers.
+                run = tl.maximum(run, tl.max(tl.abs(y), axis=1))
+                if j == SUB - 1:
+                    d32 = _descale(tl.max(run, axis=0), FMT_MAX, POW2, False)
+                    tl.store(DESC + b * sdb + h * sdh + blk * sdn, d32)
+                    run = tl.zeros((TILE,), tl.float32)
+                    xb = X + (b.to(tl.int64) * sxb + h.to(tl.int64) * sxh)
+                    yb = Y + (b.to(tl.int64) * syb + h.to(tl.int64) * syh)
+                    for q in tl.static_range(SUB - 1):
+                        rq = b0 + q * TILE
+                        xq = tl.load(xb + rq.to(tl.int64) * sxs + offx, mask=((rq + sub) < end)[:, None], other=0.0)
+                        yq = _rotate(xq, SIGNS, hm, SCAL, TILE, D, LOG2D, ROT, False)
+                        _store_q(yq, d32, yb + rq.to(tl.int64) * sys_, offy, rq, sub, end, MBITS, EMIN, FMT_MAX, OUT,
+                                 SOFT_CAST, DIV)
+                    _store_q(y, d32, yb + r0.to(tl.int64) * sys_, offy, r0, sub, end, MBITS, EMIN, FMT_MAX, OUT,
+                             SOFT_CAST, DIV)
+            elif REREAD == 1:
+                if j < SUB:
+                    run = tl.maximum(run, tl.max(tl.abs(y), axis=1))
+                    if j == SUB - 1:
+                        d32 = _descale(tl.max(run, axis=0), FMT_MAX, POW2, False)
+                        tl.store(DESC + b * sdb + h * sdh + blk * sdn, d32)
+                        run = tl.zeros((TILE,), tl.float32)
+                else:
+                    yr = Y + (b.to(tl.int64) * syb + h.to(tl.int64) * syh + r0.to(tl.int64) * sys_)
+                    _store_q(y, d32, yr, offy, r0, sub, end, MBITS, EMIN, FMT_MAX, OUT, SOFT_CAST, DIV)
+            else:
+                if j == SUB - 1:
+                    # The block's amax over every kept sub-tile and this one. Reducing the kept ones
+                    # here (not as they arrive) keeps them in the dot's register layout, which their
+                    # cast then reads; otherwise the compiler carried a second, converted copy.
+                    am = tl.max(tl.max(tl.abs(y), axis=1), axis=0)
+                    am = tl.maximum(am, tl.max(tl.max(tl.abs(s0), axis=1), axis=0))
+                    if SUB > 2:
+                        am = tl.maximum(am, tl.max(tl.max(tl.abs(s1), axis=1), axis=0))
+                    if SUB > 3:
+                        am = tl.maximum(am, tl.max(tl.max(tl.abs(s2), axis=1), axis=0))
+                    d32 = _descale(am, FMT_MAX, POW2, False)
+                    tl.store(DESC + b * sdb + h * sdh + blk * sdn, d32)
+                    yb = Y + (b.to(tl.int64) * syb + h.to(tl.int64) * syh)
+                    # s0 holds sub-tile SUB - 2, s1 SUB - 3, s2 SUB - 4
+                    ra = b0 + (SUB - 2) * TILE
+                    _store_q(s0, d32, yb + ra.to(tl.int64) * sys_, offy, ra, sub, end, MBITS, EMIN, FMT_MAX, OUT,
+                             SOFT_CAST, DIV)
+                    if SUB > 2:
+                        rb = b0 + (SUB - 3) * TILE
+                        _store_q(s1, d32, yb + rb.to(tl.int64) * sys_, offy, rb, sub, end, MBITS, EMIN, FMT_MAX,
+                                 OUT, SOFT_CAST, DIV)
+                    if SUB > 3:
+                        _store_q(s2, d32, yb + b0.to(tl.int64) * sys_, offy, b0, sub, end, MBITS, EMIN, FMT_MAX,
+                                 OUT, SOFT_CAST, DIV)
+                    _store_q(y, d32, yb + r0.to(tl.int64) * sys_, offy, r0, sub, end, MBITS, EMIN, FMT_MAX, OUT,
+                             SOFT_CAST, DIV)
+                else:
+                    # shift, not select by j: a select made the compiler keep two copies
+                    if SUB > 3:
+                        s2 = s1
+                    if SUB > 2:
+                        s1 = s0
+                    s0 = y
+
+    @triton.jit
+    def _rq_persistent(X, Y, SIGNS, HMAT, SCAL, AMAX, DESC,
+                       sxb, sxh, sxs, sxd, syb, syh, sys_, syd, sdb, sdh, sdn,
+                       H, N, GROUP, R, NBLK, TOTAL,
+                       D: tl.constexpr, LOG2D: tl.constexpr, TILE: tl.constexpr, ROT: tl.constexpr,
+                       GRAN: tl.constexpr, PASS: tl.constexpr, POW2: tl.constexpr, MBITS: tl.constexpr,
+                       EMIN: tl.constexpr, FMT_MAX: tl.constexpr, OUT: tl.constexpr, SOFT_CAST: tl.constexpr,
+                       DIV: tl.constexpr, STAGES: tl.constexpr, HEAD_FAST: tl.constexpr,
+                       SUB: tl.constexpr = 1, REREAD: tl.constexpr = 0):
+        """Fast path (float32), persistent: a fixed grid of programs walks the work items (blocks
+        of R <= TILE rows of one (batch, head)). The +-1 matrix is loaded once per program, and
+        the loop is software-pipelined (STAGES): the next items' loads are in flight while one
+        is rotated, reduced and stored.
+
+        PASS 0 (token/block, one pass): item = pid + k * programs, numbered heads first
+        (HEAD_FAST) or sequence first. PASS 1 (head/tensor amax): each program takes one
+        contiguous run of items in (batch, head, block) order. PASS 2 (quantize with that
+        amax): the same runs backwards, so that its first reads hit the tiles PASS 1 left in L2.
+
+        SUB > 1 (blocks only): a block of R <= SUB * TILE rows is walked as SUB sub-tiles of TILE
+        rows, one per loop step, so a stage holds TILE rows and more of them fit in flight. The
+        rotated sub-tiles wait in registers (SUB - 1 of them) until the last one gives the block's
+        amax; then all are cast and stored. REREAD 1: instead of keeping them, the block's
+        sub-tiles are loaded a second time (L2 hits), as SUB more pipelined loop steps, and rotated
+        again; REREAD 2: the same second loads, but at the block's last step, outside the pipeline
+        (which then holds HBM reads only), and the last sub-tile stays in registers."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        cols = tl.arange(0, D)
+        sub = tl.arange(0, TILE)
+        if ROT == 2:
+            hm = tl.load(HMAT + cols[:, None] * D + cols[None, :])
+        else:
+            hm = 0
+        run = tl.zeros((TILE,), tl.float32)
+        chunk = tl.cdiv(TOTAL, nprog)
+        if PASS == 1:
+            # amax per (batch, head group) or tensor: each program walks one contiguous run of
+            # items in (batch, head, block) order, keeps row maxima in registers, and reduces and
+            # adds them to the group's atomic only when the group changes (a few times at most).
+            prev = pid * 0 - 1
+            for i in tl.range(0, chunk, num_stages=STAGES):
+                t = pid * chunk + i
+                ok = t < TOTAL
+                bh = t // NBLK
+                blk = t - bh * NBLK
+                b = bh // H
+                h = bh - b * H
+                rows = blk * R + sub
+                m = (sub < R) & (rows < N) & ok
+                xb = X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
+                x = tl.load(xb + rows[:, None].to(tl.int64) * sxs + cols[None, :] * sxd, mask=m[:, None], other=0.0)
+                y = _rotate(x, SIGNS, hm, SCAL, TILE, D, LOG2D, ROT, False)
+                if GRAN == 1:
+                    ai = tl.where(ok, b * (H // GROUP) + h // GROUP, prev)
+                else:
+                    ai = tl.where(ok, 0, prev)
+                if (ai != prev) & (prev >= 0):
+                    tl.atomic_max(AMAX + prev, tl.max(run, axis=0).to(tl.int32, bitcast=True))
+                    run = tl.zeros((TILE,), tl.float32)
+                run = tl.maximum(run, tl.max(tl.abs(y), axis=1))
+                prev = ai
+            if prev >= 0:
+                tl.atomic_max(AMAX + prev, tl.max(run, axis=0).to(tl.int32, bitcast=True))
+            return
+        if SUB > 1:
+            _block_subtiles(X, Y, hm, SIGNS, SCAL, DESC, sxb, sxh, sxs, sxd, syb, syh, sys_, syd, sdb, sdh, sdn,
+                            H, N, R, NBLK, TOTAL, pid, nprog, cols, sub, D, LOG2D, TILE, ROT, POW2, MBITS, EMIN,
+                            FMT_MAX, OUT, SOFT_CAST, DIV, STAGES, HEAD_FAST, SUB, REREAD)
+            return
+        # PASS 2 walks the same runs as PASS 1 backwards: its first reads are the tiles PASS 1
+        # read last, still in L2. PASS 0 interleaves the programs (item = pid + k * programs).
+        n_iter = chunk if PASS == 2 else tl.cdiv(TOTAL - pid, nprog)
+        for i in tl.range(0, n_iter, num_stages=STAGES):
+            if PASS == 2:
+                t = pid * chunk + (chunk - 1 - i)
+                tt = tl.minimum(t, TOTAL - 1)  # past the end: masked, but indices stay in range
+                bh = tt // NBLK
+                blk = tt - bh * NBLK
+                b = bh // H
+                h = bh - b * H
+            else:
+                t = pid + i * nprog
+                if HEAD_FAST:
+                    bk = t // H
+                    h = t - bk * H
+                    b = bk // NBLK
+                    blk = bk - b * NBLK
+                else:
+                    bh = t // NBLK
+                    blk = t - bh * NBLK
+                    b = bh // H
+                    h = bh - b * H
+            rows = blk * R + sub
+            m = (sub < R) & (rows < N) & (t < TOTAL)
+            xb = X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
+            x = tl.load(xb + rows[:, None].to(tl.int64) * sxs + cols[None, :] * sxd, mask=m[:, None], other=0.0)
+            y = _rotate(x, SIGNS, hm, SCAL, TILE, D, LOG2D, ROT, False)
+            if GRAN == 3:
+                dt = _descale(tl.max(tl.abs(y), axis=1), FMT_MAX, POW2, False)
+                tl.store(DESC + b * sdb + h * sdh + rows * sdn, dt, mask=m)
+                q = _scale_cast(y, dt[:, None], MBITS, EMIN, FMT_MAX, OUT, SOFT_CAST, DIV)
+            else:
+                if GRAN == 2:
+                    d32 = _descale(tl.max(tl.max(tl.abs(y), axis=1), axis=0), FMT_MAX, POW2, False)
+                    tl.store(DESC + b * sdb + h * sdh + blk * sdn, d32)
+                elif GRAN == 1:
+                    hg = h // GROUP
+                    d32 = _descale(tl.load(AMAX + b * (H // GROUP) + hg).to(tl.float32, bitcast=True),
+                                   FMT_MAX, POW2, False)
+                    tl.store(DESC + b * sdb + hg * sdh, d32, mask=(blk == 0) & (h % GROUP == 0) & (t < TOTAL))
+                else:
+                    d32 = _descale(tl.load(AMAX).to(tl.float32, bitcast=True), FMT_MAX, POW2, False)
+                    tl.store(DESC, d32, mask=t == 0)
+                q = _scale_cast(y, d32, MBITS, EMIN, FMT_MAX, OUT, SOFT_CAST, DIV)
+            yb = Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh
+            tl.store(yb + rows[:, None].to(tl.int64) * sys_ + cols[None, :] * syd, q, mask=m[:, None])
 
     @triton.jit
     def _load_rot(xb, rows, m, cols, sxs, sxd, SIGNS, hm, SCAL, TILE: tl.constexpr, D: tl.constexpr,
@@ -241,6 +524,7 @@ class QuantOut:
     rows: int  # tokens per descale along seqlen
     group: int  # heads per descale
     gran: int  # GRAN_CODES value
+    launch: str = ""  # the kernel and launch configuration that wrote it
 
     def values_bhsd(self) -> torch.Tensor:
         v = self.values
@@ -302,12 +586,25 @@ def _constants(d: int, seed: int, device, exact: bool, dot_dtype):
 def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3", gran=None, block_rows: int = 0,
                     group: int = 1, pow2: bool = False, rot: str = "none", seed: int = 0, exact: bool = False,
                     out_layout: str = "bhsd", impl: str = "auto", soft_cast: bool | None = None, tile: int = 0,
-                    num_warps: int = 0, recip: bool = False) -> QuantOut:
+                    num_warps: int = 0, recip: bool = False, persistent: bool | None = None, stages: int = 0,
+                    progs_per_sm: int = 0, head_fast: bool | None = None, sub_tile: int = 0,
+                    reread: bool | str | None = None) -> QuantOut:
     """Rotate (Hadamard or none) and quantize ``x`` into FP8 in one fused kernel (see module doc).
 
     ``gran``: a granularity object (``PerHead()`` default); ``block_rows`` fills ``PerBlock(0)``;
     ``group``: heads sharing one per-head descale (Q under GQA: heads // kv_heads). ``tile`` (rows
-    per sub-tile), ``num_warps`` and ``recip`` (multiply by 1/descale) tune the fast path.
+    per tile for token/head/tensor), ``num_warps`` and ``recip`` (multiply by 1/descale, one more
+    rounding) tune the fast path. ``persistent`` (default: the fast path, except blocks of two
+    sub-tiles written transposed, ``out_layout="bhds"``) runs the persistent, software-pipelined
+    kernel with ``stages`` pipeline stages and ``progs_per_sm`` programs per multiprocessor
+    (default: as many as fit, at most 3; ``head_fast``: the order of the work items, default
+    heads first for a (b, s, h, d) input); ``False`` the one-program-per-tile kernel of the first
+    version. Blocks there are walked in sub-tiles of ``sub_tile`` rows (default 64 at head_dim
+    128, i.e. 8192 // head_dim; a sub-tile of at least the block's rows: one tile per block),
+    kept in registers until the block's amax is known (default for two sub-tiles written row by
+    row), or loaded again from L2 (``reread``: True as more pipelined steps, the default
+    otherwise; ``"sync"`` at the block's last step, outside the pipeline). The launch chosen is
+    in the result's ``launch``.
     """
     gran = PerHead() if gran is None else gran
     f = fp8_params(fmt)
@@ -353,6 +650,21 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
         desc = torch.empty((b, h // group, 1), dtype=torch.float32, device=dev)
     else:
         desc = torch.empty((1, 1, 1), dtype=torch.float32, device=dev)
+    if persistent is None:
+        # Not for blocks of two sub-tiles written transposed (V of the per-block recipe at 128
+        # rows, (b, h, d, s)): the tiled kernel measured faster there (run 6-7: 57% of a copy
+        # against 42% read again and 26% kept). Longer ones are read again (37% against 11%).
+        persistent = not exact and not (code == 2 and out_layout == "bhds" and not sub_tile and reread is None
+                                         and _block_split(rows, d, 0, None, True)[1] == 2)
+    if persistent and not exact:
+        if code == 2:
+            ptile, nsub, rr = _block_split(rows, d, sub_tile, reread, out_layout == "bhds")
+        else:
+            ptile, nsub, rr = _pow2_at_least(tile or _PERSIST_TILE, 16), 1, False
+        if ptile * d <= 256 * 128:
+            return _launch_persistent(x, y, desc, signs, hm, scal, layout, out_layout, f, fmt, code, rows, group,
+                                      pow2, rot_code, soft, ptile, num_warps, recip, stages, progs_per_sm, b, h, n,
+                                      d, head_fast, nsub, rr)
     # The fast path keeps a whole tile (up to 256 rows x d in float32) in registers and reads the
     # input once; the float64 path works in sub-tiles of 32 rows (registers) and re-reads a block.
     if code == 2:
@@ -381,7 +693,141 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
         _rq_kernel[grid](*args, per_prog, PASS=2, **common)
     else:
         _rq_kernel[grid](*args, per_prog, PASS=0, **common)
-    return QuantOut(y, desc, out_layout, rows, group, code)
+    return QuantOut(y, desc, out_layout, rows, group, code,
+                    f"tiled tile{tile} w{common.get('num_warps', '-')} {'recip' if common['RECIP'] else 'div'}")
+
+
+# Launch defaults of the persistent kernel: rows per tile for token/head/tensor; pipeline stages
+# by (rotation on the tensor cores, tile over 64 x 128 elements); at most this many programs
+# per SM (fewer where their shared memory or registers do not fit). The fastest of the H200
+# sweeps (reports/h200/triton/quant_sweep.csv): 4 stages for 64-row tiles with the dot, 3
+# without (4 were slower there), 2 for blocks of 128 rows in one tile.
+_PERSIST_TILE = 64
+_PERSIST_STAGES = {(True, False): 4, (True, True): 2, (False, False): 3, (False, True): 2}
+# Blocks in sub-tiles: (rotation on the tensor cores, sub-tiles kept in registers 1 or 3, reread
+# mode) -> stages. Two kept sub-tiles (4 warps, ~250 registers) fit 2 programs per SM like the
+# per-token tiles; 3 stages measured faster than 4 there (run 6: 0.058 against 0.062 ms). Three
+# kept (8 warps) fit one program per SM, so more stages keep loads in flight (still slower).
+_SUB_STAGES = {(True, 1, 0): 3, (True, 3, 0): 8, (True, 0, 1): 4, (True, 0, 2): 4,
+               (False, 1, 0): 3, (False, 3, 0): 8, (False, 0, 1): 4, (False, 0, 2): 4}
+_PERSIST_PPS = 3
+_SMEM_PER_SM = 228 * 1024  # Hopper; each resident program also reserves 1 KB
+_REGS_PER_SM = 65536
+_SMS: dict = {}
+_RESIDENT: dict = {}
+
+
+def _block_split(rows: int, d: int, sub_tile: int, reread, transposed: bool = False) -> tuple[int, int, int]:
+    """(tile rows, sub-tiles per block, reread mode) for blocks of ``rows`` rows: sub-tiles of
+    8192 // d rows (64 at d 128) by default; a block that fits one such tile is one tile.
+
+    Default: two sub-tiles (Q's 128-row tile) stay in registers; longer blocks (K/V's 224 rows)
+    and blocks written transposed (V, (b, h, d, s)) are read again from L2 as more pipelined
+    steps. On the H200 (runs 6-7, % of a device-to-device copy): 128 rows kept 84%, read again
+    56%; 224 rows read again 50%, 3 sub-tiles kept (8 warps, one program per SM by registers)
+    41-44%, one 256-row tile 47%, read again at the block's end 17%. Compiled for sm_90, kept
+    sub-tiles written transposed spill registers (26% for V of 128 rows, whose default is the
+    tiled kernel: rotate_quantize)."""
+    cap = max(16, 8192 // d)
+    t = _pow2_at_least(sub_tile or min(rows, cap), 16)
+    nsub = -(-rows // t)
+    if nsub == 1:
+        return t, 1, 0
+    if reread is None:
+        rr = 1 if (nsub > 2 or transposed) else 0
+    else:
+        rr = 2 if reread == "sync" else int(bool(reread))
+    if nsub > 4 and rr == 0:
+        rr = 1
+    return t, nsub, rr
+
+
+def _pow2_at_least(v: int, lo: int) -> int:
+    return max(lo, 1 << (max(1, v) - 1).bit_length())
+
+
+def _programs(dev, total: int, progs_per_sm: int) -> int:
+    if interpreting() or dev.type != "cuda":
+        return max(1, min(total, 3))  # several items per program: the loop is exercised
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return max(1, min(total, _SMS[key] * progs_per_sm))
+
+
+def _resident(args, common: dict, passes, x, y) -> int:
+    """Programs of the compiled kernel that fit one SM, by its registers and shared memory (a
+    persistent grid of more than fit would run a second wave). Compiles without launching."""
+    key = (tuple(common.values()), passes, x.dtype, y.dtype, x.device, tuple(a % 16 == 0 or a == 1 for a in args[7:18]))
+    if key not in _RESIDENT:
+        fit = _PERSIST_PPS
+        for p in passes:
+            k = _rq_persistent.warmup(*args, grid=(1,), PASS=p, **common)
+            k._init_handles()
+            regs = ((max(1, int(getattr(k, "n_regs", 0) or 0)) + 7) // 8) * 8 * 32 * common["num_warps"]
+            fit = min(fit, _REGS_PER_SM // regs, _SMEM_PER_SM // (int(k.metadata.shared) + 1024))
+        _RESIDENT[key] = max(1, fit)
+    return _RESIDENT[key]
+
+
+def _launch_persistent(x, y, desc, signs, hm, scal, layout, out_layout, f, fmt, code, rows, group, pow2, rot_code, soft,
+                       tile, num_warps, recip, stages, progs_per_sm, b, h, n, d, head_fast=None, nsub=1,
+                       reread=False) -> QuantOut:
+    """The persistent kernel: work items of ``r`` rows (a block, or ``tile`` rows), each in one tile,
+    or a block in ``nsub`` sub-tiles of ``tile`` rows."""
+    r = rows if code == 2 else tile
+    nblk = -(-n // r)
+    total = b * h * nblk
+    big = tile * d > 64 * 128
+    if code <= 1:
+        amax = torch.zeros(max(1, b * (h // group)) if code == 1 else 1, dtype=torch.int32, device=x.device)
+    else:
+        amax = desc  # unused
+    kept = 0 if (reread or nsub == 1) else (1 if nsub == 2 else 3)  # sub-tiles held in registers: 1, or up to 3
+    reread = int(reread)
+    # Shared memory: one input tile per pipeline stage, the +-1 matrix (dot), the FP8 tile's layout
+    # change for the store. Stages beyond what fits in ~200 KB are dropped (d = 256 keeps one).
+    st = stages or (_SUB_STAGES[(rot_code == 2, kept, reread)] if nsub > 1
+                    else _PERSIST_STAGES[(rot_code == 2, big)])
+    fixed = (d * d * 2 if rot_code == 2 else 0) + tile * d
+    while st > 1 and fixed + st * tile * d * x.element_size() > 200 * 1024:
+        st -= 1
+    common = dict(D=d, LOG2D=int(math.log2(d)), TILE=tile, ROT=rot_code, GRAN=code, POW2=bool(pow2), MBITS=f.mbits,
+                  EMIN=f.emin, FMT_MAX=f.max, OUT=tl_fp8(fmt), SOFT_CAST=soft,
+                  DIV=1 if recip else (0 if interpreting() else 2), STAGES=st)
+    if nsub > 1:
+        common["SUB"] = nsub
+        common["REREAD"] = reread
+    if head_fast is None:  # heads first where a head's rows are strided by the other heads (bshd)
+        sb, sh, ss, sd = _strides(x, layout)
+        head_fast = sh < ss
+    common["HEAD_FAST"] = bool(head_fast)
+    if not interpreting():
+        if nsub > 1:
+            common["num_warps"] = num_warps or (8 if kept == 3 else 4)
+        else:
+            common["num_warps"] = num_warps or (8 if tile * d >= 128 * 128 else 4)
+    args = [x, y, signs, hm, scal, amax, desc, *_strides(x, layout), *_strides(y, out_layout),
+            desc.stride(0), desc.stride(1), desc.stride(2), h, n, group, r, nblk, total]
+    passes = (1, 2) if code <= 1 else (0,)
+    how_pps = ""
+    if progs_per_sm:
+        pps = progs_per_sm
+    elif interpreting() or x.device.type != "cuda":
+        pps = 1
+    else:
+        try:
+            pps = _resident(args, common, passes, x, y)
+        except Exception:  # noqa: BLE001 - no compiled kernel's resources: the shared-memory estimate
+            pps = max(1, min(_PERSIST_PPS, _SMEM_PER_SM // (fixed + st * tile * d * x.element_size() + 1024)))
+            how_pps = " (estimated)"
+    grid = (_programs(x.device, total, pps),)
+    for p in passes:
+        _rq_persistent[grid](*args, PASS=p, **common)
+    how = (f"persistent tile{tile}" + (f" x{nsub} {('kept', 'reread', 'reread-sync')[reread]}" if nsub > 1 else "")
+           + f" w{common.get('num_warps', '-')} s{st} pps{pps}{how_pps}" + ("" if head_fast else " seq-first")
+           + (" recip" if recip else ""))
+    return QuantOut(y, desc, out_layout, rows, group, code, how)
 
 
 def min_bytes(x: torch.Tensor, out: QuantOut) -> int:
