@@ -55,6 +55,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     for r in recipes.values():  # warm-up: prepare cache, native build, CUDA context
         emulate(r, q, k, v, q_index=qi[:8], cache=cache)
+    load0 = os.getloadavg()[0]
     times: dict[str, list[float]] = {n: [] for n in recipes}
     for _ in range(a.repeat):
         for name, r in recipes.items():
@@ -66,8 +67,10 @@ def main() -> None:
     med = {n: statistics.median(t) for n, t in times.items()}
     fp22, fp32 = med["fa3-fp8-kernel"], med["fa3-fp8-kernel,acc=fp32"]
     where = torch.cuda.get_device_name() if a.device == "cuda" else f"{platform.machine()} CPU"
+    # Another process on the cores moves both timings, the compiled model's (OpenMP) most: the
+    # load average before and after the runs says whether the ratio can be trusted.
     print(f"device: {where}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"load average {os.getloadavg()[0]:.1f}; native: {native.status()}")
+          f"load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after; native: {native.status()}")
     print(f"shape: batch {a.batch} x {a.heads} heads, seqlen {a.seqlen}, head dim {a.head_dim}, {a.rows} query rows; "
           f"median of {a.repeat}")
     for n, t in times.items():

@@ -72,3 +72,20 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, args, words):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], proc.stderr
     assert not out.exists()
+
+
+def test_console_entry_keeps_exit_codes_and_flushes_output():
+    """The console script exits without the interpreter's teardown: its exit code must still be
+    main's (2 for bad input with one line on stderr, 0 for help) and piped output must not be
+    lost to the skipped flush."""
+    import subprocess
+    import sys
+
+    def entry(*args):
+        return subprocess.run([sys.executable, "-c", "from fa3_numerics.cli import entry; entry()", *args],
+                              capture_output=True, text=True, timeout=120)
+
+    bad = entry("run", "outliers", "--p", "2")
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error:") and len(bad.stderr.strip().splitlines()) == 1
+    ok = entry("run", "outliers", "--help")
+    assert ok.returncode == 0 and "--p" in ok.stdout and ok.stdout.endswith("\n")

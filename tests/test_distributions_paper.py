@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fa3_numerics.data.distributions import AttnShape, generate
-from fa3_numerics.data.distributions.paper import outliers_like
+from fa3_numerics.data.distributions.paper import bernoulli_positions, outliers_like
 
 N = 1 << 21  # draws per case
 
@@ -76,3 +76,28 @@ def test_p_zero_is_the_standard_normal_stream():
     """p = 0: no outlier term is ever added, so the tensor is exactly the generator's randn."""
     g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     assert torch.equal(outliers_like((3, 100), g1, 0.0, 10.0), torch.randn((3, 100), generator=g2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("p,chunk", [(1e-4, 0), (0.01, 0), (0.3, 0), (0.01, 7)])
+def test_bernoulli_positions_follow_the_bernoulli_law(p, chunk):
+    """The outlier positions are i.i.d. Bernoulli(p) per entry: ascending, unique, in range; the
+    count within 5 standard errors of n p, in each eighth of the range too (the gaps neither
+    drift nor cluster), and as often on even as on odd entries. chunk=7 forces many rounds of
+    the gap-drawing loop, where an off-by-one at a chunk boundary would show."""
+    n = 1 << 20
+    w = bernoulli_positions(n, p, torch.Generator().manual_seed(11), chunk=chunk)
+    assert w.dtype == torch.int64 and w.numel() > 0
+    assert int(w[0]) >= 0 and int(w[-1]) < n and bool((w[1:] > w[:-1]).all())
+    for m, cnt in ((n, w.numel()), (n // 8, int(((w >= 3 * n // 8) & (w < 4 * n // 8)).sum())),
+                   (n // 2, int((w % 2 == 0).sum())), (n // 2, int((w % 2 == 1).sum()))):
+        assert abs(cnt - m * p) <= 5 * math.sqrt(m * p * (1 - p)) + 1, (m, cnt)
+    counts = torch.bincount(w * 8 // n, minlength=8)
+    assert (counts - n / 8 * p).abs().max() <= 5 * math.sqrt(n / 8 * p * (1 - p)) + 1
+
+
+def test_bernoulli_positions_edges():
+    g = torch.Generator().manual_seed(0)
+    assert bernoulli_positions(1000, 0.0, g).numel() == 0
+    assert torch.equal(bernoulli_positions(1000, 1.0, g), torch.arange(1000))
+    assert bernoulli_positions(0, 0.5, g).numel() == 0
+    assert bernoulli_positions(1000, 1e-300, g).numel() == 0  # a gap far beyond n ends the draw

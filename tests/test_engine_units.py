@@ -64,3 +64,19 @@ def test_every_study_path_checks_its_inputs(inf_k):
                                        "variants": ["fa3-fp8"]})
     with pytest.raises(UsageError, match="1 non-finite value\\(s\\) in K"):
         run_experiment(exp, progress=lambda m: None)
+
+
+def test_prefetch_imports_in_the_background_and_leaves_failures_to_the_caller():
+    """The report's modules load in a daemon thread; a module that cannot be imported is skipped
+    there (the step that needs it reports the error), and the rest still load."""
+    import sys
+
+    from fa3_numerics.engine.prefetch import REPORT_MODULES, prefetch
+
+    sys.modules.pop("colorsys", None)
+    t = prefetch(("fa3n_no_such_module", "colorsys"))
+    t.join(timeout=60)
+    assert not t.is_alive() and t.daemon
+    assert "colorsys" in sys.modules and "fa3n_no_such_module" not in sys.modules
+    assert sys.getswitchinterval() == pytest.approx(0.005)  # restored once the imports end
+    assert "scipy.stats" in REPORT_MODULES and "matplotlib.figure" in REPORT_MODULES

@@ -4,6 +4,7 @@ Every fast path must compute what its reference computes, bit for bit: the emula
 may not depend on whether a C compiler was present. The references are the PyTorch code paths
 that run when ``FA3N_NATIVE=0`` (and always on CUDA)."""
 
+import math
 import os
 import warnings
 
@@ -68,6 +69,148 @@ def test_mma_broadcasts_lead_dims_like_reference():
     b = _fp8((2, 1, 64, 6), g)  # one KV head shared by four query heads
     fast = native.mma(torch.device("cpu"))
     assert torch.equal(fast(a, b, None, a_min_exp=-6, b_min_exp=-6), hopper_fp8_mma_reference(a, b))
+
+
+# -- the compiled MMA model, bit for bit (issue 9: the float form of _native.c) --------------------
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The float32 encodings: equal bits means equal values, the same sign of zero, the same NaN."""
+    return x.contiguous().view(torch.int32)
+
+
+def _mma_runs(a, b, c, ea, eb):
+    """Every way the compiled model can run here: its AVX2 step (where the CPU has one) and its
+    plain C step (what a CPU without AVX2 runs), with one thread, and with two (per-l work for
+    L >= 4, the shared-B split otherwise). None where it declined the operands."""
+    fast = native.mma(torch.device("cpu"))
+    out = {}
+    saved = torch.get_num_threads()
+    try:
+        for portable in (False, True):
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                out[(portable, threads)] = fast(a, b, c, a_min_exp=ea, b_min_exp=eb, portable=portable)
+    finally:
+        torch.set_num_threads(saved)
+    return out
+
+
+def _outliers_fp8(shape, g, fmt, scale, p=0.02, sigma=30.0):
+    """N(0, 1) + N(0, sigma^2) Bernoulli(p) times ``scale`` in ``fmt`` (saturated at its max, so
+    that e5m2 gives no inf), with zeros, negative zeros and whole k-steps of zeros."""
+    f = get_format(fmt)
+    x = (torch.randn(shape, generator=g) + torch.randn(shape, generator=g) * sigma
+         * (torch.rand(shape, generator=g) < p)) * scale
+    x = x.clamp(-f.max, f.max).to(f.dtype).float()
+    x[torch.rand(shape, generator=g) < 0.05] = 0.0
+    x[torch.rand(shape, generator=g) < 0.05] = -0.0
+    return x
+
+
+@pytest.mark.parametrize("fa,fb,L", [("e4m3", "e4m3", 5), ("e4m3", "e4m3", 1), ("e5m2", "e5m2", 5),
+                                     ("e4m3", "e5m2", 2)])
+def test_mma_outliers_bit_identical_on_every_path(fa, fb, L):
+    """Operands with outliers (p 0.02, sigma 30) in every magnitude the formats hold, subnormals
+    and saturated values included; K = 200 (six k-steps and a partial one), M = 37 and N = 70 (no
+    whole tiles), B also as a transposed view (the emulator's K^T), steps whose products are all
+    zero, accumulators from 3e38 down to float32 subnormals and signed zeros. Every path of the
+    compiled model gives the reference's bits."""
+    g = torch.Generator().manual_seed(20)
+    ea, eb = get_format(fa).emin, get_format(fb).emin
+    m, k, n = 37, 200, 70
+    a = _outliers_fp8((L, m, k), g, fa, 4.0)
+    bt = _outliers_fp8((L, n, k), g, fb, 0.05)
+    a[:, 3, 32:64] = 0.0  # a row whose second k-step has no product
+    bt[:, 5, 64:96] = -0.0  # a column whose third one has none
+    c = torch.randn(L, m, n, generator=g) * torch.exp2(torch.randint(-160, 127, (L, m, n), generator=g).float())
+    c[torch.rand(L, m, n, generator=g) < 0.1] = 0.0
+    c[torch.rand(L, m, n, generator=g) < 0.1] = -0.0
+    c[:, 3, :4] = torch.tensor([2.0 ** -149, -1.2345 * 2.0 ** -110, 3e38, -0.0])
+    b_views = {"contiguous": bt.transpose(-1, -2).contiguous(), "transposed view": bt.transpose(-1, -2)}
+    for cc in (None, c):
+        ref = hopper_fp8_mma_reference(a, b_views["contiguous"], cc, a_min_exp=ea, b_min_exp=eb)
+        assert torch.isfinite(ref).all()
+        for view, b in b_views.items():
+            for how, got in _mma_runs(a, b, cc, ea, eb).items():
+                assert got is not None, (view, how)
+                assert torch.equal(_bits(got), _bits(ref)), (view, how, int((got != ref).sum()))
+
+
+def test_mma_outliers_tell_wrong_models_apart():
+    """Negative control for the test above: on the same kind of data a k-step of 16, 12-bit
+    terms, a 15-bit step sum or a float32 sum each move many outputs, so matching the reference
+    bit for bit there is not something a wrong model could do by chance."""
+    from fa3_numerics.numerics.mma import MmaModel
+
+    g = torch.Generator().manual_seed(20)
+    a = _outliers_fp8((5, 37, 200), g, "e4m3", 4.0)
+    b = _outliers_fp8((5, 200, 70), g, "e4m3", 0.05)
+    got = native.mma(torch.device("cpu"))(a, b, None, a_min_exp=-6, b_min_exp=-6)
+    for model in (MmaModel(16, 13, 13), MmaModel(32, 12, 13), MmaModel(32, 13, 14)):
+        other = hopper_fp8_mma_reference(a, b, a_min_exp=-6, b_min_exp=-6, model=model)
+        assert int((other != got).sum()) > 500, model
+    assert int((torch.matmul(a, b) != got).sum()) > 5000
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_mma_accumulator_edge_cases(portable):
+    """Hand-made steps. Row 0: every step without a product, so D is C cut to 14 significant
+    bits, from C's bits where C is below 2^-100 (subnormal, tiny normal), a +0 for C = -0 (as the
+    reference), C itself where it has 14 bits or fewer. Row 1: one product 1 x 1 in the second
+    step beside the same C's: a C far below it is cut away, 3e38 cuts the product away. Columns
+    beyond 32 run the vector path too (one whole tile and a partial one)."""
+    cs = [2.0 ** -149, -3 * 2.0 ** -140, (1 + 2.0 ** -20) * 2.0 ** -126, 1.2345 * 2.0 ** -110, -1.2345 * 2.0 ** -101,
+          1.2345 * 2.0 ** -100, -0.0, 0.0, 3e38, -3e38, 1.0 + 2.0 ** -13, -(2.0 ** -13)]
+    n = 40
+    c = torch.tensor(cs + [0.5] * (n - len(cs)), dtype=torch.float32).expand(2, n).clone()
+    a, b = torch.zeros(2, 64), torch.zeros(64, n)
+    a[1, 40], b[40, :] = 1.0, 1.0
+    fast = native.mma(torch.device("cpu"))
+    got = fast(a, b, c, a_min_exp=-6, b_min_exp=-6, portable=portable)
+    ref = hopper_fp8_mma_reference(a, b, c)
+    assert torch.equal(_bits(got), _bits(ref))
+    want0 = [2.0 ** -149, -3 * 2.0 ** -140, 2.0 ** -126, math.trunc(1.2345 * 2.0 ** 13) * 2.0 ** -123,
+             -math.trunc(1.2345 * 2.0 ** 13) * 2.0 ** -114, math.trunc(1.2345 * 2.0 ** 13) * 2.0 ** -113, 0.0, 0.0,
+             math.trunc(3e38 * 2.0 ** -114) * 2.0 ** 114, -math.trunc(3e38 * 2.0 ** -114) * 2.0 ** 114,
+             1.0 + 2.0 ** -13, -(2.0 ** -13)]
+    assert got[0, :len(cs)].tolist() == [float(torch.tensor(w, dtype=torch.float32)) for w in want0]
+    assert not torch.signbit(got[0, 6:8]).any()  # -0 without a product: +0, as the reference
+    assert got[1, :6].tolist() == [1.0] * 6 and got[1, 8].item() == got[0, 8].item()
+    # K = 0: C is the result, -0 included
+    d = fast(torch.zeros(2, 0), torch.zeros(0, n), c, a_min_exp=-6, b_min_exp=-6, portable=portable)
+    assert torch.equal(_bits(d), _bits(c))
+
+
+def test_mma_declines_what_its_float_form_cannot_hold():
+    """Operands outside the float form's exact range (more than 12 significant bits, exponents
+    beyond [-38, 31] or a clamp below -30, float64 values float32 cannot hold) and non-finite
+    values: the compiled model returns None, and ``hopper_fp8_mma`` then gives the reference's
+    bits (NaN and inf where the reference has them). FP8 values are inside: computed."""
+    from fa3_numerics.numerics.mma import hopper_fp8_mma
+
+    g = torch.Generator().manual_seed(21)
+    a, b = _fp8((3, 40), g), _fp8((40, 33), g)
+    fast = native.mma(torch.device("cpu"))
+    assert fast(a, b, None, a_min_exp=-6, b_min_exp=-6) is not None
+    assert fast(a.double(), b, None, a_min_exp=-6, b_min_exp=-6) is not None  # float32-exact float64
+    cases = {"13 bits": (0, 1, 1.0 + 2.0 ** -12), "2^40": (0, 1, 2.0 ** 40), "2^-40": (1, 2, 2.0 ** -40),
+             "inf": (2, 3, float("inf")), "nan": (0, 0, float("nan"))}
+    for name, (i, j, x) in cases.items():
+        a2, b2 = a.clone(), b.clone()
+        a2[i, j], b2[j + 5, i + 20] = x, x
+        for portable in (False, True):  # the AVX2 and the plain split of the operands
+            assert fast(a2, b, None, a_min_exp=-6, b_min_exp=-6, portable=portable) is None, name
+            assert fast(a, b2, None, a_min_exp=-6, b_min_exp=-6, portable=portable) is None, name
+        for aa, bb, cc in ((a2, b, None), (a2, b, torch.ones(3, 33)), (a, b2, None)):
+            assert torch.equal(_bits(hopper_fp8_mma(aa, bb, cc)), _bits(hopper_fp8_mma_reference(aa, bb, cc))), name
+    a64 = a.double()
+    a64[0, 0] = 1.0 + 2.0 ** -40
+    assert fast(a64, b, None, a_min_exp=-6, b_min_exp=-6) is None
+    assert fast(a, b, None, a_min_exp=-31, b_min_exp=-6) is None
+    c = torch.zeros(3, 33)
+    c[1, 1] = float("nan")
+    assert fast(a, b, c, a_min_exp=-6, b_min_exp=-6) is None
+    assert torch.equal(_bits(hopper_fp8_mma(a, b, c)), _bits(hopper_fp8_mma_reference(a, b, c)))
 
 
 @pytest.mark.parametrize("name", ["e4m3", "e5m2", "fp16", "bf16"])

@@ -144,3 +144,29 @@ def test_a_dask_run_prints_its_dashboard_or_how_to_get_one():
     else:
         assert "no dashboard (it needs bokeh: pip install 'bokeh>=3.1')" in dask[0]
     assert sum(m.startswith("[") for m in lines) == 2  # one line per finished task, from the workers' results
+
+
+def test_phase_clock_prints_only_when_asked(monkeypatch):
+    """FA3N_TIMINGS=1: one line naming each phase with its seconds, the start-up (process age)
+    first; unset: nothing. The phases add up to the total it prints."""
+    import re
+
+    from fa3_numerics.engine.progress import PhaseClock, process_age
+
+    age = process_age()
+    assert age is None or 0.0 <= age < 24 * 3600
+    lines = []
+    monkeypatch.delenv("FA3N_TIMINGS", raising=False)
+    quiet = PhaseClock()
+    quiet.done("runs")
+    quiet.report(lines.append)
+    assert lines == []
+    monkeypatch.setenv("FA3N_TIMINGS", "1")
+    clock = PhaseClock()
+    clock.done("runs")
+    clock.done("report")
+    clock.report(lines.append)
+    assert len(lines) == 1 and lines[0].startswith("timings: ")
+    secs = [float(x) for x in re.findall(r"(\d+\.\d+) s", lines[0])]
+    names = re.findall(r"([a-z-]+) \d", lines[0])
+    assert names[-3:] == ["runs", "report", "total"] and abs(sum(secs[:-1]) - secs[-1]) <= 0.01 * len(secs)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -63,6 +64,28 @@ def build_app() -> typer.Typer:
 
 
 app = build_app()
+
+
+def entry() -> None:
+    """The ``fa3-numerics`` console script: ``main``, then an exit that skips the interpreter's
+    teardown (unloading ~3000 modules, the CUDA context, the allocator's arenas): 0.7 s on the
+    2-core CPU and about 1 s on the H200 machine, after every file is written and closed. Output
+    streams are flushed first; the exit code is ``main``'s."""
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:  # sys.exit("message"): what the interpreter would print, then 1
+            print(exc.code, file=sys.stderr)
+            code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing more can be shown
+            pass
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None, application: typer.Typer | None = None) -> None:

@@ -72,6 +72,8 @@ def run_and_write(name: str, overrides: dict, out: str, fresh: bool, workers: in
     from ..engine.distributed import check_scheduler
     from ..engine.files import OutputFolder, atomic_write
     from ..engine.nonfinite import scan
+    from ..engine.prefetch import prefetch
+    from ..engine.progress import PhaseClock
     from ..engine.progress import make_progress
     from ..errors import require
     from ..numerics.metrics.bootstrap import MIN_SAMPLES, few_samples
@@ -92,11 +94,21 @@ def run_and_write(name: str, overrides: dict, out: str, fresh: bool, workers: in
                    f"variant(s), backend {exp.backend} on {exp.device}; writing to {path}", err=True)
         if folder.cleaned:
             typer.echo(f"removed {len(folder.cleaned)} temp file(s) of an interrupted run", err=True)
+        if workers == 0 and scheduler is None:
+            prefetch()  # the report's imports, beside the computation
+        clock = PhaseClock()
         ds = run_experiment(exp, cache_dir=cache, workers=workers, scheduler=scheduler, progress=make_progress())
+        clock.done("runs")
         findings = scan(ds)
-        written = [write(ds, path / f"{exp.name}.nc"), atomic_write(path / "summary.md", markdown_summary(ds))]
+        written = [write(ds, path / f"{exp.name}.nc")]
+        clock.done("dataset file")
+        written.append(atomic_write(path / "summary.md", markdown_summary(ds)))
+        clock.done("summary.md")
         written += render_report(ds, path)
+        clock.done("report")
         typer.echo(text_table(ds))
+        clock.done("table")
+        clock.report(lambda m: typer.echo(m, err=True))
         n = int(np.prod([ds.sizes.get(d, 1) for d in ("seed", "batch", "head")]))
         if few_samples(n):
             typer.echo(f"warning: every interval rests on {n} sample(s), fewer than {MIN_SAMPLES} (marked †); "

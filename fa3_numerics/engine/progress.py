@@ -1,7 +1,7 @@
 """Progress of a study while it runs: a live display on a terminal, plain lines otherwise.
 
 Exposed: ``Progress``, ``PlainProgress``, ``LiveProgress``, ``make_progress``, ``as_progress``,
-``Estimator``, ``task_work``.
+``Estimator``, ``task_work``, ``PhaseClock``, ``process_age``.
 
 The engine (``fa3_numerics.engine.runner.run_tasks``) reports events to a ``Progress``: the
 plan (every task and its variants), a task starting, a variant (job) starting, a tile of the
@@ -23,6 +23,9 @@ head dim) measured so far for each recipe, or over all recipes for one not yet s
 still to do. Recipes differ in cost by 100x (the Hopper MMA model against a float32 GEMM), so one
 average per task would mislead on mixed sweeps. ``FA3N_PROGRESS`` = ``live``, ``plain`` or ``off``
 overrides the choice; ``FA3N_PROGRESS_INTERVAL`` sets the plain lines' period (default 15 s).
+
+``PhaseClock``: with ``FA3N_TIMINGS=1`` a command prints where its wall time went (process
+start-up and imports, runs, dataset file, summary, report), one line on stderr.
 """
 
 from __future__ import annotations
@@ -388,4 +391,38 @@ def as_progress(progress) -> Progress:
     return PlainProgress(progress)
 
 
-__all__ = ["Progress", "PlainProgress", "LiveProgress", "make_progress", "as_progress", "Estimator", "task_work"]
+def process_age() -> float | None:
+    """Seconds since this process started (Linux /proc, 10 ms resolution), or None."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class PhaseClock:
+    """Wall seconds per phase of a command, printed only when ``FA3N_TIMINGS`` is set: the
+    first phase is everything before the clock started (interpreter, imports, checks)."""
+
+    def __init__(self):
+        self.enabled = os.environ.get("FA3N_TIMINGS", "") not in ("", "0")
+        age = process_age()
+        self.phases: list[tuple[str, float]] = [("start-up", age)] if age is not None else []
+        self._t = time.perf_counter()
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases.append((name, now - self._t))
+        self._t = now
+
+    def report(self, echo: Callable[[str], None]) -> None:
+        if self.enabled and self.phases:
+            total = sum(sec for _, sec in self.phases)
+            echo("timings: " + ", ".join(f"{name} {sec:.2f} s" for name, sec in self.phases) + f"; total {total:.2f} s")
+
+
+__all__ = ["Progress", "PlainProgress", "LiveProgress", "make_progress", "as_progress", "Estimator", "task_work",
+           "PhaseClock", "process_age"]

@@ -40,6 +40,7 @@ import torch
 from ..numerics.metrics import METRICS, compare_outputs, per_sample
 from ..numerics.recipe import Recipe
 from . import cache as _cache
+from .heap import release_free_memory
 from .backends import get_backend
 from .inputs import CaptureInputs, DistInputs, TensorInputs, check_inputs, default_scale, input_histogram
 from .progress import Progress, as_progress
@@ -199,6 +200,8 @@ def compute_task(task: Task, cache_dir: str | None = None, threads: int = 0,
             _cache.save(cdir / f"{job.key}.npz", vals)
         if events is not None:
             events.job_done(job.slot)
+        del o
+        release_free_memory(device)  # the next variant starts from what is live, not a fragmented heap
     return TaskResult(results, hist, extras, notes, time.perf_counter() - t0)
 
 

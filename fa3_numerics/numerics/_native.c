@@ -1,27 +1,48 @@
 /* Compiled fast paths of the emulator's hot loops; each computes exactly what a PyTorch
  * reference in the package computes (the tests compare them):
  *
- *   fa3n_mma_fp22       the Hopper FP8 MMA model (numerics/mma.py)
+ *   fa3n_mma_fp22_f32   the Hopper FP8 MMA model (numerics/mma.py)
  *   fa3n_softmax_step   one KV tile of the FA3 online softmax (numerics/emulator.py, _flash)
  *   fa3n_round_f64      float64 -> a narrow format, one rounding (numerics/formats.py, cast)
  *
- * ---- the Hopper FP8 MMA model, in exact integer arithmetic ----
+ * ---- the Hopper FP8 MMA model, in float arithmetic ----
  *
  * Built on first use by native.py (gcc -O3 -march=native -fopenmp) and checked bit for bit
- * against the PyTorch reference by tests/test_mma.py. Operands arrive pre-split as
- * x = S * 2^(E - 7): E int32 (ZERO_EXP for zeros), S int32 with |S| < 256.
+ * against the PyTorch reference by tests/test_mma.py and tests/test_native.py. For every output
+ * (l, i, j) and every k-step of K_STEP = 32 products (numerics/mma.py):
  *
- * For every output (l, i, j) and every k-step of 32 products:
- *   emax = max(E(a_ik) + E(b_kj) over non-zero products, E(C) if C != 0)
- *   term = trunc(S(a) S(b) / 2^(1 + emax - E(a) - E(b)))      (|term| < 2^15)
- *   Cterm = trunc(C / 2^(emax - 13))
- *   D = (sum of terms + Cterm) truncated toward zero to 14 significant bits, times 2^(emax - 13)
+ *   emax = max(E(a_ik) + E(b_kj) over non-zero products, E(C) if C != 0),  s = 2^(13 - emax)
+ *   D    = (trunc(C s) + sum_k trunc(a_ik b_kj s)) truncated toward zero to 14 significant bits,
+ *          times 2^(emax - 13)
  *
- * Speed: the model is elementwise over every product, so the kernel keeps a block of
- * 2 rows x 16 columns of (emax, sum) in AVX2 registers while it walks the 32 products of a
- * step, and loads each B element once for both rows. A product with a zero operand needs no
- * special case: its S is 0, and a shift count outside [0, 31] gives 0 in vpsrlvd. Machines
- * without AVX2 run the plain loop, which computes the same integers.
+ * Why floats (as kernels/triton_/mma_model.py on the GPU): for operands of at most 12
+ * significant bits a b is exact in float32, and so is a b s (s is a power of two) unless it
+ * underflows, and then it is below 1 and truncates to 0 all the same; vcvttps2dq truncates toward
+ * zero whatever the rounding mode. That is four AVX2 instructions per 8 products (two
+ * multiplies, the conversion, an integer add) where the integer-significand form took seven
+ * (multiply, two shift-count subtractions, abs, variable shift, sign, add). |term| < 2^15, so a
+ * step's sum (32 terms and C's, < 2^21) is exact in int32 and in float32, where masking the low
+ * 10 mantissa bits truncates it toward zero to 14 significant bits.
+ *
+ * E(a) + E(b) is a max-plus product of exponents. It runs on bytes, 32 columns per instruction,
+ * as a min-plus product of u = 31 - E (0..61), with wrapping adds and unsigned minima (both
+ * issue four per cycle; the saturating forms two): a zero operand carries ZU = 125, so that a
+ * sum with it (125..186, or 250) never wraps and stays above every real one (0..122). Hence
+ * tiles of TM rows x TN = 32 columns.
+ *
+ * Exact domain: finite operands of at most 12 significant bits and true exponents in [-38, 31]
+ * (every product a normal float32), clamp exponents in [-30, 31] (the byte codes): every FP8
+ * value. For anything else the entry point returns 1 and the caller runs the reference, which
+ * also propagates non-finite values. C may be any finite float32: when a step has no product
+ * and |C| < 2^-100 (s would leave the float range) its result is C cut to 14 significant bits,
+ * computed from the bits.
+ *
+ * Speed (2-core AMD EPYC, Zen 3, one thread, the emulator's calls: [8, 256, 128] x [8, 128, 224]
+ * and [8, 256, 224] x [8, 224, 128] with C): 4.4 ms a call, 75 ps a product, where the integer
+ * form took 16-18 ms. Three quarters of it are the products' loop, which issues its four vector
+ * instructions per 8 products at ~75% of the 4 a cycle the core can take (vcvttps2dq alone
+ * issues one a cycle); the rest is the byte pass, the per-output work of each step and the
+ * operands' split (~8%).
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,10 +51,18 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
 
 #define K_STEP 32
-#define LIVE_MIN (-2048) /* emax above this: at least one non-zero product or C (ZERO_EXP = -4096) */
-#define ZERO_EXP (-4096)
+#define TM 4   /* rows of an output tile */
+#define TN 32  /* columns of an output tile: one ymm of byte exponent codes */
+#define ZU 125 /* exponent code of a zero operand (see above) */
+#define NO_PROD 122 /* a step's minimum code sum above this: no product */
+#define TINY_EXP (-100) /* below it s = 2^(13 - emax) leaves float32: C alone, from its bits */
 
 static inline int float_exp(float x) {
     /* floor(log2|x|) of a finite non-zero float, subnormals included */
@@ -45,256 +74,383 @@ static inline int float_exp(float x) {
     return ex - 127;
 }
 
-static inline int32_t c_term(float c, int emax) {
-    /* trunc(c * 2^(13 - emax)) as an integer; |result| < 2^14 because E(c) <= emax */
-    if (c == 0.0f) return 0;
+static inline float pow2f(int e) {
+    /* 2^e for -126 <= e <= 127, from the bits */
+    uint32_t bits = (uint32_t)(e + 127) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline int nonzero_bits(float x) {
+    /* x != 0 from the bits: a float compare would see a subnormal as 0 under DAZ */
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    return (bits & 0x7fffffffu) != 0;
+}
+
+static inline float trunc_sig14(float c) {
+    /* c truncated toward zero to 14 significant bits (a float32 subnormal has its own count) */
     uint32_t bits;
     memcpy(&bits, &c, 4);
-    int ex = (int)((bits >> 23) & 0xff);
-    uint32_t sig = bits & 0x7fffff;
-    int se;
-    if (ex == 0) {
-        se = -149;
-    } else {
-        sig |= 0x800000u;
-        se = ex - 150;
+    uint32_t mag = bits & 0x7fffffffu;
+    if (mag >= 0x00800000u) {
+        mag &= ~0x3ffu;
+    } else if (mag) {
+        int nb = 32 - __builtin_clz(mag);
+        if (nb > 14) mag &= ~((1u << (nb - 14)) - 1u);
     }
-    int sh = se + 13 - emax; /* c * 2^(13 - emax) = sig * 2^sh */
-    uint32_t mag;
-    if (sh >= 0) mag = sig << sh;
-    else if (sh <= -31) mag = 0;
-    else mag = sig >> (-sh);
-    return (bits >> 31) ? -(int32_t)mag : (int32_t)mag;
+    bits = (bits & 0x80000000u) | mag;
+    memcpy(&c, &bits, 4);
+    return c;
 }
 
-static inline float finish(int32_t tot, int emax) {
-    if (emax <= LIVE_MIN || tot == 0) return 0.0f;
-    uint32_t u = tot < 0 ? (uint32_t)(-(int64_t)tot) : (uint32_t)tot;
-    int nb = 32 - __builtin_clz(u);
-    if (nb > 14) u &= ~((1u << (nb - 14)) - 1u);
-    /* times 2^(emax - 13), built from the bits: exact, and no libm call in the hot path */
-    uint64_t sbits = (uint64_t)(emax - 13 + 1023) << 52;
-    double scale;
-    memcpy(&scale, &sbits, 8);
-    double v = (double)u * scale;
-    return (float)(tot < 0 ? -v : v);
+/* The exponent code u = 31 - E of an operand (E clamped at min_exp; ZU for zeros); sets *bad
+ * outside the exact domain (non-finite, more than 12 significant bits, true exponent outside
+ * [-38, 31]; min_exp in [-30, 31] is the caller's). */
+static inline uint8_t exp_code(float x, int min_exp, int *bad) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    int t = (int)((bits >> 23) & 0xff) - 127; /* float32 subnormals: -127, outside the domain */
+    int e = t > min_exp ? t : min_exp;
+    int zero = (bits & 0x7fffffffu) == 0;
+    *bad |= (!zero) & ((t == 128) | ((bits & 0xfffu) != 0) | (t < -38) | (e > 31));
+    return zero ? (uint8_t)ZU : (uint8_t)(31 - e);
 }
 
-static inline int32_t term(int32_t p, int32_t d) {
-    /* trunc(p / 2^d) for d >= 0; 0 once d > 31 */
-    uint32_t m = p < 0 ? (uint32_t)(-p) : (uint32_t)p;
-    uint32_t t = (d < 0 || d > 31) ? 0u : (m >> d);
-    return p < 0 ? -(int32_t)t : (int32_t)t;
-}
-
-/* One k-step for rows [EA, SA] x columns [j0, j1) of B, scalar. */
-static void step_scalar(int64_t k0, int64_t k1, int64_t N, int64_t j0, int64_t j1, const int32_t *EA,
-                        const int32_t *SA, const int32_t *EB, const int32_t *SB, float *acc) {
-    for (int64_t j = j0; j < j1; j++) {
-        int32_t em = acc[j] != 0.0f ? float_exp(acc[j]) : ZERO_EXP;
-        for (int64_t k = k0; k < k1; k++) {
-            if (SA[k] == 0 || SB[k * N + j] == 0) continue;
-            int32_t t = EA[k] + EB[k * N + j];
-            em = t > em ? t : em;
+/* One step of a TM x TN tile, plain C: the same numbers as tile_step_avx2, for machines without
+ * AVX2 (tests run it too, through the entry point's `portable`). av, ua: the tile's A rows at the
+ * step's first k (row stride kp; ua holds each byte code four times); bv, ub: B at the step's
+ * first k and the tile's first column (row stride np); acc: C in, D out. */
+static void tile_step_portable(const float *av, const uint32_t *ua, int64_t kp, const float *bv, const uint8_t *ub,
+                               int64_t np, float *acc) {
+    for (int r = 0; r < TM; r++) {
+        for (int j = 0; j < TN; j++) {
+            int m = 255;
+            for (int kk = 0; kk < K_STEP; kk++) {
+                const int x = (int)(ua[r * kp + kk] & 0xff) + ub[kk * np + j];
+                m = x < m ? x : m;
+            }
+            const int has_prod = m <= NO_PROD;
+            int emax = has_prod ? 62 - m : -1000;
+            const float c = acc[r * TN + j];
+            if (nonzero_bits(c) && float_exp(c) > emax) emax = float_exp(c);
+            float d = 0.0f;
+            if (!has_prod && emax < TINY_EXP) {
+                d = nonzero_bits(c) ? trunc_sig14(c) : 0.0f;
+            } else {
+                const float s = pow2f(13 - emax);
+                int32_t tot = (int32_t)(c * s);
+                for (int kk = 0; kk < K_STEP; kk++) tot += (int32_t)((av[r * kp + kk] * bv[kk * np + j]) * s);
+                uint32_t tb;
+                float f = (float)tot; /* exact: |tot| < 2^21 */
+                memcpy(&tb, &f, 4);
+                tb &= ~0x3ffu; /* 14 significant bits, toward zero (sign-magnitude) */
+                memcpy(&f, &tb, 4);
+                d = f / s;
+            }
+            acc[r * TN + j] = d;
         }
-        int32_t tot = c_term(acc[j], em);
-        for (int64_t k = k0; k < k1; k++)
-            tot += term(SA[k] * SB[k * N + j], em + 1 - EA[k] - EB[k * N + j]);
-        acc[j] = finish(tot, em);
     }
 }
 
 #ifdef __AVX2__
-#define JB 16 /* columns per register block: two ymm of int32 */
-
-/* The per-output work of a step, vectorised (it is done once per 32 products, but in scalar code
- * it cost more than the products): the same integers as float_exp, c_term and finish above. */
-static inline __m256i exp_v(__m256 x) {
-    /* floor(log2|x|); ZERO_EXP for zeros; subnormals through the exponent of float(mantissa) */
-    __m256i bits = _mm256_castps_si256(x);
-    __m256i ex = _mm256_and_si256(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(0xff));
-    __m256i mant = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffff));
-    __m256i norm = _mm256_sub_epi32(ex, _mm256_set1_epi32(127));
-    __m256i mf = _mm256_castps_si256(_mm256_cvtepi32_ps(mant)); /* exact: mant < 2^23 */
-    __m256i sub = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(mf, 23), _mm256_set1_epi32(0xff)),
-                                   _mm256_set1_epi32(127 + 149));
-    __m256i iszero_ex = _mm256_cmpeq_epi32(ex, _mm256_setzero_si256());
-    __m256i e = _mm256_blendv_epi8(norm, sub, iszero_ex);
-    __m256i iszero = _mm256_and_si256(iszero_ex, _mm256_cmpeq_epi32(mant, _mm256_setzero_si256()));
-    return _mm256_blendv_epi8(e, _mm256_set1_epi32(ZERO_EXP), iszero);
+/* s = 2^(13 - emax) for 8 outputs of one row, and C's term as the sum's start. Biased exponents
+ * (emax + 127): ep, the products' from the byte pass (0: none), and C's exponent field (0 for
+ * zeros and subnormals). Lanes below TINY_EXP (no product, and C zero or below 2^-100) are
+ * flagged in *tiny: the vector result there is 0, right for C = 0 only, and the caller redoes
+ * them from C's bits (the tile's padding holds C = 1 so as not to take that path). */
+static inline __m256 step_start(const uint8_t *ep, const float *acc, __m256i *tot, int *tiny) {
+    const __m256 c = _mm256_load_ps(acc);
+    const __m256i fc = _mm256_srli_epi32(_mm256_slli_epi32(_mm256_castps_si256(c), 1), 24);
+    __m256i e = _mm256_max_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)ep)), fc);
+    *tiny = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(TINY_EXP + 127), e)));
+    e = _mm256_max_epi32(e, _mm256_set1_epi32(TINY_EXP + 127));
+    const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(140 + 127), e), 23));
+    *tot = _mm256_cvttps_epi32(_mm256_mul_ps(c, s));
+    return s;
 }
 
-static inline __m256i c_term_v(__m256 x, __m256i emax) {
-    __m256i bits = _mm256_castps_si256(x);
-    __m256i ex = _mm256_and_si256(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(0xff));
-    __m256i mant = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffff));
-    __m256i isnorm = _mm256_cmpgt_epi32(ex, _mm256_setzero_si256());
-    __m256i sig = _mm256_or_si256(mant, _mm256_and_si256(isnorm, _mm256_set1_epi32(0x800000)));
-    __m256i se = _mm256_blendv_epi8(_mm256_set1_epi32(-149), _mm256_sub_epi32(ex, _mm256_set1_epi32(150)), isnorm);
-    __m256i sh = _mm256_sub_epi32(_mm256_add_epi32(se, _mm256_set1_epi32(13)), emax); /* x * 2^(13-emax) = sig * 2^sh */
-    /* AVX2 variable shifts give 0 for counts above 31 (and for "negative" counts, read unsigned) */
-    __m256i right = _mm256_srlv_epi32(sig, _mm256_sub_epi32(_mm256_setzero_si256(), sh));
-    __m256i left = _mm256_sllv_epi32(sig, sh);
-    __m256i mag = _mm256_blendv_epi8(right, left, _mm256_cmpgt_epi32(sh, _mm256_set1_epi32(-1)));
-    __m256i neg = _mm256_srai_epi32(bits, 31);
-    return _mm256_sub_epi32(_mm256_xor_si256(mag, neg), neg);
+static inline void step_end(float *acc, __m256i tot, __m256 s) {
+    /* the sum cut to 14 significant bits, times 2^(emax - 13) = 1 / s: biased exponent 254 - that of s */
+    const __m256 f = _mm256_and_ps(_mm256_cvtepi32_ps(tot), _mm256_castsi256_ps(_mm256_set1_epi32(-1024)));
+    const __m256 scale = _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_set1_epi32(254 << 23), _mm256_castps_si256(s)));
+    _mm256_store_ps(acc, _mm256_mul_ps(f, scale));
 }
 
-static inline __m128 finish_half(__m128i tot, __m128i emax) {
-    /* tot * 2^(emax - 13), |tot| truncated to 14 significant bits, rounded to float32 (RNE) */
-    __m256d d = _mm256_cvtepi32_pd(tot); /* exact */
-    __m256i db = _mm256_and_si256(_mm256_castpd_si256(d), _mm256_set1_epi64x(~((1LL << 39) - 1)));
-    __m256i e64 = _mm256_cvtepi32_epi64(emax);
-    e64 = _mm256_add_epi64(e64, _mm256_set1_epi64x(1023 - 13));
-    __m256i live = _mm256_cmpgt_epi64(e64, _mm256_setzero_si256()); /* dead lanes: emax near ZERO_EXP */
-    e64 = _mm256_blendv_epi8(_mm256_set1_epi64x(1023), e64, live);
-    __m256d scale = _mm256_castsi256_pd(_mm256_slli_epi64(e64, 52));
-    d = _mm256_mul_pd(_mm256_castsi256_pd(_mm256_and_si256(db, live)), scale);
-    return _mm256_cvtpd_ps(d);
-}
-
-static inline __m256 finish_v(__m256i tot, __m256i emax) {
-    __m128 lo = finish_half(_mm256_castsi256_si128(tot), _mm256_castsi256_si128(emax));
-    __m128 hi = finish_half(_mm256_extracti128_si256(tot, 1), _mm256_extracti128_si256(emax, 1));
-    return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
-}
-
-/* One k-step for two rows (r0, r1; r1 may equal r0) x columns [j, j + JB). */
-static inline void step_avx2(int64_t k0, int64_t k1, int64_t N, int64_t j, const int32_t *EA0, const int32_t *SA0,
-                             const int32_t *EA1, const int32_t *SA1, const int32_t *EB, const int32_t *SB,
-                             float *acc0, float *acc1) {
-    const __m256 c0a = _mm256_loadu_ps(acc0 + j), c0b = _mm256_loadu_ps(acc0 + j + 8);
-    const __m256 c1a = _mm256_loadu_ps(acc1 + j), c1b = _mm256_loadu_ps(acc1 + j + 8);
-    __m256i m0a = exp_v(c0a), m0b = exp_v(c0b), m1a = exp_v(c1a), m1b = exp_v(c1b);
-    for (int64_t k = k0; k < k1; k++) {
-        const int32_t *ebk = EB + k * N + j, *sbk = SB + k * N + j;
-        __m256i eba = _mm256_loadu_si256((const __m256i *)ebk), ebb = _mm256_loadu_si256((const __m256i *)(ebk + 8));
-        /* a zero B element carries ZERO_EXP: e + ZERO_EXP stays far below any live emax */
-        __m256i e0 = _mm256_set1_epi32(SA0[k] ? EA0[k] : ZERO_EXP), e1 = _mm256_set1_epi32(SA1[k] ? EA1[k] : ZERO_EXP);
-        m0a = _mm256_max_epi32(m0a, _mm256_add_epi32(e0, eba));
-        m0b = _mm256_max_epi32(m0b, _mm256_add_epi32(e0, ebb));
-        m1a = _mm256_max_epi32(m1a, _mm256_add_epi32(e1, eba));
-        m1b = _mm256_max_epi32(m1b, _mm256_add_epi32(e1, ebb));
+/* The products of row r of a tile: its 4 sums and 4 scales (from and back to sv, tv, the tile's
+ * 8-lane vectors, row-major) stay in registers while the step's products stream: one A broadcast
+ * and four B vectors per k for 32 products. (2 rows x 16 columns ran 4% slower: the bound is the
+ * four vector instructions per 8 products, so fewer loads per product buy little.) */
+static inline void row_avx2(const float *av, int64_t kp, const float *bv, int64_t np, const __m256 *sv, __m256i *tv,
+                            int r) {
+    const float *a = av + r * kp;
+    const int v = r * TN / 8;
+    const __m256 s0 = sv[v], s1 = sv[v + 1], s2 = sv[v + 2], s3 = sv[v + 3];
+    __m256i t0 = tv[v], t1 = tv[v + 1], t2 = tv[v + 2], t3 = tv[v + 3];
+#pragma GCC unroll 4
+    for (int kk = 0; kk < K_STEP; kk++) {
+        const float *b = bv + kk * np;
+        const __m256 x = _mm256_broadcast_ss(a + kk);
+        t0 = _mm256_add_epi32(t0, _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_mul_ps(x, _mm256_loadu_ps(b)), s0)));
+        t1 = _mm256_add_epi32(t1, _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_mul_ps(x, _mm256_loadu_ps(b + 8)), s1)));
+        t2 = _mm256_add_epi32(t2, _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_mul_ps(x, _mm256_loadu_ps(b + 16)), s2)));
+        t3 = _mm256_add_epi32(t3, _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_mul_ps(x, _mm256_loadu_ps(b + 24)), s3)));
     }
-    /* a dead lane (no product, C = 0) may have emax a little above ZERO_EXP: finish_v keeps it 0 */
-    __m256i s0a = c_term_v(c0a, m0a), s0b = c_term_v(c0b, m0b), s1a = c_term_v(c1a, m1a), s1b = c_term_v(c1b, m1b);
-    const __m256i one = _mm256_set1_epi32(1);
-    __m256i x0a = _mm256_add_epi32(m0a, one), x0b = _mm256_add_epi32(m0b, one);
-    __m256i x1a = _mm256_add_epi32(m1a, one), x1b = _mm256_add_epi32(m1b, one);
-    for (int64_t k = k0; k < k1; k++) {
-        const int32_t *ebk = EB + k * N + j, *sbk = SB + k * N + j;
-        __m256i eba = _mm256_loadu_si256((const __m256i *)ebk), ebb = _mm256_loadu_si256((const __m256i *)(ebk + 8));
-        __m256i sba = _mm256_loadu_si256((const __m256i *)sbk), sbb = _mm256_loadu_si256((const __m256i *)(sbk + 8));
-#define ACC(X, S, EAk, SAk, EBV, SBV)                                                      \
-    do {                                                                                  \
-        __m256i p = _mm256_mullo_epi32(_mm256_set1_epi32(SAk), SBV);                     \
-        __m256i d = _mm256_sub_epi32(_mm256_sub_epi32(X, _mm256_set1_epi32(EAk)), EBV); \
-        __m256i t = _mm256_srlv_epi32(_mm256_abs_epi32(p), d);                            \
-        S = _mm256_add_epi32(S, _mm256_sign_epi32(t, p));                                 \
-    } while (0)
-        if (SA0[k]) {
-            ACC(x0a, s0a, EA0[k], SA0[k], eba, sba);
-            ACC(x0b, s0b, EA0[k], SA0[k], ebb, sbb);
-        }
-        if (SA1[k]) {
-            ACC(x1a, s1a, EA1[k], SA1[k], eba, sba);
-            ACC(x1b, s1b, EA1[k], SA1[k], ebb, sbb);
-        }
-#undef ACC
+    tv[v] = t0, tv[v + 1] = t1, tv[v + 2] = t2, tv[v + 3] = t3;
+}
+
+/* One step of a TM x TN tile (arguments as tile_step_portable; acc 32-byte aligned). */
+static void tile_step_avx2(const float *av, const uint32_t *ua, int64_t kp, const float *bv, const uint8_t *ub,
+                           int64_t np, float *acc) {
+    __m256i m[TM];
+    for (int r = 0; r < TM; r++) m[r] = _mm256_set1_epi8(-1);
+    for (int kk = 0; kk < K_STEP; kk++) {
+        const __m256i eb = _mm256_loadu_si256((const __m256i *)(ub + kk * np));
+        for (int r = 0; r < TM; r++)
+            m[r] = _mm256_min_epu8(m[r], _mm256_add_epi8(eb, _mm256_set1_epi32((int)ua[r * kp + kk])));
     }
-    /* both rows are written (the second may be the first again, for an odd last row: same values) */
-    _mm256_storeu_ps(acc0 + j, finish_v(s0a, m0a));
-    _mm256_storeu_ps(acc0 + j + 8, finish_v(s0b, m0b));
-    _mm256_storeu_ps(acc1 + j, finish_v(s1a, m1a));
-    _mm256_storeu_ps(acc1 + j + 8, finish_v(s1b, m1b));
+    /* biased emax of the products, 189 - m = 62 - m + 127, or 0 where there is none */
+    uint8_t ep[TM * TN] __attribute__((aligned(32)));
+    for (int r = 0; r < TM; r++) {
+        const __m256i real = _mm256_cmpeq_epi8(_mm256_min_epu8(m[r], _mm256_set1_epi8(NO_PROD)), m[r]);
+        _mm256_store_si256((__m256i *)(ep + r * TN),
+                           _mm256_and_si256(_mm256_sub_epi8(_mm256_set1_epi8((char)189), m[r]), real));
+    }
+    /* the per-output work of the step, before and after the products */
+    enum { NV = TM * TN / 8 };
+    __m256 sv[NV];
+    __m256i tv[NV];
+    int tiny[NV], any_tiny = 0;
+    for (int v = 0; v < NV; v++) {
+        sv[v] = step_start(ep + 8 * v, acc + 8 * v, &tv[v], &tiny[v]);
+        any_tiny |= tiny[v];
+    }
+    float saved[TM * TN];
+    if (__builtin_expect(any_tiny, 0)) memcpy(saved, acc, sizeof saved);
+    for (int r = 0; r < TM; r++) row_avx2(av, kp, bv, np, sv, tv, r);
+    for (int v = 0; v < NV; v++) step_end(acc + 8 * v, tv[v], sv[v]);
+    if (__builtin_expect(any_tiny, 0))
+        for (int v = 0; v < NV; v++)
+            for (int u = 0; u < 8; u++)
+                if ((tiny[v] >> u) & 1) acc[8 * v + u] = nonzero_bits(saved[8 * v + u]) ? trunc_sig14(saved[8 * v + u]) : 0.0f;
 }
 #endif
 
-void fa3n_mma_fp22(int64_t L, int64_t M, int64_t K, int64_t N, const int32_t *restrict ea, const int32_t *restrict sa,
-                   const int32_t *restrict eb, const int32_t *restrict sb, const float *restrict c, float *restrict out,
-                   int nthreads) {
-    const int64_t pairs = (M + 1) / 2;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
-    for (int64_t l = 0; l < L; l++) {
-        for (int64_t ip = 0; ip < pairs; ip++) {
-            const int64_t i0 = 2 * ip, i1 = (2 * ip + 1 < M) ? 2 * ip + 1 : 2 * ip;
-            const int32_t *EA0 = ea + (l * M + i0) * K, *SA0 = sa + (l * M + i0) * K;
-            const int32_t *EA1 = ea + (l * M + i1) * K, *SA1 = sa + (l * M + i1) * K;
-            const int32_t *EB = eb + l * K * N, *SB = sb + l * K * N;
-            float *acc0 = out + (l * M + i0) * N, *acc1 = out + (l * M + i1) * N;
-            for (int64_t r = 0; r < (i1 != i0 ? 2 : 1); r++) {
-                float *acc = r ? acc1 : acc0;
-                const int64_t i = r ? i1 : i0;
-                if (c) memcpy(acc, c + (l * M + i) * N, sizeof(float) * (size_t)N);
-                else memset(acc, 0, sizeof(float) * (size_t)N);
-            }
-            for (int64_t k0 = 0; k0 < K; k0 += K_STEP) {
-                const int64_t k1 = k0 + K_STEP < K ? k0 + K_STEP : K;
-                int64_t j = 0;
 #ifdef __AVX2__
-                /* with a single last row, both register rows compute it: the second write wins and is identical */
-                for (; j + JB <= N; j += JB) step_avx2(k0, k1, N, j, EA0, SA0, EA1, SA1, EB, SB, acc0, acc1);
+/* exp_code of 8 values, as int32 lanes; ORs the lanes outside the domain into *bad */
+static inline __m256i codes8(const float *x, __m256i lo, __m256i *bad) {
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)x), one = _mm256_set1_epi32(-1);
+    const __m256i two = _mm256_slli_epi32(bits, 1), f = _mm256_srli_epi32(two, 24); /* biased exponent */
+    const __m256i zero = _mm256_cmpeq_epi32(two, _mm256_setzero_si256()), e = _mm256_max_epi32(f, lo);
+    __m256i out = _mm256_or_si256(_mm256_cmpeq_epi32(f, _mm256_set1_epi32(255)),
+                                  _mm256_cmpgt_epi32(_mm256_set1_epi32(127 - 38), f));
+    out = _mm256_or_si256(out, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(127 + 31)));
+    out = _mm256_or_si256(out, _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0xfff)),
+                                                                   _mm256_setzero_si256()), one));
+    *bad = _mm256_or_si256(*bad, _mm256_andnot_si256(zero, out));
+    return _mm256_blendv_epi8(_mm256_sub_epi32(_mm256_set1_epi32(31 + 127), e), _mm256_set1_epi32(ZU), zero);
+}
 #endif
-                step_scalar(k0, k1, N, j, N, EA0, SA0, EB, SB, acc0);
-                if (i1 != i0) step_scalar(k0, k1, N, j, N, EA1, SA1, EB, SB, acc1);
+
+/* Byte codes of n contiguous values (exp_code), into u8, or each four times into a uint32 of u32
+ * (for a one-load broadcast); returns 1 for a value outside the exact domain. A pass over every
+ * operand element per call: vectorised by hand (gcc's own version of the loop took 5% of a call);
+ * `portable` takes the plain loop, as a CPU without AVX2 does. */
+static int codes(const float *restrict x, int64_t n, int min_exp, uint8_t *restrict u8, uint32_t *restrict u32,
+                 int portable) {
+    int bad = 0;
+    int64_t i = 0;
+#ifdef __AVX2__
+    if (portable) goto plain;
+    const __m256i lo = _mm256_set1_epi32(min_exp + 127);
+    __m256i vbad = _mm256_setzero_si256();
+    if (u8) {
+        for (; i + 32 <= n; i += 32) {
+            const __m256i c0 = codes8(x + i, lo, &vbad), c1 = codes8(x + i + 8, lo, &vbad);
+            const __m256i c2 = codes8(x + i + 16, lo, &vbad), c3 = codes8(x + i + 24, lo, &vbad);
+            /* the packs work within 128-bit lanes: put the 32-bit groups back in order */
+            const __m256i p = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+            _mm256_storeu_si256((__m256i *)(u8 + i),
+                                _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        }
+    } else {
+        const __m256i rep = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4,
+                                             8, 8, 8, 8, 12, 12, 12, 12);
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_si256((__m256i *)(u32 + i), _mm256_shuffle_epi8(codes8(x + i, lo, &vbad), rep));
+    }
+    bad = !_mm256_testz_si256(vbad, vbad);
+plain:
+#else
+    (void)portable;
+#endif
+    if (u8)
+        for (; i < n; i++) u8[i] = exp_code(x[i], min_exp, &bad);
+    else
+        for (; i < n; i++) u32[i] = (uint32_t)exp_code(x[i], min_exp, &bad) * 0x01010101u;
+    return bad;
+}
+
+/* rows x cols of a strided matrix into dst (row stride ld), padded with `pad` to prows x ld */
+static void gather(const float *src, int64_t s_row, int64_t s_col, int64_t rows, int64_t cols, int64_t prows,
+                   int64_t ld, float pad, float *restrict dst) {
+    for (int64_t r = 0; r < prows; r++) {
+        float *d = dst + r * ld;
+        int64_t c = 0;
+        if (r < rows) {
+            const float *row = src + r * s_row;
+            if (s_col == 1) {
+                memcpy(d, row, sizeof(float) * (size_t)cols);
+                c = cols;
+            } else {
+                for (; c < cols; c++) d[c] = row[c * s_col];
+            }
+        }
+        for (; c < ld; c++) d[c] = pad;
+    }
+}
+
+/* B [K, N] of one l -> values and byte codes, zero-padded to [kp, np] and stored by column tiles:
+ * tile jt is B[0:kp, TN jt : TN (jt + 1)] as kp contiguous rows of TN, so that a step reads its
+ * 4 KB of B as one stream (with rows np apart, a power-of-two np maps them onto few L1 sets).
+ * Returns 1 outside the domain. */
+static int prep_b(const float *b, const int64_t *bs, int64_t l, int64_t K, int64_t N, int64_t kp, int64_t np,
+                  int min_exp, float *bv, uint8_t *ub, int portable) {
+    for (int64_t n0 = 0; n0 < np; n0 += TN)
+        gather(b + l * bs[0] + n0 * bs[2], bs[1], bs[2], K, N - n0 < TN ? N - n0 : TN, kp, TN, 0.0f, bv + n0 * kp);
+    return codes(bv, kp * np, min_exp, ub, NULL, portable);
+}
+
+/* Rows [i0, i0 + TM) of A [M, K] of one l -> values and codes [TM, kp], zero-padded. */
+static int prep_a(const float *a, const int64_t *as, int64_t l, int64_t i0, int64_t M, int64_t K, int64_t kp,
+                  int min_exp, float *av, uint32_t *ua, int portable) {
+    const int64_t rows = M - i0 < TM ? M - i0 : TM;
+    gather(a + l * as[0] + i0 * as[1], as[1], as[2], rows, K, TM, kp, 0.0f, av);
+    return codes(av, TM * kp, min_exp, NULL, ua, portable);
+}
+
+typedef void (*step_fn)(const float *, const uint32_t *, int64_t, const float *, const uint8_t *, int64_t, float *);
+
+/* The shapes and operands of one call, shared by its threads. */
+typedef struct {
+    int64_t M, K, N, kp, np;
+    const float *a, *b, *c;
+    const int64_t *as, *bs, *cs;
+    float *out;
+    int a_min_exp, b_min_exp, portable;
+    step_fn step;
+} mma_call;
+
+/* C of one l is finite (a non-finite C goes to the reference, which propagates it) */
+static int c_finite(const mma_call *p, int64_t l) {
+    int bad = 0;
+    if (p->c)
+        for (int64_t i = 0; i < p->M; i++)
+            for (int64_t j = 0; j < p->N; j++) bad |= !__builtin_isfinite(p->c[l * p->cs[0] + i * p->cs[1] + j * p->cs[2]]);
+    return !bad;
+}
+
+/* Row tiles [t0, t1) of one l against its prepared B (bv, ub); av, ua: the thread's A buffers.
+ * Returns 1 for an A value outside the exact domain. */
+static int mma_rows(const mma_call *p, int64_t l, int64_t t0, int64_t t1, const float *bv, const uint8_t *ub,
+                    float *av, uint32_t *ua) {
+    const int64_t M = p->M, N = p->N, kp = p->kp, np = p->np;
+    const int64_t *cs = p->cs;
+    float acc[TM * TN] __attribute__((aligned(32)));
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t i0 = t * TM, rows = M - i0 < TM ? M - i0 : TM;
+        if (prep_a(p->a, p->as, l, i0, M, p->K, kp, p->a_min_exp, av, ua, p->portable)) return 1;
+        for (int64_t j0 = 0; j0 < np; j0 += TN) {
+            const int64_t cols = N - j0 < TN ? N - j0 : TN;
+            const float *csrc = p->c ? p->c + l * cs[0] + i0 * cs[1] + j0 * cs[2] : NULL;
+            if (csrc && rows == TM && cols == TN && cs[2] == 1) {
+                for (int r = 0; r < TM; r++)
+                    for (int j = 0; j < TN; j++) acc[r * TN + j] = csrc[r * cs[1] + j];
+            } else if (csrc) {
+                gather(csrc, cs[1], cs[2], rows, cols, TM, TN, 1.0f, acc);
+            } else {
+                /* 1 in the padding: a lane without products and C = 0 takes the slow path */
+                for (int r = 0; r < TM; r++)
+                    for (int j = 0; j < TN; j++) acc[r * TN + j] = (r < rows && j < cols) ? 0.0f : 1.0f;
+            }
+            for (int64_t k0 = 0; k0 < kp; k0 += K_STEP)
+                p->step(av + k0, ua + k0, kp, bv + j0 * kp + k0 * TN, ub + j0 * kp + k0 * TN, TN, acc);
+            float *o = p->out + (l * M + i0) * N + j0;
+            if (rows == TM && cols == TN) {
+                for (int r = 0; r < TM; r++)
+                    for (int j = 0; j < TN; j++) o[r * N + j] = acc[r * TN + j];
+            } else {
+                for (int r = 0; r < rows; r++) memcpy(o + r * N, acc + r * TN, sizeof(float) * (size_t)cols);
             }
         }
     }
+    return 0;
 }
 
-/* Split float32 values holding FP8 numbers into (E, S) with x = S * 2^(E - 7), as mma.py's
- * operand_parts does; returns the number of non-finite inputs (then the caller falls back to the
- * PyTorch reference, which propagates them). */
-static int64_t split_operands(int64_t n, const float *restrict x, int min_exp, int32_t *restrict e_out,
-                              int32_t *restrict s_out, int nthreads) {
-    int64_t bad = 0;
-#pragma omp parallel for schedule(static) reduction(+ : bad) num_threads(nthreads)
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t bits;
-        memcpy(&bits, &x[i], 4);
-        int32_t field = (int32_t)((bits >> 23) & 0xff);
-        bad += field == 0xff;
-        int32_t et = field - 127;
-        int32_t e = et > min_exp ? et : min_exp;
-        uint32_t sig = (bits & 0x7fffffu) | 0x800000u;
-        int32_t sh = 16 + e - et;
-        int32_t mag = sh > 31 ? 0 : (int32_t)(sig >> sh);
-        int zero = field == 0; /* +-0: no FP8 value is a float32 subnormal */
-        e_out[i] = zero ? ZERO_EXP : e;
-        s_out[i] = zero ? 0 : ((bits >> 31) ? -mag : mag);
+/* D = C + A @ B under the model for L independent products: A [L, M, K], B [L, K, N], C [L, M, N]
+ * or NULL (zeros) with element strides as[3], bs[3], cs[3] (any layout: the emulator's K^T is a
+ * transposed view), D [L, M, N] contiguous. Returns 0, 1 (nothing to use: an operand outside the
+ * exact domain or a non-finite C; the caller runs the reference) or 2 (out of memory).
+ * `portable` runs the plain C step where AVX2 is compiled in (for the tests).
+ *
+ * Threads take work dynamically and meet at one barrier per call, the end: on a machine shared
+ * with other processes a thread that loses its core then delays the call by what it holds, not
+ * every thread at every barrier by a scheduler time slice. With L >= 2 x threads a thread takes
+ * whole l's, preparing B next to its use (in L2); otherwise all of B is prepared first. */
+int fa3n_mma_fp22_f32(int64_t L, int64_t M, int64_t K, int64_t N, const float *a, const int64_t *as, const float *b,
+                      const int64_t *bs, const float *c, const int64_t *cs, float *out, int a_min_exp, int b_min_exp,
+                      int nthreads, int portable) {
+    if (L <= 0 || M <= 0 || N <= 0) return 0;
+    if (K > 0 && (a_min_exp < -30 || a_min_exp > 31 || b_min_exp < -30 || b_min_exp > 31)) return 1;
+    mma_call p = {M, K, N, (K + K_STEP - 1) / K_STEP * K_STEP, (N + TN - 1) / TN * TN, a, b, c, as, bs, cs, out,
+                  a_min_exp, b_min_exp, portable, tile_step_portable};
+#ifdef __AVX2__
+    if (!portable) p.step = tile_step_avx2;
+#endif
+    const int64_t kp = p.kp, np = p.np, mt = (M + TM - 1) / TM, bsize = kp * np;
+    const int per_l = L >= 2 * (int64_t)nthreads;
+    /* B for every l, or one per thread; 16 floats of slack so that no buffer is empty */
+    const int64_t nb = per_l ? nthreads : L;
+    float *bv = (float *)aligned_alloc(64, sizeof(float) * (size_t)(nb * bsize + 16));
+    uint8_t *ub = (uint8_t *)aligned_alloc(64, (size_t)(nb * bsize + 64));
+    int rc = (!bv || !ub) ? 2 : 0;
+    if (rc == 0) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            float *av = (float *)aligned_alloc(64, sizeof(float) * (size_t)(TM * kp + 16));
+            uint32_t *ua = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * (size_t)(TM * kp + 16));
+            int err = (!av || !ua) ? 2 : 0;
+            if (per_l) {
+                float *bvt = bv + (int64_t)omp_get_thread_num() * bsize;
+                uint8_t *ubt = ub + (int64_t)omp_get_thread_num() * bsize;
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t l = 0; l < L; l++) {
+                    if (err) continue;
+                    if (prep_b(b, bs, l, K, N, kp, np, b_min_exp, bvt, ubt, portable) || !c_finite(&p, l) ||
+                        mma_rows(&p, l, 0, mt, bvt, ubt, av, ua))
+                        err = 1;
+                }
+            } else {
+#pragma omp for schedule(static)
+                for (int64_t l = 0; l < L; l++)
+                    if (prep_b(b, bs, l, K, N, kp, np, b_min_exp, bv + l * bsize, ub + l * bsize, portable) || !c_finite(&p, l))
+                        err = err ? err : 1;
+#pragma omp for collapse(2) schedule(dynamic, 1)
+                for (int64_t l = 0; l < L; l++)
+                    for (int64_t t = 0; t < mt; t++)
+                        if (!err && mma_rows(&p, l, t, t + 1, bv + l * bsize, ub + l * bsize, av, ua)) err = 1;
+            }
+            if (err) {
+#pragma omp critical
+                rc = rc == 2 ? 2 : err;
+            }
+            free(av);
+            free(ua);
+        }
     }
-    return bad;
-}
-
-static int64_t count_nonfinite(int64_t n, const float *x, int nthreads) {
-    int64_t bad = 0;
-#pragma omp parallel for schedule(static) reduction(+ : bad) num_threads(nthreads)
-    for (int64_t i = 0; i < n; i++) bad += !__builtin_isfinite(x[i]);
-    return bad;
-}
-
-/* The MMA model on float32 operands: the split into (E, S) happens here, in one pass, rather than
- * in PyTorch (which cost three times the model itself). Returns 1 (and computes nothing) when an
- * operand or the accumulator is not finite. */
-int fa3n_mma_fp22_f32(int64_t L, int64_t M, int64_t K, int64_t N, const float *a, const float *b, const float *c,
-                      float *out, int a_min_exp, int b_min_exp, int nthreads) {
-    int32_t *ea = (int32_t *)malloc(sizeof(int32_t) * (size_t)(L * M * K));
-    int32_t *sa = (int32_t *)malloc(sizeof(int32_t) * (size_t)(L * M * K));
-    int32_t *eb = (int32_t *)malloc(sizeof(int32_t) * (size_t)(L * K * N));
-    int32_t *sb = (int32_t *)malloc(sizeof(int32_t) * (size_t)(L * K * N));
-    int rc = 0;
-    if (!ea || !sa || !eb || !sb) {
-        rc = 2;
-    } else if (split_operands(L * M * K, a, a_min_exp, ea, sa, nthreads) ||
-               split_operands(L * K * N, b, b_min_exp, eb, sb, nthreads) || (c && count_nonfinite(L * M * N, c, nthreads))) {
-        rc = 1;
-    } else {
-        fa3n_mma_fp22(L, M, K, N, ea, sa, eb, sb, c, out, nthreads);
-    }
-    free(ea);
-    free(sa);
-    free(eb);
-    free(sb);
+    free(bv);
+    free(ub);
     return rc;
 }
 
@@ -455,15 +611,30 @@ void fa3n_softmax_step(int64_t L, int64_t R, int64_t N, float *restrict s, const
             }
             for (int64_t c = nv; c < N; c++) row[c] = 0.0f; /* masked: exp2(-inf) */
             float *t4 = rs4 + (l * R + r) * 4;
-            for (int t = 0; t < 4; t++) {
-                float acc = flush32(t4[t] * resc, ftz);
-                /* non-negative normal addends: no sum here is ever subnormal, so no flush */
-                for (int64_t j = 0; 8 * j + 2 * t < N; j++) {
-                    int64_t c0 = 8 * j + 2 * t;
-                    acc = acc + row[c0];
-                    if (c0 + 1 < N) acc = acc + row[c0 + 1];
-                }
-                t4[t] = acc;
+            /* Thread t of the quad adds columns 8j + 2t, then 8j + 2t + 1, for j = 0, 1, ...: the
+             * four chains run side by side (each keeps its own order, so the sums are the same
+             * bits) instead of one after another, which left the adder waiting on each sum's
+             * latency. Non-negative normal addends: no sum here is ever subnormal, so no flush. */
+            float a0 = flush32(t4[0] * resc, ftz), a1 = flush32(t4[1] * resc, ftz);
+            float a2 = flush32(t4[2] * resc, ftz), a3 = flush32(t4[3] * resc, ftz);
+            int64_t c8 = 0;
+            for (; c8 + 8 <= N; c8 += 8) {
+                const float *p8 = row + c8;
+                a0 = a0 + p8[0];
+                a1 = a1 + p8[2];
+                a2 = a2 + p8[4];
+                a3 = a3 + p8[6];
+                a0 = a0 + p8[1];
+                a1 = a1 + p8[3];
+                a2 = a2 + p8[5];
+                a3 = a3 + p8[7];
+            }
+            float a4[4] = {a0, a1, a2, a3};
+            for (int t = 0; t < 4; t++) { /* the last, partial group of eight columns */
+                const int64_t c0 = c8 + 2 * t;
+                if (c0 < N) a4[t] = a4[t] + row[c0];
+                if (c0 + 1 < N) a4[t] = a4[t] + row[c0 + 1];
+                t4[t] = a4[t];
             }
             if (fmt_kind)
                 for (int64_t c = 0; c < N; c++) row[c] = (float)round_fmt((double)row[c], mbits, emin, fmax, ovf, sat);

@@ -63,6 +63,25 @@ LOG2E = math.log2(math.e)
 FLT_MIN_NORMAL = float.fromhex("0x1p-126")  # smallest normal float32
 # Elements of one materialised S chunk (one head) in the standard algorithm; bounds its memory.
 _STD_CHUNK_ELEMS = 1 << 22
+# Largest store of 16-bit softmax rows the standard algorithm keeps between the per-tensor P
+# scale's amax pass and its P V pass (see _standard); FA3N_P_KEEP_MB overrides. On a GPU the
+# cap is a quarter of the device's free memory instead (4.3 GB are needed at the paper's shape
+# with every query row).
+_P_KEEP_BYTES = int(float(os.environ.get("FA3N_P_KEEP_MB", "128")) * 2 ** 20)
+# On a GPU a chunk of S is as large as this many elements (512 MB of float32): the CPU's
+# cache-sized chunks would make the paper's Table 3 with every row thousands of small launches.
+_STD_CHUNK_ELEMS_GPU = 1 << 27
+
+
+def _std_chunk_elems(dev: torch.device) -> int:
+    return _STD_CHUNK_ELEMS if dev.type == "cpu" else max(_STD_CHUNK_ELEMS, _STD_CHUNK_ELEMS_GPU)
+
+
+def _p_keep_bytes(dev: torch.device) -> int:
+    if dev.type != "cuda" or "FA3N_P_KEEP_MB" in os.environ or _P_KEEP_BYTES <= 0:
+        return _P_KEEP_BYTES
+    free, _ = torch.cuda.mem_get_info(dev)
+    return max(_P_KEEP_BYTES, free // 4)
 
 # -- progress hook (issue 14; read by fa3_numerics.engine.progress) ---------------------------
 # A caller that shows progress within one emulation sets PROGRESS to f(done, total, unit); it is
@@ -398,15 +417,13 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
     dev = pre.q.values.device
     s_fmt, sm_fmt = get_format(recipe.s), get_format(recipe.softmax)
     p_fmt = get_format(recipe.p) if family(recipe.p) == "float" else None
-    kv = native.to_float32(pre.k.values)
-    vv = native.to_float32(pre.v.values)
     # Q decides the output's heads: K and V of one KV head (MQA) stay unexpanded and broadcast.
     b, h = pre.q.values.shape[:2]
-    nk, dv = pre.seqlen_k, vv.shape[-1]
+    nk, dv = pre.seqlen_k, pre.v.values.shape[-1]
     r = q_index.numel()
     # One (batch, head) and as many query rows as fit a chunk of S at a time: large GEMMs and
     # cache-sized temporaries (the batched form multiplied 16-row blocks).
-    chunk = max(1, _STD_CHUNK_ELEMS // max(1, nk))
+    chunk = max(1, _std_chunk_elems(dev) // max(1, nk))
     narrow_s = s_fmt.mbits < 23
     qv_all = pre.q.values
     qd_all = pre.q.descale.expand(b, h, -1, 1)
@@ -421,7 +438,20 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
         # PyTorch's math SDPA: Q and K each times sqrt(scale), rounded to their format.
         root = math.sqrt(scale)
         qk_fmt = get_format(recipe.qk)
-        kv = quantize_dequantize(kv * root, qk_fmt)
+    widened: dict = {}
+
+    def kv_head(bi: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (as S = Q K^T sees it) and V of one head in float32, widened when first needed
+        and kept while that head's row chunks run: whole float32 copies of K and V would hold
+        268 MB at the paper's shape through the whole call."""
+        key = (bi if pre.k.values.shape[0] > 1 else 0, hi if pre.k.values.shape[1] > 1 else 0)
+        if key not in widened:
+            widened.clear()
+            k_h = native.to_float32(pre.k.values[key])
+            if split:
+                k_h = quantize_dequantize(k_h * root, qk_fmt)
+            widened[key] = (k_h, native.to_float32(pre.v.values[key]))
+        return widened[key]
 
     def softmax_rows(bi: int, hi: int, c: int) -> torch.Tensor:
         idx = q_index[c:c + chunk]
@@ -430,7 +460,7 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
             qv = quantize_dequantize(qv * root, qk_fmt)
         qd = head(qd_all, bi, hi)
         qd = qd[c:c + chunk] if qd.shape[0] > 1 else qd
-        s = torch.matmul(qv, head(kv, bi, hi).transpose(-1, -2)) * (qd * head(kd_all, bi, hi).transpose(-1, -2))
+        s = torch.matmul(qv, kv_head(bi, hi)[0].transpose(-1, -2)) * (qd * head(kd_all, bi, hi).transpose(-1, -2))
         if pre.bias is not None:  # smooth=qk: the correction joins S before S is rounded and scaled
             s = s + head(pre.bias, bi, hi).index_select(0, torch.div(idx, pre.block_m, rounding_mode="floor"))
         s = quantize_dequantize(s, s_fmt)
@@ -447,19 +477,33 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
 
     blocks = [(bi, hi, c) for bi in range(b) for hi in range(h) for c in range(0, r, chunk)]
     p_mult = 1.0
+    kept: dict = {}  # block -> its softmax rows, from the amax pass below
     if family(recipe.p) == "mx":
         pass  # block scales give P its range; no multiplier
     elif recipe.p_scale == "tensor" and p_fmt.saturate:
-        # Per-tensor P scale needs the amax of P over every evaluated row first.
-        p_amax = max(softmax_rows(*blk).amax().item() for blk in blocks)
+        # Per-tensor P scale needs the amax of P over every evaluated row first. Softmax rows
+        # already rounded to a 16-bit format are kept in that dtype (exact) for the second pass,
+        # which then skips S = Q K^T and the softmax for them (a third of baseline-fp8's time),
+        # up to _p_keep_bytes (the paper's shape needs 537 MB; the CPU keeps the first 128 MB
+        # so that the run stays under 2 GB); the other blocks are recomputed.
+        keep_dtype = sm_fmt.dtype if sm_fmt.dtype in (torch.float16, torch.bfloat16) else None
+        room = _p_keep_bytes(dev) if keep_dtype is not None else 0
+        p_amax = 0.0
+        for blk in blocks:
+            p_rows = softmax_rows(*blk)
+            p_amax = max(p_amax, p_rows.amax().item())
+            if p_rows.numel() * 2 <= room:  # the first blocks, as many as fit
+                kept[blk] = p_rows.to(keep_dtype)
+                room -= p_rows.numel() * 2
         p_mult = p_fmt.max / p_amax if p_amax > 0 else 1.0
     elif recipe.p_scale == "offset":
         p_mult = 2.0 ** recipe.p_offset if p_fmt.saturate else 1.0
     out = torch.empty((b, h, r, dv), dtype=torch.float64, device=dev)
     tick = PROGRESS.get()  # progress hook
     for i_blk, (bi, hi, c) in enumerate(blocks):
-        p8 = cast_p(softmax_rows(bi, hi, c) * p_mult, recipe, materialised=True)
-        v_deq = head(vv, bi, hi) * head(vd_all, bi, hi)
+        p_rows = kept.pop((bi, hi, c)).to(torch.float32) if (bi, hi, c) in kept else softmax_rows(bi, hi, c)
+        p8 = cast_p(p_rows * p_mult, recipe, materialised=True)
+        v_deq = kv_head(bi, hi)[1] * head(vd_all, bi, hi)
         o = torch.matmul(p8, v_deq) / p_mult
         out[bi, hi, c:c + chunk] = quantize_dequantize(o, recipe.out, torch.float64)
         if tick is not None:  # progress hook

@@ -18,7 +18,8 @@ GEMMs of the FA3 FP8 forward, it makes 99.99% of the kernel's BF16 outputs bit-i
   summed exactly;
 - the sum is truncated toward zero to 13 bits after its own leading bit.
 
-Exact integer form (what the fast paths compute). Write each operand as x = S(x) 2^(E(x) - 7)
+Exact integer form (the fast paths compute the same integers in floats: a b 2^(13 - emax) is exact in
+float32 for FP8 operands and truncates by one conversion). Write each operand as x = S(x) 2^(E(x) - 7)
 with S(x) an integer of at most 8 bits (|S| < 256 for every format with <= 7 mantissa bits,
 subnormals included, because E is clamped at the smallest normal exponent). A product is then
 S(a) S(b) 2^(E(a) + E(b) - 14) and, in units of the step's ulp,

@@ -9,7 +9,8 @@ temporaries per KV tile, so a CPU run spends most of its time allocating and str
 ``_native.c`` computes the same numbers in one pass per row, in registers (C with OpenMP; gcc
 vectorises it for the CPU it runs on):
 
-- ``fa3n_mma_fp22``: the Hopper FP8 MMA model (``numerics/mma.py``), exact integers;
+- ``fa3n_mma_fp22_f32``: the Hopper FP8 MMA model (``numerics/mma.py``), exact in float32 for FP8
+  operands (AVX2 where the CPU has it);
 - ``fa3n_softmax_step``: one KV tile of the flash algorithm (``numerics/emulator.py``);
 - ``fa3n_round_f64``, ``fa3n_round_f32``: float64 or float32 to a narrow format with one
   rounding (``numerics/formats.py``);
@@ -116,8 +117,7 @@ def _lib():
                       f"reference (same numbers, slower). Install gcc to get them.", RuntimeWarning, stacklevel=3)
         return None
     i64, i32, p, f32, f64 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_double
-    lib.fa3n_mma_fp22.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, i32]
-    lib.fa3n_mma_fp22_f32.argtypes = [i64, i64, i64, i64, p, p, p, p, i32, i32, i32]
+    lib.fa3n_mma_fp22_f32.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, p, i32, i32, i32, i32]
     lib.fa3n_mma_fp22_f32.restype = ctypes.c_int
     lib.fa3n_softmax_step.argtypes = [i64, i64, i64, p, p, p, p, f32, p, p, p, p, f64, i32, i32, i32, i32, f64, f64,
                                       i32, i32]
@@ -127,7 +127,7 @@ def _lib():
     lib.fa3n_decode_u8.argtypes = [i64, p, p, p, i32]
     lib.fa3n_rescale_rows.argtypes = [i64, i64, p, p, i32, i32]
     lib.fa3n_abs_stats.argtypes = [i64, p, p, i32, p, p, p, i32]
-    for fn in (lib.fa3n_mma_fp22, lib.fa3n_softmax_step, lib.fa3n_round_f64, lib.fa3n_round_f32, lib.fa3n_fwht,
+    for fn in (lib.fa3n_softmax_step, lib.fa3n_round_f64, lib.fa3n_round_f32, lib.fa3n_fwht,
                lib.fa3n_decode_u8, lib.fa3n_rescale_rows, lib.fa3n_abs_stats):
         fn.restype = None
     _STATE["lib"] = lib
@@ -158,24 +158,37 @@ def _fmt_args(fmt) -> tuple[int, int, int, float, float, int]:
     return 1, fmt.mbits, fmt.emin, fmt.max, ovf, int(fmt.saturate)
 
 
+def _flat3(x: torch.Tensor, lead, r: int, c: int) -> tuple[torch.Tensor, ctypes.Array]:
+    """x as float32 broadcast to lead + (r, c), viewed as [L, r, c] (a copy only where the
+    strides do not allow a view, e.g. a transposed K stays a view), and its element strides."""
+    x = x.to(torch.float32).expand(*lead, r, c).reshape(math.prod(lead), r, c)
+    return x, (ctypes.c_int64 * 3)(*x.stride())
+
+
 def mma(device: torch.device):
     """The compiled Hopper FP8 MMA model for ``device`` (same arguments as
     ``mma.hopper_fp8_mma_reference``), or None. The returned function gives None for operands
-    it cannot take (non-finite values), and the caller then uses the reference."""
+    it cannot take exactly (non-finite values, float64 values that float32 cannot hold, values
+    outside the float form's range: see ``_native.c``), and the caller then uses the reference.
+    ``portable=True`` runs the plain C step instead of the AVX2 one (for the tests)."""
     if device.type != "cpu" or _lib() is None:
         return None
 
-    def run(a, b, c=None, *, a_min_exp, b_min_exp):
+    def run(a, b, c=None, *, a_min_exp, b_min_exp, portable=False):
+        for t in (a, b):
+            if not t.is_floating_point() or (t.dtype == torch.float64 and not torch.equal(t.float().double(), t)):
+                return None  # the reference multiplies these values exactly; float32 would round them
         lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         m, k = a.shape[-2:]
         n = b.shape[-1]
-        aa = a.to(torch.float32).expand(*lead, m, k).contiguous()
-        bb = b.to(torch.float32).expand(*lead, k, n).contiguous()
-        cc = None if c is None else c.to(torch.float32).expand(*lead, m, n).contiguous()
-        out = torch.empty(*lead, m, n, dtype=torch.float32)
         big_l = math.prod(lead) if lead else 1
-        rc = _lib().fa3n_mma_fp22_f32(big_l, m, k, n, _ptr(aa), _ptr(bb), _ptr(cc), _ptr(out), int(a_min_exp),
-                                      int(b_min_exp), _threads())
+        out = torch.empty(*lead, m, n, dtype=torch.float32)
+        if out.numel() == 0:
+            return out
+        (aa, sa), (bb, sb) = _flat3(a, lead, m, k), _flat3(b, lead, k, n)
+        cc, sc = (None, None) if c is None else _flat3(c, lead, m, n)
+        rc = _lib().fa3n_mma_fp22_f32(big_l, m, k, n, _ptr(aa), sa, _ptr(bb), sb, _ptr(cc), sc, _ptr(out),
+                                      int(a_min_exp), int(b_min_exp), _threads(), int(portable))
         if rc == 2:
             raise MemoryError("the compiled MMA model could not allocate its operand buffers")
         return None if rc else out

@@ -27,16 +27,42 @@ def _validate(params: dict) -> None:
                                 f"use --sigma <= {SIGMA_MAX:g}")
 
 
+def bernoulli_positions(n: int, p: float, g: torch.Generator, chunk: int = 0) -> torch.Tensor:
+    """The indices in [0, n) where n i.i.d. Bernoulli(p) draws come out 1, ascending (int64).
+
+    Drawn as the gaps between successes, which are i.i.d. Geometric(p) on {1, 2, ...}: the
+    same law as comparing n uniforms with p, at a cost proportional to n p rather than n (at
+    the paper's shape, 33 M entries per tensor and p = 0.001, 0.05 s instead of 0.7 s). The
+    gaps come from ``g`` in chunks of about n p + 6 sqrt(n p) values, rarely more than one
+    (``chunk`` > 0 sets another size; tests use it to exercise the continuation)."""
+    dev = g.device
+    if n <= 0 or p <= 0.0:
+        return torch.empty(0, dtype=torch.int64, device=dev)
+    if p >= 1.0:
+        return torch.arange(n, device=dev)
+    mean = n * p
+    chunk = chunk or int(mean + 6.0 * math.sqrt(mean) + 16)
+    found, last = [], -1.0
+    while last < n:
+        # float64 holds every partial sum exactly while it is below 2^53, far beyond any n here;
+        # a gap beyond n (possible when n p << 1) just ends the loop.
+        pos = torch.empty(chunk, dtype=torch.float64, device=dev).geometric_(p, generator=g).cumsum_(0).add_(last)
+        last = float(pos[-1])
+        found.append(pos[pos < n])
+    return torch.cat(found).to(torch.int64)
+
+
 def outliers_like(shape: tuple[int, ...], g: torch.Generator, p: float, sigma: float) -> torch.Tensor:
-    """One tensor of the paper's distribution. The outlier term is drawn only where the
-    Bernoulli mask is set (in flattened order), which is the same distribution at a third of
-    the cost of drawing it everywhere."""
+    """One tensor of the paper's distribution, from ``g`` in this order: the N(0, 1) bulk for
+    every entry (``randn``, float64, row-major), then the entries that carry an outlier term
+    (``bernoulli_positions`` over the flattened tensor), then the outlier terms N(0, sigma^2)
+    for those entries only, in ascending position. Drawing the outlier term only where it is
+    added is the same distribution at a fraction of the cost of drawing it everywhere."""
     dev = g.device
     x = torch.randn(shape, generator=g, dtype=torch.float64, device=dev)
-    mask = torch.rand(shape, generator=g, dtype=torch.float64, device=dev) < p
-    n = int(mask.sum())
-    if n:
-        x[mask] += torch.randn(n, generator=g, dtype=torch.float64, device=dev) * sigma
+    where = bernoulli_positions(x.numel(), p, g)
+    if where.numel():
+        x.view(-1)[where] += torch.randn(where.numel(), generator=g, dtype=torch.float64, device=dev) * sigma
     return x
 
 
