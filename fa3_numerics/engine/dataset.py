@@ -68,16 +68,23 @@ def dataset_kind(ds: xr.Dataset) -> str | None:
     return "ablation" if "stage" in ds.coords else "run"
 
 
+def open_netcdf(path: str | Path, hint: str) -> xr.Dataset:
+    """Load the netCDF file ``path`` whole; a one-line ``UsageError`` ending in ``hint`` (what to
+    give instead) when it is missing or not netCDF. Every reader of the project's datasets starts here."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"no such file: {path}; {hint}")
+    try:
+        return xr.load_dataset(path, engine="h5netcdf")
+    except Exception:  # noqa: BLE001 - any decoder failure means "not our file"
+        raise UsageError(f"{path} is not a netCDF dataset; {hint}") from None
+
+
 def read(path: str | Path, kinds: tuple[str, ...] = KINDS) -> xr.Dataset:
     """Open a dataset written by ``write``; one-line errors for anything else (or another kind)."""
     path = Path(path)
     hint = "give the .nc written by `fa3-numerics run`, `audit` or `validate`"
-    if not path.is_file():
-        raise UsageError(f"no such file: {path}; {hint}")
-    try:
-        ds = xr.load_dataset(path, engine="h5netcdf")
-    except Exception:  # noqa: BLE001 - any decoder failure means "not our file"
-        raise UsageError(f"{path} is not a netCDF dataset; {hint}") from None
+    ds = open_netcdf(path, hint)
     kind = dataset_kind(ds)
     if kind is None:
         raise UsageError(f"{path} is not an fa3-numerics dataset (no '{FORMAT}' marker); {hint}")

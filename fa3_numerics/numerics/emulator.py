@@ -430,8 +430,12 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
     kd_all = pre.k.descale.expand(b, h, -1, 1)
     vd_all = pre.v.descale.expand(b, h, -1, -1)
 
+    def at(t: torch.Tensor, bi: int, hi: int) -> tuple[int, int]:
+        """Index of (batch bi, head hi) in ``t``, whose batch or head axis may be broadcast (size 1)."""
+        return bi if t.shape[0] > 1 else 0, hi if t.shape[1] > 1 else 0
+
     def head(t: torch.Tensor, bi: int, hi: int) -> torch.Tensor:
-        return t[bi if t.shape[0] > 1 else 0, hi if t.shape[1] > 1 else 0]
+        return t[at(t, bi, hi)]
 
     split = recipe.sscale == "split"
     if split:
@@ -444,13 +448,13 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
         """K (as S = Q K^T sees it) and V of one head in float32, widened when first needed
         and kept while that head's row chunks run: whole float32 copies of K and V would hold
         268 MB at the paper's shape through the whole call."""
-        key = (bi if pre.k.values.shape[0] > 1 else 0, hi if pre.k.values.shape[1] > 1 else 0)
+        key = at(pre.k.values, bi, hi)
         if key not in widened:
             widened.clear()
             k_h = native.to_float32(pre.k.values[key])
             if split:
                 k_h = quantize_dequantize(k_h * root, qk_fmt)
-            widened[key] = (k_h, native.to_float32(pre.v.values[key]))
+            widened[key] = (k_h, native.to_float32(head(pre.v.values, bi, hi)))
         return widened[key]
 
     def softmax_rows(bi: int, hi: int, c: int) -> torch.Tensor:

@@ -287,14 +287,11 @@ def _audit_link(audit_ds, recipes, sweep, data, coords, attrs) -> None:
 
 def read_impact(path: str | Path) -> xr.Dataset:
     """Open an impact dataset; one-line errors for anything else."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"no such file: {path}; give the impact.nc written by `fa3-numerics impact`")
-    try:
-        ds = xr.load_dataset(path, engine="h5netcdf")
-    except Exception:  # noqa: BLE001 - any decoder failure means "not our file"
-        raise UsageError(f"{path} is not a netCDF dataset; give the impact.nc written by `fa3-numerics impact`") from None
+    from ..engine.dataset import open_netcdf
     from .impact import IMPACT_FORMAT
+
+    path = Path(path)
+    ds = open_netcdf(path, "give the impact.nc written by `fa3-numerics impact`")
 
     if ds.attrs.get("format") != IMPACT_FORMAT or "kl" not in ds:
         raise UsageError(f"{path} is not an impact dataset (no '{IMPACT_FORMAT}' marker); give the impact.nc "
