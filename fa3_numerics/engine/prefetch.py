@@ -38,9 +38,19 @@ REPORT_MODULES = (
 SWITCH_INTERVAL = 2e-4
 
 
+# Prefetches running now, and the switch interval from before the first of them: a second
+# prefetch started in the same process (commands called in-process, tests) must neither record
+# the lowered interval as the one to restore nor restore it while the first still runs.
+_ACTIVE = {"count": 0, "before": None}
+_LOCK = threading.Lock()
+
+
 def _load(modules: tuple[str, ...], interval: float) -> None:
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(min(before, interval))
+    with _LOCK:
+        if _ACTIVE["count"] == 0:
+            _ACTIVE["before"] = sys.getswitchinterval()
+        _ACTIVE["count"] += 1
+        sys.setswitchinterval(min(_ACTIVE["before"], interval))
     try:
         for name in modules:
             try:
@@ -48,7 +58,10 @@ def _load(modules: tuple[str, ...], interval: float) -> None:
             except Exception:  # noqa: BLE001 - the step that needs it raises with its own message
                 pass
     finally:
-        sys.setswitchinterval(before)
+        with _LOCK:
+            _ACTIVE["count"] -= 1
+            if _ACTIVE["count"] == 0:
+                sys.setswitchinterval(_ACTIVE["before"])
 
 
 def prefetch(modules: tuple[str, ...] = REPORT_MODULES, interval: float = SWITCH_INTERVAL) -> threading.Thread:
