@@ -89,3 +89,30 @@ def test_console_entry_keeps_exit_codes_and_flushes_output():
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error:") and len(bad.stderr.strip().splitlines()) == 1
     ok = entry("run", "outliers", "--help")
     assert ok.returncode == 0 and "--p" in ok.stdout and ok.stdout.endswith("\n")
+
+
+def test_console_run_writes_the_same_dataset_from_its_report_process(tmp_path):
+    """The console script writes the dataset and report from a process forked before the runs
+    (engine.report_process): same files, same numbers and same exit codes as in one process,
+    including exit 3 with every file written for non-finite results."""
+    import xarray as xr
+
+    def console(out, *args, env=None):
+        import os
+
+        return subprocess.run([sys.executable, "-c", "from fa3_numerics.cli import entry; entry()", "run", "outliers",
+                               "--seqlen", "64", "--batch", "1", "--heads", "2", "--rows", "16", *args,
+                               "--out", str(out), "--fresh"],
+                              capture_output=True, text=True, timeout=300, env=dict(os.environ, **(env or {})))
+
+    forked = console(tmp_path / "a", "--variants", "fa3-fp8,fa3-fp16")
+    single = console(tmp_path / "b", "--variants", "fa3-fp8,fa3-fp16", env={"FA3N_FORKS": "0"})
+    assert forked.returncode == single.returncode == 0, forked.stderr + single.stderr
+    assert "fa3-fp8" in forked.stdout and "wrote 8 file(s)" in forked.stdout
+    with xr.open_dataset(tmp_path / "a" / "outliers.nc") as a, xr.open_dataset(tmp_path / "b" / "outliers.nc") as b:
+        np.testing.assert_array_equal(a["rmse"].values, b["rmse"].values)
+    for name in ("summary.md", "report.html", "figures/variants.png"):
+        assert (tmp_path / "a" / name).is_file()
+    bad = console(tmp_path / "c", "--p", "0.01", "--sigma", "300", "--variants", "baseline-fp16,sscale=after")
+    assert bad.returncode == 3, bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: ") and (tmp_path / "c" / "report.html").is_file()

@@ -209,7 +209,7 @@ def test_ctrl_c_says_what_is_kept(tmp_path, cli, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(outliers, "run_experiment", interrupted)
+    monkeypatch.setattr(outliers, "compute_experiment", interrupted)
     code, _, err = cli(*["run", "outliers", *SMALL, "--out", str(tmp_path / "o")])
     assert code == 130
     assert "interrupted; finished results are kept" in err

@@ -87,3 +87,74 @@ def test_prefetch_imports_in_the_background_and_leaves_failures_to_the_caller():
     assert "colorsys" in sys.modules and "fa3n_no_such_module" not in sys.modules
     assert sys.getswitchinterval() == before == pytest.approx(0.005)  # restored once the imports end
     assert "scipy.stats" in REPORT_MODULES and "matplotlib.figure" in REPORT_MODULES
+
+
+def _raise_usage():
+    raise UsageError("bad thing; do this instead")
+
+
+def _write_marker(path):
+    import sys
+
+    with open(path, "w") as f:
+        f.write(str("fa3n_report_marker" in sys.modules))
+
+
+def test_report_process_runs_a_step_in_a_forked_child_with_the_command_lines_exit_codes(tmp_path, capfd):
+    """The child imports its modules first, runs the function it is sent, and its exit code is
+    the command line's for what ended it: 0, 2 with the one-line error for bad input; cancelled
+    unused, it ends and leaves no process behind."""
+    import os
+    import sys
+
+    from fa3_numerics.cli import guarded
+    from fa3_numerics.engine.report_process import ReportProcess
+
+    (tmp_path / "fa3n_report_marker.py").write_text("X = 1\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        ok = ReportProcess.start(("fa3n_report_marker", "fa3n_no_such_module"), guarded)
+        assert ok.run(_write_marker, str(tmp_path / "m.txt")) == 0
+        assert (tmp_path / "m.txt").read_text() == "True"  # imported in the child before the step
+        assert "fa3n_report_marker" not in sys.modules  # and not here
+        bad = ReportProcess.start((), guarded)
+        assert bad.run(_raise_usage) == 2
+        assert capfd.readouterr().err.strip().splitlines()[-1] == "error: bad thing; do this instead"
+        idle = ReportProcess.start(("fa3n_report_marker",), guarded)
+        idle.cancel()
+        with pytest.raises(ChildProcessError):
+            os.waitpid(idle.pid, os.WNOHANG)  # reaped: no zombie left
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def test_report_process_says_when_its_child_dies_by_a_signal(capfd):
+    import os
+    import signal
+
+    from fa3_numerics.cli import guarded
+    from fa3_numerics.engine.report_process import ReportProcess
+
+    proc = ReportProcess.start((), guarded)
+    assert proc.run(os.kill, proc.pid, signal.SIGKILL) == 1  # os.kill(own pid) in the child
+    assert "ended by signal 9" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("argv,device", [
+    (["run", "outliers", "--device", "cuda"], "cuda"),
+    (["run", "outliers", "--device=cuda:1"], "cuda:1"),
+    (["run", "outliers", "--device", "cpu"], None),
+    (["run", "outliers"], None),
+    (["run", "outliers", "--device", "cuda", "--workers", "2"], None),  # forked workers must not inherit CUDA
+    (["run", "outliers", "--device", "cuda", "--workers", "0"], "cuda"),
+    (["run", "outliers", "--device", "cuda", "--scheduler", "tcp://h:8786"], None),
+])
+def test_cuda_starts_early_only_for_a_cuda_device_in_this_process(argv, device):
+    from fa3_numerics.engine.cuda_start import start_cuda_early, wants_cuda
+
+    assert wants_cuda(argv) == device
+    t = start_cuda_early(argv)
+    assert (t is None) == (device is None)
+    if t is not None:
+        t.join(timeout=60)  # without a GPU or driver it ends quietly
+        assert not t.is_alive()

@@ -63,16 +63,32 @@ def build_app() -> typer.Typer:
     return app
 
 
-app = build_app()
+@functools.lru_cache(maxsize=1)
+def _app() -> typer.Typer:
+    return build_app()
+
+
+def __getattr__(name: str):
+    # ``app`` is built on first use, so that the console script can start CUDA first.
+    if name == "app":
+        return _app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def entry() -> None:
     """The ``fa3-numerics`` console script: ``main``, then an exit that skips the interpreter's
     teardown (unloading ~3000 modules, the CUDA context, the allocator's arenas): 0.7 s on the
     2-core CPU and about 1 s on the H200 machine, after every file is written and closed. Output
-    streams are flushed first; the exit code is ``main``'s."""
+    streams are flushed first; the exit code is ``main``'s. A command on a CUDA device starts
+    CUDA while torch is imported (``engine.cuda_start``) and may fork helper processes
+    (``engine.forking``): a run writes its dataset and report from a process forked before it."""
+    from ..engine.cuda_start import start_cuda_early
+    from ..engine.forking import allow_forks
+
     code = 0
     try:
+        start_cuda_early(sys.argv[1:])
+        allow_forks()
         main()
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
@@ -88,11 +104,30 @@ def entry() -> None:
     os._exit(code)
 
 
+def _error_line(exc: UsageError | NonFiniteError) -> str:
+    return f"error: {str(exc).splitlines()[0]}"
+
+
+def guarded(fn) -> int:
+    """``fn()`` as a command's step, in a process of its own (``engine.report_process``): 0, or
+    the exit code the command line gives what ended it, with the same one-line message."""
+    try:
+        fn()
+        return 0
+    except (UsageError, NonFiniteError) as exc:
+        typer.echo(_error_line(exc), err=True)
+        return exc.exit_code
+    except typer.Exit as exc:
+        return exc.exit_code
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+
+
 def main(argv: list[str] | None = None, application: typer.Typer | None = None) -> None:
     try:
-        (application or app)(args=argv, standalone_mode=True)
+        (application or _app())(args=argv, standalone_mode=True)
     except (UsageError, NonFiniteError) as exc:
-        typer.echo(f"error: {str(exc).splitlines()[0]}", err=True)
+        typer.echo(_error_line(exc), err=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         typer.echo(INTERRUPTED, err=True)

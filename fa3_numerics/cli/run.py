@@ -66,20 +66,16 @@ def _backend_help() -> str:
 
 def run_and_write(name: str, overrides: dict, out: str, fresh: bool, workers: int = 0,
                   scheduler: Optional[str] = None, allow_nonfinite: bool = False) -> None:
-    import numpy as np
-
-    from ..engine.dataset import write
     from ..engine.distributed import check_scheduler
-    from ..engine.files import OutputFolder, atomic_write
-    from ..engine.nonfinite import scan
-    from ..engine.prefetch import prefetch
+    from ..engine.files import OutputFolder
+    from ..engine.forking import forks_allowed
+    from ..engine.prefetch import REPORT_MODULES, prefetch
     from ..engine.progress import PhaseClock
     from ..engine.progress import make_progress
+    from ..engine.report_process import ReportProcess
     from ..errors import require
-    from ..numerics.metrics.bootstrap import MIN_SAMPLES, few_samples
-    from ..report import render_report
-    from ..report.summary import markdown_summary, text_table
-    from ..studies.outliers import load_experiment, run_experiment
+    from ..studies.outliers import compute_experiment, load_experiment
+    from . import guarded
 
     require(workers >= 0, f"--workers must be >= 0, got {workers}")
     check_scheduler(scheduler)
@@ -94,26 +90,56 @@ def run_and_write(name: str, overrides: dict, out: str, fresh: bool, workers: in
                    f"variant(s), backend {exp.backend} on {exp.device}; writing to {path}", err=True)
         if folder.cleaned:
             typer.echo(f"removed {len(folder.cleaned)} temp file(s) of an interrupted run", err=True)
-        if workers == 0 and scheduler is None:
-            prefetch()  # the report's imports, beside the computation
-        clock = PhaseClock()
-        ds = run_experiment(exp, cache_dir=cache, workers=workers, scheduler=scheduler, progress=make_progress())
-        clock.done("runs")
-        findings = scan(ds)
-        written = [write(ds, path / f"{exp.name}.nc")]
-        clock.done("dataset file")
-        written.append(atomic_write(path / "summary.md", markdown_summary(ds)))
-        clock.done("summary.md")
-        written += render_report(ds, path)
-        clock.done("report")
-        typer.echo(text_table(ds))
-        clock.done("table")
-        clock.report(lambda m: typer.echo(m, err=True))
-        n = int(np.prod([ds.sizes.get(d, 1) for d in ("seed", "batch", "head")]))
-        if few_samples(n):
-            typer.echo(f"warning: every interval rests on {n} sample(s), fewer than {MIN_SAMPLES} (marked †); "
-                       "more --seeds or --heads sharpen them", err=True)
-        typer.echo("\n" + wrote(written, f"({ds.attrs['wall_seconds']} s for the runs)"))
+        # The report's imports, beside the computation: in a forked process from the console
+        # script, else in a thread. Neither while dask's worker processes are forked.
+        local = workers == 0 and scheduler is None
+        tail = ReportProcess.start(REPORT_MODULES, guarded) if local and forks_allowed() else None
+        try:
+            if local and tail is None:
+                prefetch()
+            clock = PhaseClock()
+            res = compute_experiment(exp, cache_dir=cache, workers=workers, scheduler=scheduler,
+                                     progress=make_progress())
+            clock.done("runs")
+            if tail is None:
+                write_run(res, path, clock, allow_nonfinite)
+                return
+            code = tail.run(write_run, res, path, clock, allow_nonfinite)
+        finally:
+            if tail is not None:
+                tail.cancel()
+    if code:
+        raise typer.Exit(code)
+
+
+def write_run(res, path, clock, allow_nonfinite: bool) -> None:
+    """A run's dataset, summary.md and report from its numbers (``studies.outliers.Results``),
+    the table on stdout, then exit 3 if results are non-finite (unless allowed)."""
+    import numpy as np
+
+    from ..engine.dataset import write
+    from ..engine.files import atomic_write
+    from ..engine.nonfinite import scan
+    from ..numerics.metrics.bootstrap import MIN_SAMPLES, few_samples
+    from ..report import render_report
+    from ..report.summary import markdown_summary, text_table
+
+    ds = res.dataset()
+    findings = scan(ds)
+    written = [write(ds, path / f"{res.exp.name}.nc")]
+    clock.done("dataset file")
+    written.append(atomic_write(path / "summary.md", markdown_summary(ds)))
+    clock.done("summary.md")
+    written += render_report(ds, path)
+    clock.done("report")
+    typer.echo(text_table(ds))
+    clock.done("table")
+    clock.report(lambda m: typer.echo(m, err=True))
+    n = int(np.prod([ds.sizes.get(d, 1) for d in ("seed", "batch", "head")]))
+    if few_samples(n):
+        typer.echo(f"warning: every interval rests on {n} sample(s), fewer than {MIN_SAMPLES} (marked †); "
+                   "more --seeds or --heads sharpen them", err=True)
+    typer.echo("\n" + wrote(written, f"({ds.attrs['wall_seconds']} s for the runs)"))
     finish(findings, allow_nonfinite, lambda m: typer.echo(m, err=True))
 
 

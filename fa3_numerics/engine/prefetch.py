@@ -2,10 +2,11 @@
 
 Exposed: ``REPORT_MODULES``, ``SWITCH_INTERVAL``, ``prefetch``.
 
-Writing the dataset, the summary's BCa intervals and the report's figures import h5netcdf,
-scipy.stats and matplotlib: about 1.5 s on the 2-core CPU and on the H200 machine, where the
-paper-shape Table 3 computes in about 2 s and so waits mostly on imports. Torch releases the GIL
-inside its operations, so the imports proceed beside them (see ``SWITCH_INTERVAL``). A module that fails to import here (an optional
+Building and writing the dataset, the summary's BCa intervals and the report's figures import
+xarray (with pandas), h5netcdf, scipy.stats and matplotlib: about 2 s on the 2-core CPU and on
+the H200 machine, where the paper-shape Table 3 computes in about 2 s and so waits mostly on
+imports. Torch releases the GIL inside its operations, so the imports proceed beside them (see
+``SWITCH_INTERVAL``). A module that fails to import here (an optional
 package missing) is left alone: the step that needs it imports it again and reports the error
 with its fix. Not used when work is spread over forked processes (``--workers``): a fork while
 this thread holds an import lock could leave the child waiting on it.
@@ -14,10 +15,14 @@ this thread holds an import lock could leave the child waiting on it.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import threading
 
 REPORT_MODULES = (
+    "xarray",
+    "fa3_numerics.engine.dataset",
+    "fa3_numerics.engine.nonfinite",
     "h5netcdf",
     "scipy.stats",
     "matplotlib.figure",
@@ -28,6 +33,8 @@ REPORT_MODULES = (
     "fa3_numerics.report.figures_sweep",
     "fa3_numerics.report.run",
     "fa3_numerics.report.html",
+    "fa3_numerics.report",
+    "fa3_numerics.report.summary",
 )
 
 
@@ -66,7 +73,10 @@ def _load(modules: tuple[str, ...], interval: float) -> None:
 
 def prefetch(modules: tuple[str, ...] = REPORT_MODULES, interval: float = SWITCH_INTERVAL) -> threading.Thread:
     """Start importing ``modules`` in a daemon thread; return the thread (join it to wait). The
-    switch interval is ``interval`` seconds until the imports end, then restored."""
+    switch interval is ``interval`` seconds until the imports end, then restored.
+    ``FA3N_PREFETCH=0`` turns it off (the thread then imports nothing), to measure what it saves."""
+    if os.environ.get("FA3N_PREFETCH", "1") == "0":
+        modules = ()
     t = threading.Thread(target=_load, args=(tuple(modules), interval), name="fa3n-prefetch", daemon=True)
     t.start()
     return t

@@ -137,7 +137,7 @@ class Progress:
         self.tasks = []
         for t, c in zip(tasks, cached):
             w = task_work(t)
-            jobs = {j.slot: _Job(_short(j.recipe), j.recipe.spec(), w, j.slot in c) for j in t.jobs}
+            jobs = {j.slot: _Job(short_name(j.recipe), j.recipe.spec(), w, j.slot in c) for j in t.jobs}
             self.tasks.append(_Task(t.where or "single cell", t.seed, jobs, len(c)))
         for ti in skipped:
             self.tasks[ti].done = True
@@ -336,7 +336,7 @@ class LiveProgress(Progress):
             self.started = False
 
 
-def _short(recipe) -> str:
+def short_name(recipe) -> str:
     """A recipe as people call it: its preset's name when it is one, else its short spec."""
     from ..numerics.recipe import PRESETS
 
@@ -405,15 +405,20 @@ def process_age() -> float | None:
 
 class PhaseClock:
     """Wall seconds per phase of a command, printed only when ``FA3N_TIMINGS`` is set: the
-    first phase is everything before the clock started (interpreter, imports, checks)."""
+    first phase is everything before the clock started (interpreter, imports, checks), unless
+    ``start_up`` is False. ``sync`` (e.g. ``torch.cuda.synchronize``) is called before each
+    reading when timings are on, so that a phase owns the GPU work it queued."""
 
-    def __init__(self):
+    def __init__(self, start_up: bool = True, sync: Callable[[], None] | None = None):
         self.enabled = os.environ.get("FA3N_TIMINGS", "") not in ("", "0")
-        age = process_age()
+        self.sync = sync if self.enabled else None
+        age = process_age() if start_up else None
         self.phases: list[tuple[str, float]] = [("start-up", age)] if age is not None else []
         self._t = time.perf_counter()
 
     def done(self, name: str) -> None:
+        if self.sync is not None:
+            self.sync()
         now = time.perf_counter()
         self.phases.append((name, now - self._t))
         self._t = now
@@ -425,4 +430,4 @@ class PhaseClock:
 
 
 __all__ = ["Progress", "PlainProgress", "LiveProgress", "make_progress", "as_progress", "Estimator", "task_work",
-           "PhaseClock", "process_age"]
+           "PhaseClock", "process_age", "short_name"]

@@ -43,7 +43,7 @@ from . import cache as _cache
 from .heap import release_free_memory
 from .backends import get_backend
 from .inputs import CaptureInputs, DistInputs, TensorInputs, check_inputs, default_scale, input_histogram
-from .progress import Progress, as_progress
+from .progress import PhaseClock, Progress, as_progress, short_name
 from .sampling import deterministic_matmuls, query_rows
 
 
@@ -142,6 +142,7 @@ def compute_task(task: Task, cache_dir: str | None = None, threads: int = 0,
     t0 = time.perf_counter()
     if threads > 0:
         torch.set_num_threads(threads)
+    clock = PhaseClock(start_up=False, sync=_device_sync(task.device))
     deterministic_matmuls()
     for mod in task.modules:
         importlib.import_module(mod)
@@ -163,6 +164,7 @@ def compute_task(task: Task, cache_dir: str | None = None, threads: int = 0,
             _cache.save(cdir / f"{task.hist_key}.npz", {"hist": hist})
     q, k, v = (t.to(device) for t in (q, k, v))
     q_index = query_rows(n, task.rows, task.seed, device)
+    clock.done("inputs")
     extras: dict[str, np.ndarray] = {}
     ref = None
     if task.probe:
@@ -172,6 +174,7 @@ def compute_task(task: Task, cache_dir: str | None = None, threads: int = 0,
         from ..numerics.reference import reference_attention
 
         ref = reference_attention(q, k, v, causal=task.causal, softmax_scale=task.softmax_scale, q_index=q_index)
+    clock.done("reference")
     notes = []
     bad_ref = int((~torch.isfinite(ref)).sum())
     if bad_ref:
@@ -202,7 +205,14 @@ def compute_task(task: Task, cache_dir: str | None = None, threads: int = 0,
             events.job_done(job.slot)
         del o
         release_free_memory(device)  # the next variant starts from what is live, not a fragmented heap
+        clock.done(short_name(job.recipe))
+    clock.report(lambda m: print(f"{where}: {m}", file=sys.stderr, flush=True))
     return TaskResult(results, hist, extras, notes, time.perf_counter() - t0)
+
+
+def _device_sync(device: str) -> Callable[[], None] | None:
+    """What makes a timing include the GPU work queued before it (FA3N_TIMINGS)."""
+    return torch.cuda.synchronize if device.startswith("cuda") and torch.cuda.is_available() else None
 
 
 def _progress(msg: str) -> None:

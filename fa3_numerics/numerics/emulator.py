@@ -252,8 +252,11 @@ def flush_subnormals(x: torch.Tensor) -> torch.Tensor:
 
 def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | float) -> torch.Tensor:
     """float32 a * b + c with one rounding, as the kernel's FFMA."""
-    c64 = c.double() if isinstance(c, torch.Tensor) else c
-    return torch.addcmul(torch.as_tensor(c64, dtype=torch.float64, device=a.device), a.double(), b.double()).to(torch.float32)
+    # The float64 product of two float32 values is exact, so one float64 addition rounds the
+    # fused result once before the float32 rounding. A Python scalar c stays a scalar: turning
+    # it into a device tensor is a host-to-device copy that stalls the GPU's queue every tile.
+    prod = a.double() * b.double()
+    return (prod + c.double() if isinstance(c, torch.Tensor) else prod.add_(c)).to(torch.float32)
 
 
 def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
@@ -492,13 +495,16 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
         # so that the run stays under 2 GB); the other blocks are recomputed.
         keep_dtype = sm_fmt.dtype if sm_fmt.dtype in (torch.float16, torch.bfloat16) else None
         room = _p_keep_bytes(dev) if keep_dtype is not None else 0
-        p_amax = 0.0
+        # The running amax stays on the device: one read at the end, not a GPU sync per block (fmax
+        # skips a NaN block max as Python's max did).
+        p_amax_t = torch.zeros((), dtype=torch.float32, device=dev)
         for blk in blocks:
             p_rows = softmax_rows(*blk)
-            p_amax = max(p_amax, p_rows.amax().item())
+            p_amax_t = torch.fmax(p_amax_t, p_rows.amax().to(torch.float32))
             if p_rows.numel() * 2 <= room:  # the first blocks, as many as fit
                 kept[blk] = p_rows.to(keep_dtype)
                 room -= p_rows.numel() * 2
+        p_amax = p_amax_t.item()
         p_mult = p_fmt.max / p_amax if p_amax > 0 else 1.0
     elif recipe.p_scale == "offset":
         p_mult = 2.0 ** recipe.p_offset if p_fmt.saturate else 1.0

@@ -16,6 +16,9 @@ import torch
 
 # Elements of one S chunk (one head); bounds the reference's memory (64 MiB in float64).
 _CHUNK_ELEMS = 1 << 23
+# On a GPU a chunk holds this many (512 MiB in float64): with the CPU's chunks the paper's Table 3
+# with every query row is ~5000 launches, and the launches, not the GPU, set its time.
+_CHUNK_ELEMS_GPU = 1 << 26
 
 
 def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -51,7 +54,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     # One (batch, head) at a time with as many query rows as fit a chunk of S: large GEMMs
     # (a [rows, d] x [d, seqlen_k] product runs near the machine's float64 peak, a batched one
     # of 16 rows does not), in-place softmax, and no expanded copies of K and V for GQA.
-    chunk = chunk or max(1, _CHUNK_ELEMS // max(1, nk))
+    elems = _CHUNK_ELEMS if q.device.type == "cpu" else max(_CHUNK_ELEMS, _CHUNK_ELEMS_GPU)
+    chunk = chunk or max(1, elems // max(1, nk))
     out = torch.empty(b, h, r, v.shape[-1], dtype=torch.float64, device=q.device)
     for bi in range(b):
         for hi in range(h):

@@ -35,7 +35,6 @@ from typing import Callable
 import numpy as np
 
 from ..engine.checks import check_backend
-from ..engine.dataset import to_dataset
 from ..engine.inputs import CaptureInputs
 from ..engine.runner import Job, Task, run_tasks
 from ..engine.sampling import ROWS_SAMPLING, check_seed, effective_rows
@@ -200,6 +199,8 @@ def audit(capture, *, variants: str | list[str] | None = None, backend: str = "e
         "reference": "float64 attention, chunked over queries, causal as captured, the capture's softmax scale",
         "stat_definitions": json.dumps(STAT_DEFINITIONS),
     })
+    from ..engine.dataset import to_dataset  # xarray: not needed to build the command line
+
     ds = to_dataset(err, dims=["layer", "head", "variant"], coords=coords, attrs=attrs)
     ds = ds.assign_coords(q_block=np.arange(stats["q_block_amax"].shape[-1]),
                           k_block=np.arange(stats["k_block_amax"].shape[-1]))

@@ -33,7 +33,6 @@ import numpy as np
 from ..data.dist_spec import parse_dist
 from ..engine.cache import cache_key
 from ..engine.checks import check_backend, check_distinct, check_shape
-from ..engine.dataset import results_dataset
 from ..engine.inputs import HIST_EDGES, DistInputs
 from ..engine.provenance import provenance
 from ..engine.runner import Job, Task, run_tasks
@@ -177,10 +176,35 @@ def tasks(exp: Experiment) -> list[Task]:
     return out
 
 
+@dataclasses.dataclass
+class Results:
+    """An experiment's numbers before they become a dataset: picklable, and built without xarray,
+    so that the dataset and report can be made in another process (``engine.report_process``).
+    ``attrs`` (provenance) is taken where the runs ran: it names their device."""
+
+    exp: Experiment
+    out: dict
+    hist: np.ndarray
+    wall: float
+    reused: int
+    attrs: dict
+
+    def dataset(self) -> "xarray.Dataset":  # noqa: F821
+        return _assemble(self)
+
+
 def run_experiment(exp: Experiment, *, cache_dir: Path | None = None,
                    progress: Callable[[str], None] = _progress, workers: int = 0,
                    scheduler: str | None = None) -> "xarray.Dataset":  # noqa: F821
     """Run every (cell, seed, variant) not already cached and return the dataset."""
+    return compute_experiment(exp, cache_dir=cache_dir, progress=progress, workers=workers,
+                              scheduler=scheduler).dataset()
+
+
+def compute_experiment(exp: Experiment, *, cache_dir: Path | None = None,
+                       progress: Callable[[str], None] = _progress, workers: int = 0,
+                       scheduler: str | None = None) -> Results:
+    """Run every (cell, seed, variant) not already cached and return the numbers (``Results``)."""
     cells = exp.cells()
     short = sorted({n for n in exp.seqlen if exp.rows >= n})
     if exp.rows and short:
@@ -195,10 +219,11 @@ def run_experiment(exp: Experiment, *, cache_dir: Path | None = None,
         for i, vals in run.results[t].items():
             for m in METRICS:
                 out[m][ci, i, si] = vals[m]
-    return _assemble(exp, out, hist, time.perf_counter() - t0, run.reused)
+    return Results(exp, out, hist, time.perf_counter() - t0, run.reused, provenance(exp.device))
 
 
-def _assemble(exp: Experiment, out: dict, hist: np.ndarray, wall: float, reused: int):
+def _assemble(res: Results):
+    exp, out, hist = res.exp, res.out, res.hist
     sw = exp.sweeps()
     dims_sw = exp.swept_dims()
     # [cell, variant, seed, batch, head] -> [*swept, variant, seed, batch, head]
@@ -219,17 +244,19 @@ def _assemble(exp: Experiment, out: dict, hist: np.ndarray, wall: float, reused:
     rows = [effective_rows(n, exp.rows) for n in exp.seqlen]
     coords.update({"heads": exp.heads, "kv_heads": exp.kv_heads or exp.heads, "batch_size": exp.batch,
                    "rows": rows[0] if len(set(rows)) == 1 else ("seqlen", rows)})
-    attrs = provenance(exp.device)
+    attrs = dict(res.attrs)
     attrs.update({
         "experiment": exp.name, "description": exp.description, "dist": exp.dist, "backend": exp.backend,
         "seeds": json.dumps(exp.seeds), "rows_sampling": ROWS_SAMPLING,
         "rotation_seed": "seed", "data_seed": "seed (torch.Generator on CPU, float64)",
-        "wall_seconds": round(wall, 3), "cells_reused": reused,
+        "wall_seconds": round(res.wall, 3), "cells_reused": res.reused,
         "reference": "float64 attention, chunked over queries",
     })
+    from ..engine.dataset import results_dataset  # xarray: imported beside the runs (engine.prefetch)
+
     return results_dataset(metrics, dims=dims, coords=coords, attrs=attrs,
                            hist=hist.reshape(shape_sw + list(hist.shape[1:])), hist_dims=dims_sw + ["seed"])
 
 
-__all__ = ["Experiment", "load_experiment", "list_experiments", "read_toml", "run_experiment", "tasks",
-           "SHAPE_SWEEPABLE"]
+__all__ = ["Experiment", "Results", "load_experiment", "list_experiments", "read_toml", "run_experiment",
+           "compute_experiment", "tasks", "SHAPE_SWEEPABLE"]
