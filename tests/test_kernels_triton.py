@@ -142,8 +142,9 @@ def test_interpreted_gqa_and_masking(interpreted):
 # float32 arithmetic, so the same bytes. Cases cover every granularity, a GQA group, rotation on
 # and off, the three output layouts, a seqlen that is no multiple of the tile and several work
 # items per program (the interpreter runs 3 programs); blocks in one tile, in sub-tiles kept in
-# registers (2, 3 and 4 of them, the last partly or wholly past the block or the sequence) and
-# in sub-tiles read again.
+# registers (2, 3 and 4 of them, the last partly or wholly past the block or the sequence), in
+# sub-tiles read again (as more steps, at the block's end, one block behind), and with the
+# sub-tiles' inputs kept and rotated again (2, 3, 4).
 _PERSIST_SNIPPET = r"""
 import json, torch
 from fa3_numerics.kernels.triton_.rotate_quant import rotate_quantize
@@ -161,7 +162,14 @@ for name, gran, grp, rot, lay, pw, extra in [
         ("block112", PerBlock(112), 1, "hadamard", "bshd", 1, {"sub_tile": 32, "reread": False}),
         ("block96", PerBlock(96), 1, "hadamard", "bhsd", 0, {"sub_tile": 32, "reread": True}),
         ("block96", PerBlock(96), 1, "hadamard", "bshd", 1, {"sub_tile": 32, "reread": "sync"}),
-        ("block128", PerBlock(128), 1, "none", "bhsd", 0, {"sub_tile": 16})]:
+        ("block128", PerBlock(128), 1, "none", "bhsd", 0, {"sub_tile": 16}),
+        ("block96", PerBlock(96), 1, "hadamard", "bhsd", 0, {"sub_tile": 32, "reread": "inputs"}),
+        ("block112", PerBlock(112), 1, "hadamard", "bshd", 1, {"sub_tile": 32, "reread": "inputs"}),
+        ("block96", PerBlock(96), 1, "none", "bhds", 0, {"sub_tile": 32, "reread": "inputs"}),
+        ("block64", PerBlock(64), 1, "hadamard", "bhds", 0, {"sub_tile": 32, "reread": "inputs"}),
+        ("block112", PerBlock(112), 1, "hadamard", "bshd", 1, {"sub_tile": 32, "reread": "skewed"}),
+        ("block96", PerBlock(96), 1, "none", "bhds", 0, {"sub_tile": 32, "reread": "skewed"}),
+        ("block64", PerBlock(64), 1, "hadamard", "bhsd", 0, {"sub_tile": 32, "reread": "skewed"})]:
     for hf in (True, False):
         kw = dict(layout="bshd", gran=gran, group=grp, rot=rot, seed=3, out_layout=lay, pow2=bool(pw), tile=32)
         a = rotate_quantize(x, persistent=False, **kw)
@@ -182,9 +190,10 @@ def test_interpreted_persistent_kernel_matches_tiled():
     proc = subprocess.run([sys.executable, "-c", _PERSIST_SNIPPET], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 26
+    assert len(rows) == 40
     launches = " ".join(r["case"] for r in rows)
-    for mode in ("x2 kept", "x3 kept", "x4 kept", "x3 reread ", "reread-sync"):
+    for mode in ("x2 kept", "x3 kept", "x4 kept", "x3 reread ", "reread-sync", "x2 kept-inputs", "x3 kept-inputs",
+                 "x4 kept-inputs", "x2 reread-skewed", "x3 reread-skewed", "x4 reread-skewed"):
         assert mode in launches, mode
     for r in rows:
         assert r["shape_ok"] and r["bytes"] and r["descales"], r
@@ -243,8 +252,10 @@ def test_gpu_persistent_kernel_matches_tiled():
     """The persistent kernel's descale division (reciprocal + one Markstein correction, fused
     multiply-adds) gives the IEEE division's bytes; head-first and seq-first orders agree; blocks in
     sub-tiles kept in registers (2, 3, 4; written transposed on request) and read again (pipelined:
-    the default for 224 rows and transposed outputs; at the block's end: on request). The sweep of
-    kernels/device/triton_h200.py compares one-tile blocks."""
+    the default for 224 rows; at the block's end: on request; one block behind, in the first pass's
+    steps: the default for transposed outputs), their inputs kept and rotated again, and launches
+    with a register cap (more programs per SM). The sweep of kernels/device/triton_h200.py compares
+    one-tile blocks."""
     from fa3_numerics.kernels.triton_.rotate_quant import rotate_quantize
     from fa3_numerics.numerics.granularity import PerBlock, PerHead, PerTensor, PerToken
 
@@ -258,7 +269,16 @@ def test_gpu_persistent_kernel_matches_tiled():
             (PerBlock(224), 1, "hadamard", "bhds", {}), (PerBlock(128), 1, "none", "bhds", {}),
             (PerBlock(224), 1, "none", "bhds", {}), (PerBlock(128), 1, "none", "bhds", {"reread": False}),
             (PerBlock(224), 1, "hadamard", "bhsd", {"reread": False}), (PerBlock(224), 1, "hadamard", "bshd", {"reread": "sync"}),
-            (PerBlock(160), 1, "hadamard", "bhsd", {"reread": False}), (PerBlock(512), 1, "hadamard", "bhsd", {})]:
+            (PerBlock(160), 1, "hadamard", "bhsd", {"reread": False}), (PerBlock(512), 1, "hadamard", "bhsd", {}),
+            (PerBlock(224), 1, "hadamard", "bshd", {"reread": "inputs"}), (PerBlock(160), 1, "hadamard", "bhsd", {"reread": "inputs"}),
+            (PerBlock(128), 1, "hadamard", "bhds", {"reread": "inputs"}),
+            (PerBlock(224), 1, "none", "bhds", {"reread": "inputs"}), (PerBlock(128), 1, "none", "bhds", {"reread": "inputs"}),
+            (PerBlock(224), 1, "hadamard", "bhsd", {"reread": True, "stages": 4}),
+            (PerBlock(224), 1, "none", "bhds", {"reread": True, "max_regs": 128}),
+            (PerBlock(224), 1, "hadamard", "bshd", {"reread": "skewed"}), (PerBlock(160), 1, "none", "bhds", {"reread": "skewed"}),
+            (PerBlock(128), 1, "hadamard", "bhsd", {"reread": "skewed", "num_warps": 8}),
+            (PerBlock(224), 1, "none", "bhds", {"reread": "skewed", "max_regs": 168, "stages": 2}),
+            (PerToken(), 1, "hadamard", "bhsd", {"max_regs": 168, "stages": 2})]:
         kw = dict(layout="bshd", gran=gran, group=grp, rot=rot, seed=3, out_layout=lay)
         # the tiled kernel's blocks of over 256 rows: 64-row sub-tiles (256 need more shared memory than there is)
         a = rotate_quantize(x, persistent=False, **kw, **({"tile": 64} if isinstance(gran, PerBlock) and gran.rows > 256 else {}))

@@ -491,7 +491,7 @@ def _sweep_configs():
         ("token", PerToken(), "hadamard", "bhsd", dict(old, tile=64, num_warps=4)),
         (*B128, dict(old, num_warps=8)),
         (*B224, dict(old, num_warps=8)),
-        (*V128, dict(old, num_warps=8)),  # the default for V blocks of 128 rows (b, h, d, s)
+        (*V128, dict(old, num_warps=8)),  # the default for V blocks of 128 rows (b, h, d, s) until run 9
         (*V224, dict(old, num_warps=8)),
         # committed defaults
         ("token", PerToken(), "hadamard", "bhsd", {}),
@@ -502,12 +502,29 @@ def _sweep_configs():
         (*B224, {}),
         (*V128, {}),
         (*V224, {}),
-        # alternatives
-        (*B128, dict(stages=4)),  # run 6's default
-        (*B224, dict(reread="sync")),
-        (*V128, dict(stages=6)),
-        (*V224, dict(stages=6)),
-        ("token", PerToken(), "hadamard", "bhsd", {}),  # the default again: the spread within the run
+        # alternatives (runs 8-10): blocks read again one block behind, in the first pass's steps
+        # (reread="skewed"), or with their inputs kept in registers and rotated again
+        # (reread="inputs"); register caps (max_regs) that let 3 (168 registers) or 4 (128)
+        # programs share an SM; warps, stages and item order
+        (*B224, dict(reread=True, stages=4)),  # run 7's default
+        (*B224, dict(reread="skewed")),
+        (*B224, dict(reread="inputs")),
+        (*B224, dict(reread=True, num_warps=8, stages=2, max_regs=128)),
+        (*B224, dict(reread=True, max_regs=168, stages=2, head_fast=False)),
+        (*V224, dict(reread=True)),  # run 7's default
+        (*V224, dict(reread="skewed", max_regs=168)),
+        (*V224, dict(reread="skewed", stages=5)),
+        (*V224, dict(reread="skewed", num_warps=8, stages=4)),
+        (*V224, dict(reread="inputs", num_warps=8)),
+        (*V128, dict(reread="skewed", stages=3)),
+        (*V128, dict(reread="skewed", stages=4)),
+        (*V128, dict(reread="inputs", max_regs=168, stages=3)),
+        (*B128, dict(reread="skewed")),
+        (*B128, dict(reread="inputs")),
+        (*B224, {}),  # the defaults again: the spread within the run
+        (*V128, {}),
+        (*V224, {}),
+        ("token", PerToken(), "hadamard", "bhsd", {}),
     ]
 
 

@@ -14,8 +14,9 @@ Granularity and passes over the input:
   path's persistent kernel a block of up to 64 rows (at head_dim 128) is one tile; a longer
   block (the FA3 FP8 tiles: 128 rows of Q, 224 of K/V) is walked as 64-row sub-tiles, one per
   pipelined loop step. Two sub-tiles (128 rows) stay in registers, rotated, until the second
-  gives the block's amax, and are then cast and stored; longer blocks, and blocks written
-  transposed, load theirs a second time (L2 hits) after the amax steps. In the tiled kernel
+  gives the block's amax, and are then cast and stored; longer blocks load theirs a second time
+  (L2 hits) after the amax steps; blocks written transposed (V) load them a second time one
+  block later, in the same loop steps as the next block's first loads. In the tiled kernel
   (float64 path) the block's amax is likewise taken over sub-tiles and the sub-tiles are rotated
   again to quantize. Either way HBM sees each element once.
 - ``head`` (one descale per (batch, kv-head), shared by the heads of a GQA group as the FA3
@@ -24,7 +25,8 @@ Granularity and passes over the input:
   other element of the head.
 
 Kernels: ``_rq_persistent`` (float32 path, default): a fixed grid of programs (as many per SM
-as the compiled kernel's registers and shared memory allow, at most 3) walks the tiles with
+as the compiled kernel's registers and shared memory allow, at most 3, or 4 under a register
+cap) walks the tiles with
 software-pipelined loads (``cp.async`` into shared memory, ``num_stages``), the +-1 matrix
 loaded once per program. Measured on the H200 against a device-to-device copy:
 reports/h200/triton/report.md. ``_rq_kernel`` (float64 path; ``persistent=False``): one program
@@ -73,13 +75,16 @@ if triton is not None:
 
     @triton.jit
     def _rotate(x, SIGNS, hm, scal_ptr, TILE: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr,
-                ROT: tl.constexpr, EXACT: tl.constexpr):
+                ROT: tl.constexpr, EXACT: tl.constexpr, RAW: tl.constexpr = False):
         """x [TILE, D] (input dtype) -> rotated [TILE, D] in float64 (EXACT) or float32. ``hm``: the
-        +-1 matrix diag(signs) H, loaded once per program (ROT 2)."""
+        +-1 matrix diag(signs) H, loaded once per program (ROT 2). RAW (float32 only): without the
+        final multiply by 1/sqrt(d), which the caller applies."""
         cols = tl.arange(0, D)
         if ROT == 2:
             # +-1 entries and BF16/FP16 inputs: every product is exact, the tensor core sums in float32.
-            y = tl.dot(x.to(hm.dtype), hm, out_dtype=tl.float32) * tl.load(scal_ptr + 1)
+            y = tl.dot(x.to(hm.dtype), hm, out_dtype=tl.float32)
+            if not RAW:
+                y = y * tl.load(scal_ptr + 1)
 
         else:
             if EXACT:
@@ -104,7 +109,7 @@ if triton is not None:
                     y = _stage(y, TILE, D, 128)
                 if EXACT:
                     y = y / tl.load(scal_ptr)  # x / sqrt(d), as rotation.fwht divides
-                else:
+                elif not RAW:
                     y = y * tl.load(scal_ptr + 1)
         return y
 
@@ -181,6 +186,13 @@ if triton is not None:
             b = bh // H
             h = bh - b * H
         return b, h, blk
+
+    @triton.jit
+    def _opaque(x):
+        """x unchanged, through an identity the compiler cannot see through: a tensor that does not
+        come from a load or a loop-carried value is the A operand of wgmma in registers (Triton keeps
+        the others in shared memory)."""
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=True, pack=2)
 
     @triton.jit
     def _store_q(y, d32, yr, offy, r0, sub, end, MBITS: tl.constexpr, EMIN: tl.constexpr, FMT_MAX: tl.constexpr,
@@ -295,6 +307,139 @@ if triton is not None:
                     s0 = y
 
     @triton.jit
+    def _block_kept_inputs(X, Y, hm, SIGNS, SCAL, DESC, sxb, sxh, sxs, sxd, syb, syh, sys_, syd, sdb, sdh, sdn,
+                           H, N, R, NBLK, TOTAL, pid, nprog, cols, sub, D: tl.constexpr, LOG2D: tl.constexpr,
+                           TILE: tl.constexpr, ROT: tl.constexpr, POW2: tl.constexpr, MBITS: tl.constexpr,
+                           EMIN: tl.constexpr, FMT_MAX: tl.constexpr, OUT: tl.constexpr, SOFT_CAST: tl.constexpr,
+                           DIV: tl.constexpr, STAGES: tl.constexpr, HEAD_FAST: tl.constexpr, SUB: tl.constexpr):
+        """Per-block scales, a block as SUB (2 to 4) sub-tiles of TILE rows, one per pipelined loop
+        step, keeping the *inputs* (BF16: half the registers of the rotated float32 values) of the
+        first SUB - 1 in registers. Each step rotates its sub-tile and takes its row maxima; the
+        block's last step gives the descale, casts its own sub-tile, and rotates the kept inputs
+        again (the same dot, the same bits) and casts them. HBM and L2 see each element once.
+
+        Registers: the pipeline carries what the loads need (a row address and a row count per
+        stage in flight); the store side recomputes the block's indices from the loop index in a
+        form the compiler does not merge with the load side's (otherwise it carries every index
+        once per stage)."""
+        nb = tl.cdiv(TOTAL - pid, nprog)  # blocks of this program: pid, pid + nprog, ...
+        offx = sub[:, None] * sxs + cols[None, :] * sxd
+        offy = sub[:, None] * sys_ + cols[None, :] * syd
+        run = tl.zeros((TILE,), tl.float32)
+        x0 = tl.zeros((TILE, D), X.dtype.element_ty)
+        x1 = tl.zeros((TILE, D), X.dtype.element_ty)
+        x2 = tl.zeros((TILE, D), X.dtype.element_ty)
+        for i in tl.range(0, nb * SUB, num_stages=STAGES):
+            k = i // SUB
+            j = i - k * SUB
+            b, h, blk = _item(pid + k * nprog, H, NBLK, HEAD_FAST)
+            r0 = blk * R + j * TILE  # this sub-tile's first row
+            xr = X + (b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + r0.to(tl.int64) * sxs)
+            x = tl.load(xr + offx, mask=(sub < tl.minimum(blk * R + R, N) - r0)[:, None], other=0.0)
+            # Row maxima of the rotation before its multiply by 1/sqrt(d): rounding is monotonic, so
+            # fl(max|a| s) = max fl(|a| s), the amax of the rotated values, one multiply per block.
+            a = _rotate(x, SIGNS, hm, SCAL, TILE, D, LOG2D, ROT, False, True)
+            run = tl.maximum(run, tl.max(tl.abs(a), axis=1))
+            # The same k and j, computed anew: (i + SUB) // SUB - 1 == i // SUB.
+            k2 = (i + SUB) // SUB - 1
+            j2 = i - k2 * SUB
+            if j2 == SUB - 1:
+                b2, h2, blk2 = _item(pid + k2 * nprog, H, NBLK, HEAD_FAST)
+                b0 = blk2 * R
+                end = tl.minimum(b0 + R, N)
+                am = tl.max(run, axis=0)
+                if ROT != 0:
+                    sc = tl.load(SCAL + 1)
+                    am = am * sc
+                    y = a * sc
+                else:
+                    y = a
+                d32 = _descale(am, FMT_MAX, POW2, False)
+                tl.store(DESC + b2 * sdb + h2 * sdh + blk2 * sdn, d32)
+                run = tl.zeros((TILE,), tl.float32)
+                yb = Y + (b2.to(tl.int64) * syb + h2.to(tl.int64) * syh)
+                rl = b0 + (SUB - 1) * TILE
+                _store_q(y, d32, yb + rl.to(tl.int64) * sys_, offy, rl, sub, end, MBITS, EMIN, FMT_MAX, OUT,
+                         SOFT_CAST, DIV)
+                # x0 holds sub-tile SUB - 2, x1 SUB - 3, x2 SUB - 4. _opaque: the dot's A operand in
+                # registers (a loop-carried A goes through shared memory, which the compiler then
+                # allocated at every step).
+                ra = b0 + (SUB - 2) * TILE
+                ya = _rotate(_opaque(x0) if ROT == 2 else x0, SIGNS, hm, SCAL, TILE, D, LOG2D, ROT, False)
+                _store_q(ya, d32, yb + ra.to(tl.int64) * sys_, offy, ra, sub, end, MBITS, EMIN, FMT_MAX, OUT,
+                         SOFT_CAST, DIV)
+                if SUB > 2:
+                    rb = b0 + (SUB - 3) * TILE
+                    yb1 = _rotate(_opaque(x1) if ROT == 2 else x1, SIGNS, hm, SCAL, TILE, D, LOG2D, ROT, False)
+                    _store_q(yb1, d32, yb + rb.to(tl.int64) * sys_, offy, rb, sub, end, MBITS, EMIN, FMT_MAX,
+                             OUT, SOFT_CAST, DIV)
+                if SUB > 3:
+                    yc = _rotate(_opaque(x2) if ROT == 2 else x2, SIGNS, hm, SCAL, TILE, D, LOG2D, ROT, False)
+                    _store_q(yc, d32, yb + b0.to(tl.int64) * sys_, offy, b0, sub, end, MBITS, EMIN, FMT_MAX,
+                             OUT, SOFT_CAST, DIV)
+            else:
+                if SUB > 3:
+                    x2 = x1
+                if SUB > 2:
+                    x1 = x0
+                x0 = x
+
+    @triton.jit
+    def _block_skewed(X, Y, hm, SIGNS, SCAL, DESC, sxb, sxh, sxs, sxd, syb, syh, sys_, syd, sdb, sdh, sdn,
+                      H, N, R, NBLK, TOTAL, pid, nprog, cols, sub, D: tl.constexpr, LOG2D: tl.constexpr,
+                      TILE: tl.constexpr, ROT: tl.constexpr, POW2: tl.constexpr, MBITS: tl.constexpr,
+                      EMIN: tl.constexpr, FMT_MAX: tl.constexpr, OUT: tl.constexpr, SOFT_CAST: tl.constexpr,
+                      DIV: tl.constexpr, STAGES: tl.constexpr, HEAD_FAST: tl.constexpr, SUB: tl.constexpr):
+        """Per-block scales, read again one block behind: a block as SUB sub-tiles of TILE rows, and
+        loop step (k, j) loads sub-tile j of the program's block k (from HBM: its amax) *and* of
+        block k - 1 (again, from L2), rotates both, and casts and stores the second with block
+        k - 1's descale. Both loads are pipelined. The second pass over the block thus shares the
+        first pass's steps (SUB steps a block, not 2 SUB as in REREAD 1), no sub-tile is kept in
+        registers, and every step does the same work. The loop runs one block longer than the
+        program has, with the loads that fall outside masked off (no traffic).
+
+        The store side recomputes the block indices from the loop index (see _block_kept_inputs)."""
+        nb = tl.cdiv(TOTAL - pid, nprog)  # blocks of this program: pid, pid + nprog, ...
+        offx = sub[:, None] * sxs + cols[None, :] * sxd
+        offy = sub[:, None] * sys_ + cols[None, :] * syd
+        run = tl.zeros((TILE,), tl.float32)
+        d32 = tl.zeros((), tl.float32) + 1.0  # block k - 1's descale
+        for i in tl.range(0, (nb + 1) * SUB, num_stages=STAGES):
+            k = i // SUB
+            j = i - k * SUB
+            # block k, sub-tile j (none past the program's last block)
+            b, h, blk = _item(pid + tl.minimum(k, nb - 1) * nprog, H, NBLK, HEAD_FAST)
+            r0 = blk * R + j * TILE
+            xa = tl.load(X + (b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + r0.to(tl.int64) * sxs) + offx,
+                         mask=(sub < tl.where(k < nb, tl.minimum(blk * R + R, N) - r0, 0))[:, None], other=0.0)
+            # block k - 1, sub-tile j (none before the first)
+            bq, hq, blkq = _item(pid + tl.maximum(k - 1, 0) * nprog, H, NBLK, HEAD_FAST)
+            rq = blkq * R + j * TILE
+            xb = tl.load(X + (bq.to(tl.int64) * sxb + hq.to(tl.int64) * sxh + rq.to(tl.int64) * sxs) + offx,
+                         mask=(sub < tl.where(k > 0, tl.minimum(blkq * R + R, N) - rq, 0))[:, None], other=0.0)
+            # Row maxima of the rotation before its multiply by 1/sqrt(d): rounding is monotonic, so
+            # fl(max|a| s) = max fl(|a| s), the amax of the rotated values, one multiply per block.
+            a = _rotate(xa, SIGNS, hm, SCAL, TILE, D, LOG2D, ROT, False, True)
+            run = tl.maximum(run, tl.max(tl.abs(a), axis=1))
+            yq = _rotate(xb, SIGNS, hm, SCAL, TILE, D, LOG2D, ROT, False)
+            # The same k and j, computed anew: (i + SUB) // SUB - 1 == i // SUB.
+            k2 = (i + SUB) // SUB - 1
+            j2 = i - k2 * SUB
+            bp, hp, blkp = _item(pid + tl.maximum(k2 - 1, 0) * nprog, H, NBLK, HEAD_FAST)
+            bp0 = blkp * R
+            rp = bp0 + j2 * TILE
+            _store_q(yq, d32, Y + (bp.to(tl.int64) * syb + hp.to(tl.int64) * syh + rp.to(tl.int64) * sys_), offy, rp,
+                     sub, tl.where(k2 > 0, tl.minimum(bp0 + R, N), 0), MBITS, EMIN, FMT_MAX, OUT, SOFT_CAST, DIV)
+            if j2 == SUB - 1:
+                am = tl.max(run, axis=0)
+                if ROT != 0:
+                    am = am * tl.load(SCAL + 1)
+                d32 = _descale(am, FMT_MAX, POW2, False)
+                b2, h2, blk2 = _item(pid + tl.minimum(k2, nb - 1) * nprog, H, NBLK, HEAD_FAST)
+                tl.store(DESC + b2 * sdb + h2 * sdh + blk2 * sdn, d32, mask=k2 < nb)
+                run = tl.zeros((TILE,), tl.float32)
+
+    @triton.jit
     def _rq_persistent(X, Y, SIGNS, HMAT, SCAL, AMAX, DESC,
                        sxb, sxh, sxs, sxd, syb, syh, sys_, syd, sdb, sdh, sdn,
                        H, N, GROUP, R, NBLK, TOTAL,
@@ -338,10 +483,7 @@ if triton is not None:
             for i in tl.range(0, chunk, num_stages=STAGES):
                 t = pid * chunk + i
                 ok = t < TOTAL
-                bh = t // NBLK
-                blk = t - bh * NBLK
-                b = bh // H
-                h = bh - b * H
+                b, h, blk = _item(t, H, NBLK, False)
                 rows = blk * R + sub
                 m = (sub < R) & (rows < N) & ok
                 xb = X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
@@ -359,6 +501,16 @@ if triton is not None:
             if prev >= 0:
                 tl.atomic_max(AMAX + prev, tl.max(run, axis=0).to(tl.int32, bitcast=True))
             return
+        if SUB > 1 and REREAD == 4:
+            _block_skewed(X, Y, hm, SIGNS, SCAL, DESC, sxb, sxh, sxs, sxd, syb, syh, sys_, syd, sdb, sdh, sdn,
+                          H, N, R, NBLK, TOTAL, pid, nprog, cols, sub, D, LOG2D, TILE, ROT, POW2, MBITS, EMIN,
+                          FMT_MAX, OUT, SOFT_CAST, DIV, STAGES, HEAD_FAST, SUB)
+            return
+        if SUB > 1 and REREAD == 3:
+            _block_kept_inputs(X, Y, hm, SIGNS, SCAL, DESC, sxb, sxh, sxs, sxd, syb, syh, sys_, syd, sdb, sdh, sdn,
+                               H, N, R, NBLK, TOTAL, pid, nprog, cols, sub, D, LOG2D, TILE, ROT, POW2, MBITS, EMIN,
+                               FMT_MAX, OUT, SOFT_CAST, DIV, STAGES, HEAD_FAST, SUB)
+            return
         if SUB > 1:
             _block_subtiles(X, Y, hm, SIGNS, SCAL, DESC, sxb, sxh, sxs, sxd, syb, syh, sys_, syd, sdb, sdh, sdn,
                             H, N, R, NBLK, TOTAL, pid, nprog, cols, sub, D, LOG2D, TILE, ROT, POW2, MBITS, EMIN,
@@ -371,22 +523,10 @@ if triton is not None:
             if PASS == 2:
                 t = pid * chunk + (chunk - 1 - i)
                 tt = tl.minimum(t, TOTAL - 1)  # past the end: masked, but indices stay in range
-                bh = tt // NBLK
-                blk = tt - bh * NBLK
-                b = bh // H
-                h = bh - b * H
+                b, h, blk = _item(tt, H, NBLK, False)
             else:
                 t = pid + i * nprog
-                if HEAD_FAST:
-                    bk = t // H
-                    h = t - bk * H
-                    b = bk // NBLK
-                    blk = bk - b * NBLK
-                else:
-                    bh = t // NBLK
-                    blk = t - bh * NBLK
-                    b = bh // H
-                    h = bh - b * H
+                b, h, blk = _item(t, H, NBLK, HEAD_FAST)
             rows = blk * R + sub
             m = (sub < R) & (rows < N) & (t < TOTAL)
             xb = X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
@@ -588,23 +728,27 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
                     out_layout: str = "bhsd", impl: str = "auto", soft_cast: bool | None = None, tile: int = 0,
                     num_warps: int = 0, recip: bool = False, persistent: bool | None = None, stages: int = 0,
                     progs_per_sm: int = 0, head_fast: bool | None = None, sub_tile: int = 0,
-                    reread: bool | str | None = None) -> QuantOut:
+                    reread: bool | str | None = None, max_regs: int = 0) -> QuantOut:
     """Rotate (Hadamard or none) and quantize ``x`` into FP8 in one fused kernel (see module doc).
 
     ``gran``: a granularity object (``PerHead()`` default); ``block_rows`` fills ``PerBlock(0)``;
     ``group``: heads sharing one per-head descale (Q under GQA: heads // kv_heads). ``tile`` (rows
     per tile for token/head/tensor), ``num_warps`` and ``recip`` (multiply by 1/descale, one more
-    rounding) tune the fast path. ``persistent`` (default: the fast path, except blocks of two
-    sub-tiles written transposed, ``out_layout="bhds"``) runs the persistent, software-pipelined
-    kernel with ``stages`` pipeline stages and ``progs_per_sm`` programs per multiprocessor
-    (default: as many as fit, at most 3; ``head_fast``: the order of the work items, default
-    heads first for a (b, s, h, d) input); ``False`` the one-program-per-tile kernel of the first
-    version. Blocks there are walked in sub-tiles of ``sub_tile`` rows (default 64 at head_dim
-    128, i.e. 8192 // head_dim; a sub-tile of at least the block's rows: one tile per block),
-    kept in registers until the block's amax is known (default for two sub-tiles written row by
-    row), or loaded again from L2 (``reread``: True as more pipelined steps, the default
-    otherwise; ``"sync"`` at the block's last step, outside the pipeline). The launch chosen is
-    in the result's ``launch``.
+    rounding) tune the fast path. ``persistent`` (default: the fast path) runs the persistent,
+    software-pipelined kernel with ``stages`` pipeline stages and ``progs_per_sm`` programs per
+    multiprocessor (default: as many as fit, at most 3, or 4 under ``max_regs``; ``head_fast``:
+    the order of the work items, default heads first for a (b, s, h, d) input); ``max_regs`` caps
+    the registers a thread (Triton's ``maxnreg``) so that more programs fit an SM; ``False`` the
+    one-program-per-tile kernel of the first version. Blocks there are walked in sub-tiles of
+    ``sub_tile`` rows (default 64 at head_dim 128, i.e. 8192 // head_dim; a sub-tile of at least
+    the block's rows: one tile per block), kept in registers until the block's amax is known
+    (default for two sub-tiles written row by row), or loaded again from L2 (``reread``: True as
+    more pipelined steps, the default for longer blocks written row by row; ``"skewed"`` one
+    block later, in the steps of the next block's first loads, the default for blocks written
+    transposed; ``"sync"`` at the block's last step, outside the pipeline), or their inputs kept
+    in registers and rotated again (``"inputs"``). Without ``stages``, ``num_warps`` and
+    ``progs_per_sm``, blocks take the launch measured fastest for their mode (_SUB_LAUNCH, a
+    register cap included). The launch chosen is in the result's ``launch``.
     """
     gran = PerHead() if gran is None else gran
     f = fp8_params(fmt)
@@ -651,11 +795,9 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
     else:
         desc = torch.empty((1, 1, 1), dtype=torch.float32, device=dev)
     if persistent is None:
-        # Not for blocks of two sub-tiles written transposed (V of the per-block recipe at 128
-        # rows, (b, h, d, s)): the tiled kernel measured faster there (run 6-7: 57% of a copy
-        # against 42% read again and 26% kept). Longer ones are read again (37% against 11%).
-        persistent = not exact and not (code == 2 and out_layout == "bhds" and not sub_tile and reread is None
-                                         and _block_split(rows, d, 0, None, True)[1] == 2)
+        # Blocks written transposed (V, (b, h, d, s)) too since run 9: read again one block behind
+        # (70% of a copy at 128 rows against the tiled kernel's 57-59%; 57% at 224 against 11%).
+        persistent = not exact
     if persistent and not exact:
         if code == 2:
             ptile, nsub, rr = _block_split(rows, d, sub_tile, reread, out_layout == "bhds")
@@ -664,7 +806,7 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
         if ptile * d <= 256 * 128:
             return _launch_persistent(x, y, desc, signs, hm, scal, layout, out_layout, f, fmt, code, rows, group,
                                       pow2, rot_code, soft, ptile, num_warps, recip, stages, progs_per_sm, b, h, n,
-                                      d, head_fast, nsub, rr)
+                                      d, head_fast, nsub, rr, max_regs)
     # The fast path keeps a whole tile (up to 256 rows x d in float32) in registers and reads the
     # input once; the float64 path works in sub-tiles of 32 rows (registers) and re-reads a block.
     if code == 2:
@@ -704,12 +846,22 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
 # without (4 were slower there), 2 for blocks of 128 rows in one tile.
 _PERSIST_TILE = 64
 _PERSIST_STAGES = {(True, False): 4, (True, True): 2, (False, False): 3, (False, True): 2}
-# Blocks in sub-tiles: (rotation on the tensor cores, sub-tiles kept in registers 1 or 3, reread
-# mode) -> stages. Two kept sub-tiles (4 warps, ~250 registers) fit 2 programs per SM like the
-# per-token tiles; 3 stages measured faster than 4 there (run 6: 0.058 against 0.062 ms). Three
-# kept (8 warps) fit one program per SM, so more stages keep loads in flight (still slower).
-_SUB_STAGES = {(True, 1, 0): 3, (True, 3, 0): 8, (True, 0, 1): 4, (True, 0, 2): 4,
-               (False, 1, 0): 3, (False, 3, 0): 8, (False, 0, 1): 4, (False, 0, 2): 4}
+# Blocks in sub-tiles: (rotation on the tensor cores, mode, two sub-tiles) -> (stages, register cap;
+# 0: none). Modes: 0 kept, 1 reread, 2 reread-sync, 3 kept inputs, 4 reread skewed. Two kept
+# sub-tiles (4 warps, ~240 registers) fit 2 programs per SM like the per-token tiles; 3 stages
+# measured faster than 4 there (run 6: 0.058 against 0.062 ms). Three kept (8 warps) fit one
+# program per SM, so more stages keep loads in flight (still slower). Read again (K at 224 rows):
+# 168 registers and 2 stages fit 3 programs per SM (runs 8-9: 0.086 ms, 57-58% of a copy, against
+# 0.097-0.099 ms at 4 stages and 2 programs). Skewed, without rotation (V): 3 programs at 168
+# registers and 3 stages for 128 rows (run 9: 0.070 ms against 0.074 uncapped); 2 programs and 4
+# stages for 224 (0.086 ms against 0.087-0.091 for the others). With the dot, the skewed kernel's
+# two tiles a stage and the +-1 matrix leave room for 2 stages.
+_SUB_LAUNCH = {(True, 0, True): (3, 0), (True, 0, False): (8, 0), (True, 1, True): (2, 168), (True, 1, False): (2, 168),
+               (True, 2, True): (4, 0), (True, 2, False): (4, 0), (True, 3, True): (4, 0), (True, 3, False): (4, 0),
+               (True, 4, True): (2, 0), (True, 4, False): (2, 0),
+               (False, 0, True): (3, 0), (False, 0, False): (8, 0), (False, 1, True): (4, 0), (False, 1, False): (4, 0),
+               (False, 2, True): (4, 0), (False, 2, False): (4, 0), (False, 3, True): (4, 0), (False, 3, False): (4, 0),
+               (False, 4, True): (3, 168), (False, 4, False): (4, 0)}
 _PERSIST_PPS = 3
 _SMEM_PER_SM = 228 * 1024  # Hopper; each resident program also reserves 1 KB
 _REGS_PER_SM = 65536
@@ -721,23 +873,27 @@ def _block_split(rows: int, d: int, sub_tile: int, reread, transposed: bool = Fa
     """(tile rows, sub-tiles per block, reread mode) for blocks of ``rows`` rows: sub-tiles of
     8192 // d rows (64 at d 128) by default; a block that fits one such tile is one tile.
 
-    Default: two sub-tiles (Q's 128-row tile) stay in registers; longer blocks (K/V's 224 rows)
-    and blocks written transposed (V, (b, h, d, s)) are read again from L2 as more pipelined
-    steps. On the H200 (runs 6-7, % of a device-to-device copy): 128 rows kept 84%, read again
-    56%; 224 rows read again 50%, 3 sub-tiles kept (8 warps, one program per SM by registers)
-    41-44%, one 256-row tile 47%, read again at the block's end 17%. Compiled for sm_90, kept
-    sub-tiles written transposed spill registers (26% for V of 128 rows, whose default is the
-    tiled kernel: rotate_quantize)."""
+    Default: two sub-tiles (Q's 128-row tile) stay in registers; longer blocks (K's 224 rows) are
+    read again from L2 as more pipelined steps; blocks written transposed (V, (b, h, d, s)) are
+    read again one block behind, in the first pass's steps ("skewed"). On the H200 (% of a
+    device-to-device copy; reports/h200/triton/report.md): 128 rows kept 83-85%, read again 56%,
+    skewed 45%, inputs kept 64%; 224 rows read again 50% (57-58% at 3 programs per SM: the
+    defaults of _SUB_LAUNCH), skewed 40%, inputs kept 41-42%, 3 sub-tiles kept (8 warps, one
+    program per SM by registers) 41-44%, one 256-row tile 47%, read again at the block's end 17%.
+    V of 128 rows: skewed 70%, inputs kept 66%, read again 42%, kept 26% (spills); V of 224:
+    skewed 56-57%, inputs kept 45% (8 warps), read again 37-39%."""
     cap = max(16, 8192 // d)
     t = _pow2_at_least(sub_tile or min(rows, cap), 16)
     nsub = -(-rows // t)
     if nsub == 1:
         return t, 1, 0
     if reread is None:
-        rr = 1 if (nsub > 2 or transposed) else 0
+        rr = 4 if transposed else (1 if nsub > 2 else 0)
     else:
-        rr = 2 if reread == "sync" else int(bool(reread))
-    if nsub > 4 and rr == 0:
+        rr = {"sync": 2, "inputs": 3, "skewed": 4}.get(reread, None) if isinstance(reread, str) else int(bool(reread))
+        if rr is None:
+            raise UsageError(f"reread={reread!r}: True, False, 'sync', 'inputs' or 'skewed'")
+    if nsub > 4 and rr in (0, 3):  # at most 3 sub-tiles kept
         rr = 1
     return t, nsub, rr
 
@@ -755,12 +911,13 @@ def _programs(dev, total: int, progs_per_sm: int) -> int:
     return max(1, min(total, _SMS[key] * progs_per_sm))
 
 
-def _resident(args, common: dict, passes, x, y) -> int:
+def _resident(args, common: dict, passes, x, y, cap: int = 0) -> int:
     """Programs of the compiled kernel that fit one SM, by its registers and shared memory (a
     persistent grid of more than fit would run a second wave). Compiles without launching."""
-    key = (tuple(common.values()), passes, x.dtype, y.dtype, x.device, tuple(a % 16 == 0 or a == 1 for a in args[7:18]))
+    key = (tuple(common.items()), passes, x.dtype, y.dtype, x.device, tuple(a % 16 == 0 or a == 1 for a in args[7:18]),
+           cap)
     if key not in _RESIDENT:
-        fit = _PERSIST_PPS
+        fit = cap or _PERSIST_PPS
         for p in passes:
             k = _rq_persistent.warmup(*args, grid=(1,), PASS=p, **common)
             k._init_handles()
@@ -772,7 +929,7 @@ def _resident(args, common: dict, passes, x, y) -> int:
 
 def _launch_persistent(x, y, desc, signs, hm, scal, layout, out_layout, f, fmt, code, rows, group, pow2, rot_code, soft,
                        tile, num_warps, recip, stages, progs_per_sm, b, h, n, d, head_fast=None, nsub=1,
-                       reread=False) -> QuantOut:
+                       reread=False, max_regs=0) -> QuantOut:
     """The persistent kernel: work items of ``r`` rows (a block, or ``tile`` rows), each in one tile,
     or a block in ``nsub`` sub-tiles of ``tile`` rows."""
     r = rows if code == 2 else tile
@@ -785,12 +942,19 @@ def _launch_persistent(x, y, desc, signs, hm, scal, layout, out_layout, f, fmt, 
         amax = desc  # unused
     kept = 0 if (reread or nsub == 1) else (1 if nsub == 2 else 3)  # sub-tiles held in registers: 1, or up to 3
     reread = int(reread)
-    # Shared memory: one input tile per pipeline stage, the +-1 matrix (dot), the FP8 tile's layout
-    # change for the store. Stages beyond what fits in ~200 KB are dropped (d = 256 keeps one).
-    st = stages or (_SUB_STAGES[(rot_code == 2, kept, reread)] if nsub > 1
-                    else _PERSIST_STAGES[(rot_code == 2, big)])
+    # Shared memory: one input tile per pipeline stage (two for the skewed mode), the +-1 matrix
+    # (dot), the FP8 tile's layout change for the store. Stages beyond what fits in ~200 KB are
+    # dropped (d = 256 keeps one).
+    if nsub > 1:
+        st_def, regs_def = _SUB_LAUNCH[(rot_code == 2, reread, nsub == 2)]
+        if not (stages or num_warps or progs_per_sm):  # the register cap belongs to its measured launch
+            max_regs = max_regs or regs_def
+    else:
+        st_def = _PERSIST_STAGES[(rot_code == 2, big)]
+    st = stages or st_def
     fixed = (d * d * 2 if rot_code == 2 else 0) + tile * d
-    while st > 1 and fixed + st * tile * d * x.element_size() > 200 * 1024:
+    loads = 2 if reread == 4 else 1
+    while st > 1 and fixed + st * loads * tile * d * x.element_size() > 200 * 1024:
         st -= 1
     common = dict(D=d, LOG2D=int(math.log2(d)), TILE=tile, ROT=rot_code, GRAN=code, POW2=bool(pow2), MBITS=f.mbits,
                   EMIN=f.emin, FMT_MAX=f.max, OUT=tl_fp8(fmt), SOFT_CAST=soft,
@@ -807,6 +971,8 @@ def _launch_persistent(x, y, desc, signs, hm, scal, layout, out_layout, f, fmt, 
             common["num_warps"] = num_warps or (8 if kept == 3 else 4)
         else:
             common["num_warps"] = num_warps or (8 if tile * d >= 128 * 128 else 4)
+        if max_regs:
+            common["maxnreg"] = max_regs
     args = [x, y, signs, hm, scal, amax, desc, *_strides(x, layout), *_strides(y, out_layout),
             desc.stride(0), desc.stride(1), desc.stride(2), h, n, group, r, nblk, total]
     passes = (1, 2) if code <= 1 else (0,)
@@ -817,15 +983,16 @@ def _launch_persistent(x, y, desc, signs, hm, scal, layout, out_layout, f, fmt, 
         pps = 1
     else:
         try:
-            pps = _resident(args, common, passes, x, y)
+            pps = _resident(args, common, passes, x, y, _PERSIST_PPS + (1 if max_regs else 0))
         except Exception:  # noqa: BLE001 - no compiled kernel's resources: the shared-memory estimate
             pps = max(1, min(_PERSIST_PPS, _SMEM_PER_SM // (fixed + st * tile * d * x.element_size() + 1024)))
             how_pps = " (estimated)"
     grid = (_programs(x.device, total, pps),)
     for p in passes:
         _rq_persistent[grid](*args, PASS=p, **common)
-    how = (f"persistent tile{tile}" + (f" x{nsub} {('kept', 'reread', 'reread-sync')[reread]}" if nsub > 1 else "")
-           + f" w{common.get('num_warps', '-')} s{st} pps{pps}{how_pps}" + ("" if head_fast else " seq-first")
+    mode = ("kept", "reread", "reread-sync", "kept-inputs", "reread-skewed")[reread]
+    how = (f"persistent tile{tile}" + (f" x{nsub} {mode}" if nsub > 1 else "") + f" w{common.get('num_warps', '-')}"
+           + (f" r{max_regs}" if max_regs else "") + f" s{st} pps{pps}{how_pps}" + ("" if head_fast else " seq-first")
            + (" recip" if recip else ""))
     return QuantOut(y, desc, out_layout, rows, group, code, how)
 
