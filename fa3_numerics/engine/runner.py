@@ -205,7 +205,8 @@ def compute_task(task: Task, cache_dir: str | None = None, threads: int = 0,
             events.job_done(job.slot)
         del o
         release_free_memory(device)  # the next variant starts from what is live, not a fragmented heap
-        clock.done(short_name(job.recipe))
+        if clock.enabled:  # naming the recipe costs a pass over the presets
+            clock.done(short_name(job.recipe))
     clock.report(lambda m: print(f"{where}: {m}", file=sys.stderr, flush=True))
     return TaskResult(results, hist, extras, notes, time.perf_counter() - t0)
 
