@@ -730,3 +730,27 @@ void fa3n_abs_stats(int64_t n, const double *restrict x, const double *restrict 
     *amax_out = amax;
     *nonfinite_out = nonfinite;
 }
+
+/* ---- torch.randn's Box-Muller transform, float64 on the CPU ----
+ * For a contiguous float64 tensor of at least 16 elements, torch's CPU normal_ (normal_fill in
+ * ATen's DistributionTemplates.h) first draws a uniform in [0, 1) per element from the
+ * generator, then maps each block of 16 in place: for j < 8, u1 = 1 - d[j], u2 = d[j + 8],
+ * r = sqrt(-2 log u1), d[j] = r cos(2 pi u2) std + mean, d[j + 8] = r sin(2 pi u2) std + mean.
+ * The uniforms come from torch (torch.rand draws the same ones); this is the map, with the same
+ * libm calls in the same order, hence the same bits, and the blocks shared among threads
+ * (torch runs it on one). native.randn checks the bits against torch.randn before first use. */
+void fa3n_box_muller16(int64_t blocks, double *restrict d, double mean, double sd, int nthreads) {
+    const double two_pi = 2.0 * 3.14159265358979323846; /* c10::pi<double>, doubled: exact */
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < blocks; b++) {
+        double *x = d + b * 16;
+        for (int j = 0; j < 8; j++) {
+            const double u1 = 1.0 - x[j];
+            const double u2 = x[j + 8];
+            const double radius = sqrt(-2.0 * log(u1));
+            const double theta = two_pi * u2;
+            x[j] = radius * cos(theta) * sd + mean;
+            x[j + 8] = radius * sin(theta) * sd + mean;
+        }
+    }
+}

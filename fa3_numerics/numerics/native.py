@@ -17,7 +17,8 @@ vectorises it for the CPU it runs on):
 - ``fa3n_fwht``: the random Hadamard rotation (``numerics/rotation.py``), same butterflies;
 - ``fa3n_decode_u8``: FP8 to float32 by table lookup;
 - ``fa3n_rescale_rows``: the O rescale between KV tiles, with the kernel's flush to zero;
-- ``fa3n_abs_stats``: histogram, amax and non-finite count of an input in one pass.
+- ``fa3n_abs_stats``: histogram, amax and non-finite count of an input in one pass;
+- ``fa3n_box_muller16``: torch.randn's map from uniforms to normals (float64), on every thread.
 
 Each returns what its PyTorch reference returns; tests/test_native.py compares them. (The
 softmax's float32 exp2 is computed in double by each path's own exp2, so the two could differ
@@ -127,8 +128,9 @@ def _lib():
     lib.fa3n_decode_u8.argtypes = [i64, p, p, p, i32]
     lib.fa3n_rescale_rows.argtypes = [i64, i64, p, p, i32, i32]
     lib.fa3n_abs_stats.argtypes = [i64, p, p, i32, p, p, p, i32]
+    lib.fa3n_box_muller16.argtypes = [i64, p, f64, f64, i32]
     for fn in (lib.fa3n_softmax_step, lib.fa3n_round_f64, lib.fa3n_round_f32, lib.fa3n_fwht,
-               lib.fa3n_decode_u8, lib.fa3n_rescale_rows, lib.fa3n_abs_stats):
+               lib.fa3n_decode_u8, lib.fa3n_rescale_rows, lib.fa3n_abs_stats, lib.fa3n_box_muller16):
         fn.restype = None
     _STATE["lib"] = lib
     _STATE["why"] = None
@@ -302,6 +304,40 @@ def fwht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor | None:
     s = signs.to(torch.float64).contiguous()
     _lib().fa3n_fwht(x.numel() // d, d, _ptr(x), _ptr(s), float(d ** 0.5), _ptr(out), _threads())
     return out
+
+
+def _randn_fast(n: int, g: torch.Generator) -> torch.Tensor:
+    x = torch.rand(n, generator=g, dtype=torch.float64)
+    _lib().fa3n_box_muller16(n // 16, _ptr(x), 0.0, 1.0, _threads())
+    if n % 16:  # as torch: 16 fresh uniforms for the last 16 values, mapped as one block
+        tail = torch.rand(16, generator=g, dtype=torch.float64)
+        _lib().fa3n_box_muller16(1, _ptr(tail), 0.0, 1.0, 1)
+        x[n - 16:] = tail
+    return x
+
+
+def _randn_matches_torch() -> bool:
+    """Whether the compiled transform gives torch.randn's bits here (checked once: another torch
+    or libm could compute them otherwise, and then torch.randn is used)."""
+    if "randn_ok" not in _STATE:
+        ok = True
+        for n in (16, 40, 1000):
+            a = torch.randn(n, generator=torch.Generator().manual_seed(12345 + n), dtype=torch.float64)
+            b = _randn_fast(n, torch.Generator().manual_seed(12345 + n))
+            ok = ok and torch.equal(a.view(torch.int64), b.view(torch.int64))
+        _STATE["randn_ok"] = ok
+    return _STATE["randn_ok"]
+
+
+def randn(shape, g: torch.Generator) -> torch.Tensor:
+    """``torch.randn(shape, generator=g, dtype=torch.float64)``, the same values and the same
+    state of ``g`` after it. On the CPU torch maps its uniforms to normals on one thread, 60% of
+    the time of drawing Q, K and V at the paper's shape; here that map runs compiled on every
+    thread (``fa3n_box_muller16``). Elsewhere, or without the compiled path, torch.randn."""
+    n = math.prod(shape)
+    if g.device.type != "cpu" or n < 16 or _lib() is None or not _randn_matches_torch():
+        return torch.randn(shape, generator=g, dtype=torch.float64, device=g.device)
+    return _randn_fast(n, g).view(shape)
 
 
 if __name__ == "__main__":  # python -m fa3_numerics.numerics.native: build and report

@@ -10,6 +10,7 @@ import math
 import torch
 
 from . import AttnShape, generator, register
+from ...numerics.native import randn
 from ...errors import require
 
 
@@ -59,7 +60,7 @@ def outliers_like(shape: tuple[int, ...], g: torch.Generator, p: float, sigma: f
     for those entries only, in ascending position. Drawing the outlier term only where it is
     added is the same distribution at a fraction of the cost of drawing it everywhere."""
     dev = g.device
-    x = torch.randn(shape, generator=g, dtype=torch.float64, device=dev)
+    x = randn(shape, g)  # torch.randn's values; on the CPU its map to normals on every thread
     where = bernoulli_positions(x.numel(), p, g)
     if where.numel():
         x.view(-1)[where] += torch.randn(where.numel(), generator=g, dtype=torch.float64, device=dev) * sigma

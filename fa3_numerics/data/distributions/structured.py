@@ -35,6 +35,7 @@ import math
 import torch
 
 from . import AttnShape, generator, register
+from ...numerics.native import randn
 from ...errors import require
 
 
@@ -81,9 +82,9 @@ def outlier_channels(batch: int, kv_heads: int, head_dim: int, channels: int, g:
 )
 def channel_outliers(shape: AttnShape, seed: int, *, channels: float, scale: float, q_scale: float):
     g = generator(seed)
-    q = torch.randn(shape.q_shape, generator=g, dtype=torch.float64)
-    k = torch.randn(shape.kv_shape, generator=g, dtype=torch.float64)
-    v = torch.randn(shape.kv_shape, generator=g, dtype=torch.float64)
+    q = randn(shape.q_shape, g)
+    k = randn(shape.kv_shape, g)
+    v = randn(shape.kv_shape, g)
     mask = outlier_channels(shape.batch, shape.kv_heads, shape.head_dim, int(channels), g)
     k = torch.where(mask, k * scale, k)
     qmask = mask.repeat_interleave(shape.heads // shape.kv_heads, dim=1)
@@ -100,9 +101,9 @@ def channel_outliers(shape: AttnShape, seed: int, *, channels: float, scale: flo
 )
 def sink_tokens(shape: AttnShape, seed: int, *, sinks: float, scale: float):
     g = generator(seed)
-    q = torch.randn(shape.q_shape, generator=g, dtype=torch.float64)
-    k = torch.randn(shape.kv_shape, generator=g, dtype=torch.float64)
-    v = torch.randn(shape.kv_shape, generator=g, dtype=torch.float64)
+    q = randn(shape.q_shape, g)
+    k = randn(shape.kv_shape, g)
+    v = randn(shape.kv_shape, g)
     n = min(int(sinks), shape.seqlen_k)
     k[:, :, :n] *= scale
     return q, k, v
@@ -145,9 +146,9 @@ def _check_bias(params: dict) -> None:
 )
 def k_bias(shape: AttnShape, seed: int, *, channels: float, bias: float):
     g = generator(seed)
-    q = torch.randn(shape.q_shape, generator=g, dtype=torch.float64)
-    k = torch.randn(shape.kv_shape, generator=g, dtype=torch.float64)
-    v = torch.randn(shape.kv_shape, generator=g, dtype=torch.float64)
+    q = randn(shape.q_shape, g)
+    k = randn(shape.kv_shape, g)
+    v = randn(shape.kv_shape, g)
     mask = outlier_channels(shape.batch, shape.kv_heads, shape.head_dim, int(channels), g)
     sign = torch.where(torch.rand(mask.shape, generator=g, dtype=torch.float64) < 0.5, -1.0, 1.0)
     k = k + torch.where(mask, sign * float(bias), torch.zeros((), dtype=torch.float64))
