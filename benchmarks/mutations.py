@@ -122,9 +122,13 @@ MUTATIONS = [
     M("quad-rowsum-py", "each thread adds its column pair in the other order (PyTorch)",
       (PKG + "emulator.py", "        rs4 = rs4 + p[..., j, :, 0]\n        rs4 = rs4 + p[..., j, :, 1]",
        "        rs4 = rs4 + p[..., j, :, 1]\n        rs4 = rs4 + p[..., j, :, 0]")),
-    M("quad-rowsum-c", "each thread adds its column pair in the other order (C)",
-      (PKG + "_native.c", "acc = acc + row[c0];\n                    if (c0 + 1 < N) acc = acc + row[c0 + 1];",
-       "if (c0 + 1 < N) acc = acc + row[c0 + 1];\n                    acc = acc + row[c0];")),
+    M("quad-rowsum-c", "each thread adds its column pair in the other order (C, the four parallel chains)",
+      (PKG + "_native.c", "a0 = a0 + p8[0];\n                a1 = a1 + p8[2];\n                a2 = a2 + p8[4];\n"
+       "                a3 = a3 + p8[6];\n                a0 = a0 + p8[1];\n                a1 = a1 + p8[3];\n"
+       "                a2 = a2 + p8[5];\n                a3 = a3 + p8[7];",
+       "a0 = a0 + p8[1];\n                a1 = a1 + p8[3];\n                a2 = a2 + p8[5];\n"
+       "                a3 = a3 + p8[7];\n                a0 = a0 + p8[0];\n                a1 = a1 + p8[2];\n"
+       "                a2 = a2 + p8[4];\n                a3 = a3 + p8[6];")),
     M("rescale-rn-c", "tile rescale exp2 rounded to nearest instead of toward zero (C)",
       (PKG + "_native.c", "    if ((double)__builtin_fabsf(y) > __builtin_fabs(r)) y = __builtin_nextafterf(y, 0.0f);\n",
        "")),
@@ -206,6 +210,9 @@ def _apply(dest: Path, m: Mutation) -> None:
         f.write_text(text.replace(old, new))
 
 
+_LAST: dict = {}  # the last run's output (printed when the unmutated run fails)
+
+
 def _run(dest: Path, cache: Path, timeout: float, extra: list[str]) -> tuple[str, str, float]:
     """(outcome, first failing test or '', seconds): outcome passed / caught / timeout / error."""
     env = dict(os.environ, PYTHONPATH=str(dest), FA3N_CACHE=str(cache), PYTHONDONTWRITEBYTECODE="1")
@@ -221,6 +228,7 @@ def _run(dest: Path, cache: Path, timeout: float, extra: list[str]) -> tuple[str
         return "timeout", "", time.perf_counter() - t0
     dt = time.perf_counter() - t0
     out = res.stdout + res.stderr
+    _LAST["output"] = out
     if res.returncode == 0:
         return "passed", "", dt
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, flags=re.M)
@@ -266,6 +274,7 @@ def main(argv=None) -> int:
             if outcome != "passed":
                 ok = False
                 print(f"  the unmutated fast subset does not pass: {test}", flush=True)
+                print("\n".join("  | " + ln for ln in _LAST.get("output", "").strip().splitlines()[-40:]), flush=True)
             else:  # again, with the library compiled: the fast subset's own time
                 _, _, dt2 = _run(base, cache, args.timeout, [])
                 rows.append(("(none: baseline, warm)", "passed", "", dt2))

@@ -63,8 +63,10 @@ class ReportProcess:
 
                 traceback.print_exc()
             finally:
-                flush_output()
-                os._exit(code)
+                try:
+                    flush_output()
+                finally:  # whatever flushing raised: the child must never return into its caller
+                    os._exit(code)
         os.close(rfd)
         return cls(pid, wfd)
 
