@@ -230,3 +230,29 @@ def test_inputs_that_overflow_float64_attention_are_refused(tmp_path, cli):
                         "--heads", "1", "--batch", "1", "--rows", "8", "--variants", "fa3-fp8", "--out",
                         str(tmp_path / "o")])
     one_line_exit_2(code, err, "overflow float64 attention", after_start=True)
+
+
+def test_an_in_process_run_leaves_no_import_running(tmp_path, cli, monkeypatch):
+    """Called in-process, `run` imports the report's modules in a thread beside its runs; that
+    thread must be done when the command returns. One still importing changed sys.modules under
+    the next pytest test ("dictionary changed size during iteration", seen on a loaded machine).
+    A module that takes 2 s to import, last in the list, would outlive the command without it."""
+    import threading
+
+    import fa3_numerics.engine.prefetch as prefetch
+
+    (tmp_path / "fa3n_slow_import.py").write_text("import time\ntime.sleep(2.0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "fa3n_slow_import", raising=False)
+    real, started = prefetch.prefetch, []
+
+    def spy(modules=prefetch.REPORT_MODULES, interval=prefetch.SWITCH_INTERVAL):
+        started.append(real((*modules, "fa3n_slow_import"), interval))
+        return started[-1]
+
+    monkeypatch.setattr(prefetch, "prefetch", spy)
+    code, _, err = cli("run", "outliers", *SMALL, "--out", tmp_path / "o")
+    assert code == 0, err
+    assert started and not any(t.is_alive() for t in started)
+    assert "fa3n_slow_import" in sys.modules
+    assert not [t for t in threading.enumerate() if t.name == "fa3n-prefetch"]

@@ -94,9 +94,8 @@ def run_and_write(name: str, overrides: dict, out: str, fresh: bool, workers: in
         # script, else in a thread. Neither while dask's worker processes are forked.
         local = workers == 0 and scheduler is None
         tail = ReportProcess.start(REPORT_MODULES, guarded) if local and forks_allowed() else None
+        fetch = prefetch() if local and tail is None else None
         try:
-            if local and tail is None:
-                prefetch()
             clock = PhaseClock()
             res = compute_experiment(exp, cache_dir=cache, workers=workers, scheduler=scheduler,
                                      progress=make_progress())
@@ -108,6 +107,10 @@ def run_and_write(name: str, overrides: dict, out: str, fresh: bool, workers: in
         finally:
             if tail is not None:
                 tail.cancel()
+            if fetch is not None:
+                # No import may outlive the command: a caller iterating sys.modules meanwhile (pytest
+                # between tests, a notebook) would see it change size under it.
+                fetch.join()
     if code:
         raise typer.Exit(code)
 

@@ -1,6 +1,6 @@
 """Start CUDA in a background thread while torch is still being imported.
 
-Exposed: ``wants_cuda``, ``start_cuda_early``.
+Exposed: ``wants_cuda``, ``start_cuda_early``, ``settle``.
 
 A command on the GPU first pays for CUDA's start: the driver (``cuInit``) and the device's
 primary context, about 0.3 s on the H200 machine. Importing torch takes 1.2 s there and needs no
@@ -15,6 +15,8 @@ GPU with its fix.
 from __future__ import annotations
 
 import threading
+
+_THREADS: list[threading.Thread] = []
 
 
 def wants_cuda(argv: list[str]) -> str | None:
@@ -57,7 +59,15 @@ def start_cuda_early(argv: list[str]) -> threading.Thread | None:
     t = threading.Thread(target=_driver_start, args=(int(index) if index.isdigit() else 0,),
                          name="fa3n-cuda-start", daemon=True)
     t.start()
+    _THREADS.append(t)
     return t
 
 
-__all__ = ["wants_cuda", "start_cuda_early"]
+def settle() -> None:
+    """Wait until the driver start has returned (at once when it has, as it has by the time torch
+    is imported): a fork while that thread is inside the driver would copy its locks held."""
+    for t in _THREADS:
+        t.join()
+
+
+__all__ = ["wants_cuda", "start_cuda_early", "settle"]

@@ -38,6 +38,9 @@ class ReportProcess:
 
     @classmethod
     def start(cls, modules: tuple[str, ...], guard: Callable[[Callable[[], None]], int]) -> "ReportProcess":
+        from .cuda_start import settle
+
+        settle()  # not mid-way through the CUDA driver's start (its locks would be copied held)
         flush_output()  # buffered output would otherwise be written twice, once by each process
         rfd, wfd = os.pipe()
         pid = os.fork()
