@@ -83,7 +83,7 @@ def entry() -> None:
     CUDA while torch is imported (``engine.cuda_start``) and may fork helper processes
     (``engine.forking``): a run writes its dataset and report from a process forked before it."""
     from ..engine.cuda_start import start_cuda_early
-    from ..engine.forking import allow_forks
+    from ..engine.forking import allow_forks, flush_output
 
     code = 0
     try:
@@ -91,17 +91,18 @@ def entry() -> None:
         allow_forks()
         main()
     except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:  # sys.exit("message"): what the interpreter would print, then 1
-            print(exc.code, file=sys.stderr)
-            code = 1
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # closed or broken pipe: nothing more can be shown
-            pass
+        code = _exit_code(exc)
+    flush_output()
     os._exit(code)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The exit status the interpreter would give ``exc``: its code, 0 for None, and for
+    sys.exit("message") the message on stderr and 1."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
+    return 1
 
 
 def _error_line(exc: UsageError | NonFiniteError) -> str:
@@ -120,7 +121,7 @@ def guarded(fn) -> int:
     except typer.Exit as exc:
         return exc.exit_code
     except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        return _exit_code(exc)
 
 
 def main(argv: list[str] | None = None, application: typer.Typer | None = None) -> None:

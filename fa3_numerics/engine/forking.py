@@ -35,10 +35,11 @@ def read_all(fd: int) -> bytes:
 
 
 def flush_output() -> None:
+    """Flush stdout and stderr (before a fork or an exit that skips the interpreter's own)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # closed or broken pipe: nothing more can be shown
             pass
 
 
