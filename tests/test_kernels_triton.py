@@ -98,16 +98,23 @@ def test_backends_registered_and_explain_themselves():
 # ---------------------------------------------------------------------------- interpreter
 
 
-@pytest.fixture(scope="module")
-def interpreted():
+def _interpret(args: list[str], covered_by: str) -> subprocess.CompletedProcess:
+    """``python args`` with Triton's interpreter on the CPU (skipped without triton, and where a
+    GPU runs the compiled kernels instead: ``covered_by`` names what covers it there)."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed: the interpreter tests need it (pip install triton)")
     if GPU_REASON is None:
-        pytest.skip("a GPU is present: the compiled-kernel tests below cover this")
+        pytest.skip(f"a GPU is present: {covered_by} covers this")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "fa3_numerics.kernels.triton_.selfcheck", "--json", "--quick",
-                           "--device", "cpu"], env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    proc = _interpret(["-m", "fa3_numerics.kernels.triton_.selfcheck", "--json", "--quick", "--device", "cpu"],
+                      "the compiled-kernel tests below")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -182,13 +189,7 @@ print(json.dumps(out))
 
 
 def test_interpreted_persistent_kernel_matches_tiled():
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed: the interpreter tests need it (pip install triton)")
-    if GPU_REASON is None:
-        pytest.skip("a GPU is present: test_gpu_persistent_kernel_matches_tiled covers this")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", _PERSIST_SNIPPET], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _interpret(["-c", _PERSIST_SNIPPET], "test_gpu_persistent_kernel_matches_tiled")
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(rows) == 40
     launches = " ".join(r["case"] for r in rows)
