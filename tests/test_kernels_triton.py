@@ -81,6 +81,38 @@ def test_shape_refusals():
     assert shape_problem(Recipe.from_str("fa3-fp8,gran=block64,bn=64"), 128, False) is None
 
 
+@pytest.mark.parametrize("d,parts", [(64, 2), (128, 2), (128, 4), (256, 4)])
+def test_split_rotation_factors_rebuild_the_hadamard_rotation(d, parts):
+    """The shared-memory quantizer's rotation: the products of the column parts with the
+    factors of ``split_matrices``, combined by H_parts, are x diag(s) H_d (Sylvester order), so
+    the kernel rotates with the emulator's signs for a seed."""
+    from fa3_numerics.kernels.triton_.rotate_quant_smem import split_matrices
+    from fa3_numerics.numerics.rotation import hadamard_matrix, random_signs
+
+    x = torch.randn(37, d, dtype=torch.float64, generator=torch.Generator().manual_seed(d + parts))
+    m = split_matrices(d, 7, "cpu", parts).double()
+    pw = d // parts
+    prods = [x[:, i * pw:(i + 1) * pw] @ m[i * pw:(i + 1) * pw] for i in range(parts)]
+    hp = hadamard_matrix(parts)
+    split = torch.cat([sum(hp[i, c] * prods[i] for i in range(parts)) for c in range(parts)], 1)
+    full = x @ (random_signs(d, 7)[:, None] * hadamard_matrix(d))
+    torch.testing.assert_close(split, full, rtol=0, atol=1e-12)
+    assert not torch.allclose(split, x @ hadamard_matrix(d))  # the signs are in it
+
+
+def test_smem_quantizer_refuses_with_its_reason():
+    from fa3_numerics.errors import UsageError
+    from fa3_numerics.kernels.triton_.rotate_quant import rotate_quantize
+    from fa3_numerics.kernels.triton_.rotate_quant_smem import smem_problem
+    from fa3_numerics.numerics.granularity import PerBlock
+
+    x = torch.zeros(1, 448, 2, 128, dtype=torch.bfloat16)
+    why = smem_problem(x, "bshd", "bhsd", 224, 128, "hadamard")
+    assert why and ("Hopper" in why or "Gluon" in why)
+    with pytest.raises(UsageError, match="reread='smem'"):
+        rotate_quantize(x, layout="bshd", gran=PerBlock(224), rot="hadamard", reread="smem")
+
+
 def test_backends_registered_and_explain_themselves():
     for name in ("triton", "triton-two-level", "triton-fused"):
         assert name in BACKENDS
@@ -248,6 +280,62 @@ def test_gpu_emulator_reproduces_kernel():
         assert r[f"F_{model}"] <= limit, r
 
 
+def _adjacent_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Every differing e4m3 byte one code step from the other (same sign): a near-tie rounded the other way."""
+    ua, ub = a.view(torch.uint8).long(), b.view(torch.uint8).long()
+    diff = ua != ub
+    return bool((((ua ^ ub) & 0x80) == 0)[diff].all() and ((ua & 0x7F) - (ub & 0x7F)).abs()[diff].le(1).all())
+
+
+@gpu
+def test_gpu_smem_quantizer_matches_prepare():
+    """The shared-memory kernel (Gluon, TMA, split rotation) against the emulator's rotation and
+    ``quantize`` in float64: the bytes differ only in rare near-ties, each one FP8 step (as the
+    one-product kernel's; its count beside), power-of-two descales identical, amax descales
+    within a float32 ulp. Blocks of 224 (short last sub-tile), 96, 128 and 256 rows, a sequence
+    that ends inside a block, both layouts, 2 and 4 column parts, the last sub-tile kept or not
+    (its units staging the FP8 tiles, or a staging buffer)."""
+    from fa3_numerics.kernels.triton_.rotate_quant import rotate_quantize
+    from fa3_numerics.numerics.granularity import PerBlock
+    from fa3_numerics.numerics.quant import quantize
+    from fa3_numerics.numerics.rotation import make_rotation
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the shared-memory kernel is written for sm_90 (TMA, wgmma)")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    b, n, h, d = 2, 1000, 4, 128
+    x = torch.randn(b, n, h, d, generator=g, device="cuda")
+    x = (x * (1 + 30 * (torch.rand(b, n, h, d, generator=g, device="cuda") < 0.01))).to(torch.bfloat16)
+    for rows, lay, out, pow2, extra in [(224, "bshd", "bhsd", True, {}), (224, "bhsd", "bshd", False, {}),
+                                        (224, "bshd", "bhsd", False, {"parts": 4}),
+                                        (224, "bshd", "bhsd", True, {"keep_last": False}),
+                                        (224, "bshd", "bhsd", False, {"stage_in_ring": False}),
+                                        (96, "bshd", "bhsd", False, {}), (128, "bhsd", "bhsd", True, {}),
+                                        (256, "bshd", "bhsd", False, {"parts": 4, "keep_last": False})]:
+        xin = x if lay == "bshd" else x.transpose(1, 2).contiguous()
+        kw = dict(layout=lay, gran=PerBlock(rows), rot="hadamard", seed=4, pow2=pow2, out_layout=out)
+        o = rotate_quantize(xin, reread="smem", **kw, **extra)
+        assert o.launch.startswith("gluon smem"), o.launch
+        ref = quantize(make_rotation("hadamard", d, 4).apply(x.transpose(1, 2).double()), "e4m3", PerBlock(rows),
+                       pow2=pow2)
+        vals = o.values_bhsd()
+        same = (vals.contiguous().view(torch.uint8) == ref.values.contiguous().view(torch.uint8)).double().mean().item()
+        tl_o = rotate_quantize(xin, reread=True, **kw)
+        tl_same = (tl_o.values_bhsd().contiguous().view(torch.uint8)
+                   == ref.values.contiguous().view(torch.uint8)).double().mean().item()
+        assert same >= 1 - 2e-5 and same >= tl_same - 1e-5, (rows, lay, extra, same, tl_same)
+        assert _adjacent_fp8(vals.contiguous(), ref.values.contiguous()), (rows, lay, extra)
+        dl = o.descale_like_prepare(h, n).expand_as(ref.descale)
+        if pow2:
+            assert torch.equal(dl, ref.descale.float()), (rows, lay, extra)
+        else:
+            torch.testing.assert_close(dl, ref.descale.float(), rtol=2.5e-7, atol=0)
+        assert torch.isfinite(o.descale).all()
+    # opt-in: the default stays the tl kernel (its host launch is cheaper)
+    d224 = rotate_quantize(x, layout="bshd", gran=PerBlock(224), rot="hadamard", seed=4, out_layout="bhsd")
+    assert d224.launch.startswith("persistent"), d224.launch
+
+
 @gpu
 def test_gpu_persistent_kernel_matches_tiled():
     """The persistent kernel's descale division (reciprocal + one Markstein correction, fused
@@ -270,11 +358,12 @@ def test_gpu_persistent_kernel_matches_tiled():
             (PerBlock(224), 1, "hadamard", "bhds", {}), (PerBlock(128), 1, "none", "bhds", {}),
             (PerBlock(224), 1, "none", "bhds", {}), (PerBlock(128), 1, "none", "bhds", {"reread": False}),
             (PerBlock(224), 1, "hadamard", "bhsd", {"reread": False}), (PerBlock(224), 1, "hadamard", "bshd", {"reread": "sync"}),
-            (PerBlock(160), 1, "hadamard", "bhsd", {"reread": False}), (PerBlock(512), 1, "hadamard", "bhsd", {}),
+            (PerBlock(160), 1, "hadamard", "bhsd", {"reread": False}), (PerBlock(512), 1, "hadamard", "bhsd", {"reread": True}),
             (PerBlock(224), 1, "hadamard", "bshd", {"reread": "inputs"}), (PerBlock(160), 1, "hadamard", "bhsd", {"reread": "inputs"}),
             (PerBlock(128), 1, "hadamard", "bhds", {"reread": "inputs"}),
             (PerBlock(224), 1, "none", "bhds", {"reread": "inputs"}), (PerBlock(128), 1, "none", "bhds", {"reread": "inputs"}),
             (PerBlock(224), 1, "hadamard", "bhsd", {"reread": True, "stages": 4}),
+            (PerBlock(224), 1, "hadamard", "bhsd", {"reread": True}),
             (PerBlock(224), 1, "none", "bhds", {"reread": True, "max_regs": 128}),
             (PerBlock(224), 1, "hadamard", "bshd", {"reread": "skewed"}), (PerBlock(160), 1, "none", "bhds", {"reread": "skewed"}),
             (PerBlock(128), 1, "hadamard", "bhsd", {"reread": "skewed", "num_warps": 8}),

@@ -289,6 +289,12 @@ def triton_quantizer(out: Out, args=None, sz: Sizes | None = None) -> list[dict]
     sz = sz or Sizes()
     t0 = time.perf_counter()
     fid = selfcheck.quantizer_checks("cuda", shape=(2, 16, 2048, 128), impls=("butterfly", "dot"))
+    # K tiles through the shared-memory kernel (split rotation), rows written (b, h, s, d), beside
+    # the tl kernel on the same cases
+    kcases = [("block", 224, 1, True, "hadamard"), ("block", 224, 1, False, "hadamard"), ("block", 96, 1, False, "hadamard")]
+    for extra, lab in (({"reread": True}, "tl"), ({"reread": "smem"}, "smem")):
+        fid += selfcheck.quantizer_checks("cuda", shape=(2, 16, 2048, 128), exact_modes=(False,), impls=("dot",),
+                                          cases=kcases, out_layout="bhsd", extra=extra, label=lab)
     for r in fid:
         log(f"quant fidelity {r}")
     out.timings["quant_fidelity"] = {"rows": fid, "seconds": round(time.perf_counter() - t0, 1)}
@@ -481,12 +487,35 @@ def triton_block_validation(out: Out, args=None, sz: Sizes | None = None) -> Non
 # every other row is compared with. Blocks in the persistent kernel: in one tile (run 5),
 # in 64-row sub-tiles kept in registers ("kept") or read again from L2 ("reread": as more
 # pipelined steps; "reread-sync": at the block's last step).
-def _sweep_configs():
+def _sweep_configs(which: str = "full"):
     from fa3_numerics.numerics.granularity import PerBlock, PerHead, PerTensor, PerToken
 
     old = dict(persistent=False)
     B128, B224 = ("block128", PerBlock(128), "hadamard", "bhsd"), ("block224", PerBlock(224), "hadamard", "bhsd")
     V128, V224 = ("vblock128", PerBlock(128), "none", "bhds"), ("vblock224", PerBlock(224), "none", "bhds")
+    if which == "probe":
+        # Where a 224-row block's time goes: the rotation (none against the dot, rows written
+        # (b, h, s, d) either way), the half-empty fourth sub-tile (256-row blocks: four full
+        # ones), and sub-tiles of 32 rows (224 = 7 x 32, no padding).
+        K224N, B256 = ("kblock224-norot", PerBlock(224), "none", "bhsd"), ("block256", PerBlock(256), "hadamard", "bhsd")
+        K256N = ("kblock256-norot", PerBlock(256), "none", "bhsd")
+        return [
+            (*B224, dict(old, num_warps=8)), (*K224N, dict(old, num_warps=8)), (*B256, dict(old, num_warps=8)),
+            (*K256N, dict(old, num_warps=8)), (*V224, dict(old, num_warps=8)),
+            (*B224, {}), (*K224N, {}), (*B256, {}), (*K256N, {}),
+            (*K224N, dict(reread="skewed")), (*K224N, dict(reread="skewed", sub_tile=32, stages=4)),
+            (*K224N, dict(reread=True, sub_tile=32, stages=4)),
+            (*V224, {}), (*V224, dict(reread="skewed", sub_tile=32, stages=4)),
+            (*V224, dict(reread="skewed", sub_tile=32, stages=6)),
+            (*B224, dict(reread=True, sub_tile=32, stages=4)),
+            (*B224, dict(reread=True, sub_tile=32, stages=4, max_regs=128)),
+            (*B224, {}), ("token", PerToken(), "hadamard", "bhsd", {}), (*B128, {}),
+            # the block's inputs held in shared memory and rotated twice there (Gluon, TMA, split rotation)
+            (*B224, dict(reread="smem")), (*B224, dict(reread="smem", max_regs=168)),
+            (*B224, dict(reread="smem", stage_in_ring=False)), (*B224, dict(reread="smem", keep_last=False)),
+            (*B224, dict(reread="smem", max_regs=176, progs_per_sm=3)),
+            (*B128, dict(reread="smem")), (*B224, dict(reread="smem")),
+        ]
     return [
         ("token", PerToken(), "hadamard", "bhsd", dict(old, tile=64, num_warps=4)),
         (*B128, dict(old, num_warps=8)),
@@ -521,6 +550,10 @@ def _sweep_configs():
         (*V128, dict(reread="inputs", max_regs=168, stages=3)),
         (*B128, dict(reread="skewed")),
         (*B128, dict(reread="inputs")),
+        # the shared-memory kernel (rotate_quant_smem, opt-in: reread="smem") and its variants; run 11
+        # ran it as the 224-row default with a staging buffer (its units stage the FP8 tiles since)
+        (*B224, dict(reread=True)), (*B224, dict(reread="smem")), (*B224, dict(reread="smem", keep_last=False)),
+        (*B224, dict(reread="smem", parts=4)), (*B128, dict(reread="smem")),
         (*B224, {}),  # the defaults again: the spread within the run
         (*V128, {}),
         (*V224, {}),
@@ -552,14 +585,35 @@ def triton_quant_sweep(out: Out, args=None, sz: Sizes | None = None) -> None:
     env = out.timings.get("env", {})
     copy = env.get("copy_tbs", float("nan"))
     rows, best, refs = [], {}, {}
-    for gname, gran, rot, olay, kw in _sweep_configs():
+    which = getattr(args, "sweep", "full")
+    if which == "probe":
+        # The split rotation's values against prepare() (float64), beside the one-product kernel's:
+        # the paper's outliers, rows written (b, h, s, d), blocks of the FA3 tiles.
+        from fa3_numerics.kernels.triton_ import selfcheck
+
+        cases = [("block", 224, 1, True, "hadamard"), ("block", 224, 1, False, "hadamard"),
+                 ("block", 128, 1, False, "hadamard")]
+        fid = []
+        for extra, lab in (({}, "tl"), ({"reread": "smem"}, "smem")):
+            try:
+                fid += selfcheck.quantizer_checks("cuda", shape=(2, 16, 2048, 128), exact_modes=(False,), impls=("dot",),
+                                                  cases=cases, out_layout="bhsd", extra=extra, label=lab)
+            except Exception as exc:  # noqa: BLE001
+                out.error(f"probe fidelity {lab}", exc)
+        for r in fid:
+            log(f"probe fidelity {r}")
+        out.timings["probe_fidelity"] = fid
+    for gname, gran, rot, olay, kw in _sweep_configs(which):
         label = f"{gname} {_cfg_label(kw)}"
         try:
-            call = lambda: rotate_quantize(x, layout="bshd", gran=gran, rot=rot, seed=0, impl="dot" if rot != "none" else "auto",  # noqa: E731,B023
+            kw = dict(kw)
+            lay = kw.pop("layout", "bshd")  # a (b, h, s, d) input: each head's rows contiguous
+            xin = x if lay == "bshd" else x.transpose(1, 2).contiguous()
+            call = lambda: rotate_quantize(xin, layout=lay, gran=gran, rot=rot, seed=0, impl="dot" if rot != "none" else "auto",  # noqa: E731,B023
                                            out_layout=olay, **kw)  # noqa: B023
             o = call()
             torch.cuda.synchronize()
-            label = f"{gname} {_cfg_label(kw, o.launch)}"
+            label = f"{gname} {_cfg_label(kw, o.launch)}" + (f" in {lay}" if lay != "bshd" else "")
             if not kw.get("persistent", True) and not kw.get("recip"):
                 refs[gname] = o
             ref = refs.get(gname)
@@ -572,7 +626,7 @@ def triton_quant_sweep(out: Out, args=None, sz: Sizes | None = None) -> None:
             persistent = o.launch.startswith("persistent")
             moved = mb + (passes - 1) * x.numel() * 2
             t, t_e = _q(tg, 0.5), _q(te, 0.5)
-            r = {"granularity": gname, "rot": rot, "out_layout": olay, "config": _cfg_label(kw, o.launch),
+            r = {"granularity": gname, "rot": rot, "in_layout": lay, "out_layout": olay, "config": _cfg_label(kw, o.launch),
                  "kernel": "persistent" if persistent else "tiled", "default": int(not kw), "launch": o.launch,
                  "kwargs": json.dumps(kw),
                  "order": "seq-first" if "seq-first" in o.launch else "heads-first",
@@ -910,6 +964,8 @@ def main(argv=None) -> int:
     ap.add_argument("--grid", default="small")
     ap.add_argument("--val-seconds", type=float, default=0.0, help="seconds for the validation part (0: to --budget)")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--sweep", default="full", choices=("full", "probe"),
+                    help="quantsweep: every configuration, or the probe of where a 224-row block's time goes")
     ap.add_argument("--figure-from", default=None, help="only redraw the figure from a throughput.csv")
     args = ap.parse_args(argv)
     if args.figure_from:

@@ -728,7 +728,8 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
                     out_layout: str = "bhsd", impl: str = "auto", soft_cast: bool | None = None, tile: int = 0,
                     num_warps: int = 0, recip: bool = False, persistent: bool | None = None, stages: int = 0,
                     progs_per_sm: int = 0, head_fast: bool | None = None, sub_tile: int = 0,
-                    reread: bool | str | None = None, max_regs: int = 0) -> QuantOut:
+                    reread: bool | str | None = None, max_regs: int = 0, keep_last: bool = True,
+                    parts: int = 2, stage_in_ring: bool = True) -> QuantOut:
     """Rotate (Hadamard or none) and quantize ``x`` into FP8 in one fused kernel (see module doc).
 
     ``gran``: a granularity object (``PerHead()`` default); ``block_rows`` fills ``PerBlock(0)``;
@@ -746,7 +747,13 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
     more pipelined steps, the default for longer blocks written row by row; ``"skewed"`` one
     block later, in the steps of the next block's first loads, the default for blocks written
     transposed; ``"sync"`` at the block's last step, outside the pipeline), or their inputs kept
-    in registers and rotated again (``"inputs"``). Without ``stages``, ``num_warps`` and
+    in registers and rotated again (``"inputs"``), or held in shared memory and rotated twice there
+    (``"smem"``: the Gluon kernel of ``rotate_quant_smem``, Hopper, BF16, the split rotation;
+    ``keep_last``: the last sub-tile kept in registers between its passes; ``parts``: column parts
+    of its split rotation, 2 or 4; ``stage_in_ring``: the FP8 staging tiles in the kept short
+    sub-tile's ring units). "smem" is opt-in: on the H200 it moves a 224-row K tile in 0.072-0.074
+    ms of device time against the default's 0.085-0.087 ms, but its host launch (TMA descriptors)
+    makes a single call slower, 0.22-0.40 ms against 0.15-0.21 ms (reports/h200/triton/report.md). Without ``stages``, ``num_warps`` and
     ``progs_per_sm``, blocks take the launch measured fastest for their mode (_SUB_LAUNCH, a
     register cap included). The launch chosen is in the result's ``launch``.
     """
@@ -798,6 +805,16 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
         # Blocks written transposed (V, (b, h, d, s)) too since run 9: read again one block behind
         # (70% of a copy at 128 rows against the tiled kernel's 57-59%; 57% at 224 against 11%).
         persistent = not exact
+    if reread == "smem":
+        from .rotate_quant_smem import rotate_quantize_smem, smem_problem
+
+        why = "per-block scales only" if code != 2 else smem_problem(x, layout, out_layout, rows, d, rot)
+        if why or exact or fmt != "e4m3" or impl != "dot":
+            raise UsageError(f"reread='smem': {why or 'the fast path (exact=False, impl=dot) to e4m3 only'}")
+        how = rotate_quantize_smem(x, y, desc, layout=layout, out_layout=out_layout, rows=rows, pow2=pow2, seed=seed,
+                                   fmt_max=f.max, keep_last=keep_last, parts=parts, stage_in_ring=stage_in_ring,
+                                   progs_per_sm=progs_per_sm, head_fast=head_fast, max_regs=max_regs)
+        return QuantOut(y, desc, out_layout, rows, group, code, how)
     if persistent and not exact:
         if code == 2:
             ptile, nsub, rr = _block_split(rows, d, sub_tile, reread, out_layout == "bhds")

@@ -49,11 +49,14 @@ def _outliers(b, h, n, d, seed, hkv=None, p=0.01, sigma=10.0):
 
 
 def quantizer_checks(device: str = "cpu", *, shape=(1, 4, 300, 64), exact_modes=(True, False), impls=("butterfly",),
-                     cases=QUANT_CASES, seed: int = 0, recip: bool = False) -> list[dict]:
+                     cases=QUANT_CASES, seed: int = 0, recip: bool = False, out_layout: str = "bhds",
+                     extra: dict | None = None, label: str = "") -> list[dict]:
     """Fused rotate-and-quantize against the emulator's rotation + ``quantize`` on the same input.
 
     exact: float64 input, float64 path (must be bit-identical). fast: BF16 input (as a model
-    gives it), float32 path, compared with the emulator fed the same BF16 values in float64."""
+    gives it), float32 path, compared with the emulator fed the same BF16 values in float64.
+    ``extra``: more keywords of ``rotate_quantize`` for the fast path (e.g. reread="smem", the
+    shared-memory kernel), named by ``label`` in the mode."""
     from fa3_numerics.numerics.quant import quantize
     from fa3_numerics.numerics.rotation import make_rotation
 
@@ -70,7 +73,8 @@ def quantizer_checks(device: str = "cpu", *, shape=(1, 4, 300, 64), exact_modes=
                     continue
                 src = q if exact else q.to(torch.bfloat16)
                 o = rotate_quantize(src, layout="bhsd", gran=g, group=group, pow2=pow2, rot=rot, seed=seed + 1,
-                                    exact=exact, impl=impl, out_layout="bhds", recip=recip)
+                                    exact=exact, impl=impl, out_layout=out_layout, recip=recip,
+                                    **({} if exact else (extra or {})))
                 ref = quantize(make_rotation(rot, d, seed + 1).apply(src.to(torch.float64)), "e4m3", g,
                                group=group, pow2=pow2)
                 vals = o.values_bhsd()
@@ -79,7 +83,8 @@ def quantizer_checks(device: str = "cpu", *, shape=(1, 4, 300, 64), exact_modes=
                 equal = vals.float() == ref.values.float()
                 diff_steps = (vals.float() - ref.values.float()).abs()
                 out.append({"gran": g.short_str(), "group": group, "pow2": int(pow2), "rot": rot,
-                            "mode": "exact-f64" if exact else f"fast-f32-{impl}" + ("-recip" if recip else ""),
+                            "mode": "exact-f64" if exact else f"fast-f32-{impl}" + ("-recip" if recip else "")
+                            + (f"-{label}" if label and not exact else ""),
                             "values_identical": float(same.double().mean()),
                             # -0 and +0 bytes compare equal as values (Triton's interpreter drops the sign of 0)
                             "values_equal": float(equal.double().mean()),

@@ -1,0 +1,174 @@
+"""Compile the fused quantizer's persistent kernel for sm_90 on this CPU (no GPU needed) and print
+what decides its speed before any device time is spent: registers a thread, spilled bytes,
+shared memory, how many programs fit one SM by each, and the SASS instruction mix (tensor-core
+MMAs, asynchronous copies, 16-byte stores).
+
+    python benchmarks/sm90_compile.py                      # the committed per-block defaults
+    python benchmarks/sm90_compile.py --rows 224 --rot 3 --reread 1 --stages 2 --maxnreg 168
+
+Needs triton (``pip install triton==3.6.0``; it brings ptxas and nvdisasm). The launch the
+library would pick is in ``rotate_quantize``'s ``launch``; this probe compiles the same kernel
+for the constants given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def compile_kernel(*, d=128, tile=64, rot=2, gran=2, sub=4, reread=1, stages=2, warps=4, maxnreg=0, passes=0,
+                   head_fast=True, out_layout="bhsd"):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fa3_numerics.kernels.triton_ import rotate_quant as rq
+
+    fn = rq._rq_persistent
+    names = fn.arg_names
+    ptr = {"X": "*bf16", "Y": "*fp8e4nv", "SIGNS": "*fp32", "HMAT": "*bf16", "SCAL": "*fp32", "AMAX": "*i32",
+           "DESC": "*fp32"}
+    # strides of a (b, s, h, d) input and a (b, h, s, d) or (b, h, d, s) output: the ones that are 1
+    # are specialised to constants by Triton's launcher, the others are multiples of 16.
+    ones = {"sxd"} | ({"syd"} if out_layout == "bhsd" else {"sys_"})
+    consts = dict(D=d, LOG2D=int(math.log2(d)), TILE=tile, ROT=rot, GRAN=gran, PASS=passes, POW2=True, MBITS=3,
+                  EMIN=-6, FMT_MAX=448.0, OUT=triton.language.float8e4nv, SOFT_CAST=False, DIV=2, STAGES=stages,
+                  HEAD_FAST=head_fast)
+    if sub > 1:
+        consts.update(SUB=sub, REREAD=reread)
+    sig, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in ptr:
+            sig[n] = ptr[n]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n in ones:
+            sig[n] = "constexpr"
+            consts[n] = 1
+        else:
+            sig[n] = "i32"
+            if n.startswith("s"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    for n in names:  # defaults not given
+        if n not in sig:
+            sig[n] = "constexpr"
+    opts = {"num_warps": warps}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    src = ASTSource(fn, sig, constexprs={k: v for k, v in consts.items() if k in names}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=opts)
+
+
+def compile_smem_kernel(*, rows=224, keep_last=True, parts=2, stage_in_ring=True, pow2=True, head_fast=True,
+                        maxnreg=0):
+    """The shared-memory (Gluon) per-block kernel of ``rotate_quant_smem``, for a (b, s, h, d)
+    BF16 input and a (b, h, s, d) FP8 output at head_dim 128."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from fa3_numerics.kernels.triton_ import rotate_quant_smem as rs
+
+    tile = rs._TILE
+    pw, unit, sub = 128 // parts, tile // 2, -(-rows // tile)
+
+    def desc(dt, ty, shape):
+        return f"tensordesc<{ty}[{', '.join(map(str, shape))}],{gl.NVMMASharedLayout.get_default_for(shape, dt)!r}>"
+
+    fn = rs._rq_block_smem
+    sig = {"x_desc": desc(gl.bfloat16, "bf16", [1, tile, pw]), "xl_desc": desc(gl.bfloat16, "bf16", [1, unit, pw]),
+           "y_desc": desc(gl.float8e4nv, "fp8e4nv", [1, tile, pw]),
+           "yl_desc": desc(gl.float8e4nv, "fp8e4nv", [1, unit, pw]),
+           "h_desc": desc(gl.bfloat16, "bf16", [pw, pw]), "SCAL": "*fp32", "DESC": "*fp32"}
+    consts = dict(TILE=tile, PART=pw, NP=parts, SUB=sub, SHORT=rows - (sub - 1) * tile == unit, KEEP_LAST=keep_last,
+                  STAGE_IN_RING=stage_in_ring, POW2=pow2, FMT_MAX=448.0, HEAD_FAST=head_fast, num_warps=4, sdn=1)
+    for n in fn.arg_names:
+        if n not in sig:
+            sig[n] = "constexpr" if n in consts else "i32"
+    opts = {"num_warps": 4}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    src = GluonASTSource(fn, sig, constexprs={k: v for k, v in consts.items() if k in fn.arg_names})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=opts)
+
+
+def sass_mix(cubin: bytes) -> dict:
+    nvdisasm = Path(__import__("triton").__file__).parent / "backends/nvidia/bin/nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    ops = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", text, re.M)
+    mix = {}
+    for key in ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "SYNCS", "LDGSTS", "STG", "LDG", "STL", "LDL", "BAR", "SHFL", "WARPSYNC", "LDS", "STS"):
+        mix[key] = sum(1 for o in ops if o.startswith(key))
+    mix["total"] = len(ops)
+    return mix
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--tile", type=int, default=64)
+    ap.add_argument("--rot", type=int, default=2, help="0 none, 1 butterfly, 2 dot, 3 split dot (H2 x H_{d/2})")
+    ap.add_argument("--gran", type=int, default=2, help="0 tensor, 1 head, 2 block, 3 token")
+    ap.add_argument("--sub", type=int, default=4)
+    ap.add_argument("--reread", type=int, default=1, help="0 kept, 1 reread, 2 sync, 3 inputs, 4 skewed")
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--maxnreg", type=int, default=168)
+    ap.add_argument("--passes", type=int, default=0)
+    ap.add_argument("--out-layout", default="bhsd")
+    ap.add_argument("--kernel", default="tl", choices=("tl", "smem"),
+                    help="tl: rotate_quant._rq_persistent; smem: rotate_quant_smem._rq_block_smem (Gluon)")
+    ap.add_argument("--rows", type=int, default=224, help="smem: rows per block")
+    ap.add_argument("--no-keep-last", action="store_true", help="smem: rotate the last sub-tile twice too")
+    ap.add_argument("--parts", type=int, default=2, help="smem: column parts of the split rotation (2 or 4)")
+    ap.add_argument("--staging-buffer", action="store_true", help="smem: a staging buffer, not the kept sub-tile's units")
+    a = ap.parse_args(argv)
+    try:
+        if a.kernel == "smem":
+            k = compile_smem_kernel(rows=a.rows, keep_last=not a.no_keep_last, parts=a.parts,
+                                    stage_in_ring=not a.staging_buffer, maxnreg=a.maxnreg)
+        else:
+            k = compile_kernel(d=a.d, tile=a.tile, rot=a.rot, gran=a.gran, sub=a.sub, reread=a.reread,
+                               stages=a.stages, warps=a.warps, maxnreg=a.maxnreg, passes=a.passes,
+                               out_layout=a.out_layout)
+    except ImportError as exc:
+        print(f"error: {exc}; install triton==3.6.0 to compile for sm_90 here", file=sys.stderr)
+        return 2
+    md = k.metadata
+    ptx = k.asm["ptx"]
+    ptxas = Path(__import__("triton").__file__).parent / "backends/nvidia/bin/ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "k.ptx"
+        p.write_text(ptx)
+        args = [str(ptxas), "-v", "--gpu-name=sm_90a", str(p), "-o", str(Path(tmp) / "k.o")]
+        if a.maxnreg:
+            args.insert(2, f"--maxrregcount={a.maxnreg}")
+        info = subprocess.run(args, capture_output=True, text=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    smem = int(md.shared)
+    warps = int(k.metadata.num_warps)
+    regs_r = ((regs + 7) // 8) * 8 * 32 * warps
+    fit = min(65536 // regs_r, (228 * 1024) // (smem + 1024))
+    mix = sass_mix(k.asm["cubin"])
+    print(f"d {a.d} tile {a.tile} rot {a.rot} gran {a.gran} sub {a.sub} reread {a.reread} stages {a.stages} "
+          f"warps {warps} maxnreg {a.maxnreg or '-'}")
+    print(f"  registers {regs}, spill stores {spill.group(1)} B, spill loads {spill.group(2)} B, shared {smem / 1024:.1f} KB")
+    print(f"  programs per SM: {65536 // regs_r} by registers, {(228 * 1024) // (smem + 1024)} by shared memory -> {fit}")
+    print("  SASS: " + ", ".join(f"{k} {v}" for k, v in mix.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
