@@ -1,10 +1,12 @@
-"""Compile the fused quantizer's persistent kernel for sm_90 on this CPU (no GPU needed) and print
-what decides its speed before any device time is spent: registers a thread, spilled bytes,
-shared memory, how many programs fit one SM by each, and the SASS instruction mix (tensor-core
-MMAs, asynchronous copies, 16-byte stores).
+"""Compile the fused quantizer's kernels for sm_90 on this CPU (no GPU needed) and print what
+decides their speed before any device time is spent: registers a thread, spilled bytes, shared
+memory, how many programs fit one SM by each, and the SASS instruction mix (tensor-core MMAs,
+TMA and asynchronous copies, stores, barriers, spills).
 
-    python benchmarks/sm90_compile.py                      # the committed per-block defaults
-    python benchmarks/sm90_compile.py --rows 224 --rot 3 --reread 1 --stages 2 --maxnreg 168
+    python benchmarks/sm90_compile.py                        # tl kernel, 224-row K tile (read again)
+    python benchmarks/sm90_compile.py --sub 2 --reread 0 --stages 3 --maxnreg 0   # the 128-row Q tile
+    python benchmarks/sm90_compile.py --kernel smem          # the shared-memory kernel, 224 rows
+    python benchmarks/sm90_compile.py --kernel smem --rows 128 --parts 4
 
 Needs triton (``pip install triton==3.6.0``; it brings ptxas and nvdisasm). The launch the
 library would pick is in ``rotate_quantize``'s ``launch``; this probe compiles the same kernel
@@ -108,7 +110,8 @@ def sass_mix(cubin: bytes) -> dict:
         text = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
     ops = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", text, re.M)
     mix = {}
-    for key in ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "SYNCS", "LDGSTS", "STG", "LDG", "STL", "LDL", "BAR", "SHFL", "WARPSYNC", "LDS", "STS"):
+    for key in ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "SYNCS", "LDGSTS", "STG", "LDG", "STL", "LDL", "BAR", "SHFL",
+                "WARPSYNC", "LDS", "STS"):
         mix[key] = sum(1 for o in ops if o.startswith(key))
     mix["total"] = len(ops)
     return mix
@@ -118,13 +121,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--tile", type=int, default=64)
-    ap.add_argument("--rot", type=int, default=2, help="0 none, 1 butterfly, 2 dot, 3 split dot (H2 x H_{d/2})")
+    ap.add_argument("--rot", type=int, default=2, help="tl kernel: 0 none, 1 butterfly, 2 dot")
     ap.add_argument("--gran", type=int, default=2, help="0 tensor, 1 head, 2 block, 3 token")
     ap.add_argument("--sub", type=int, default=4)
     ap.add_argument("--reread", type=int, default=1, help="0 kept, 1 reread, 2 sync, 3 inputs, 4 skewed")
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--warps", type=int, default=4)
-    ap.add_argument("--maxnreg", type=int, default=168)
+    ap.add_argument("--maxnreg", type=int, default=None,
+                    help="register cap (default: the library's: 168 for the tl kernel's 224-row tile, none for smem)")
     ap.add_argument("--passes", type=int, default=0)
     ap.add_argument("--out-layout", default="bhsd")
     ap.add_argument("--kernel", default="tl", choices=("tl", "smem"),
@@ -132,8 +136,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=224, help="smem: rows per block")
     ap.add_argument("--no-keep-last", action="store_true", help="smem: rotate the last sub-tile twice too")
     ap.add_argument("--parts", type=int, default=2, help="smem: column parts of the split rotation (2 or 4)")
-    ap.add_argument("--staging-buffer", action="store_true", help="smem: a staging buffer, not the kept sub-tile's units")
+    ap.add_argument("--staging-buffer", action="store_true",
+                    help="smem: a staging buffer, not the kept sub-tile's units")
     a = ap.parse_args(argv)
+    if a.maxnreg is None:
+        a.maxnreg = 168 if a.kernel == "tl" else 0
     try:
         if a.kernel == "smem":
             k = compile_smem_kernel(rows=a.rows, keep_last=not a.no_keep_last, parts=a.parts,
@@ -164,8 +171,10 @@ def main(argv=None) -> int:
     mix = sass_mix(k.asm["cubin"])
     print(f"d {a.d} tile {a.tile} rot {a.rot} gran {a.gran} sub {a.sub} reread {a.reread} stages {a.stages} "
           f"warps {warps} maxnreg {a.maxnreg or '-'}")
-    print(f"  registers {regs}, spill stores {spill.group(1)} B, spill loads {spill.group(2)} B, shared {smem / 1024:.1f} KB")
-    print(f"  programs per SM: {65536 // regs_r} by registers, {(228 * 1024) // (smem + 1024)} by shared memory -> {fit}")
+    print(f"  registers {regs}, spill stores {spill.group(1)} B, spill loads {spill.group(2)} B, "
+          f"shared {smem / 1024:.1f} KB")
+    print(f"  programs per SM: {65536 // regs_r} by registers, {(228 * 1024) // (smem + 1024)} by shared memory "
+          f"-> {fit}")
     print("  SASS: " + ", ".join(f"{k} {v}" for k, v in mix.items()))
     return 0
 

@@ -751,11 +751,12 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
     (``"smem"``: the Gluon kernel of ``rotate_quant_smem``, Hopper, BF16, the split rotation;
     ``keep_last``: the last sub-tile kept in registers between its passes; ``parts``: column parts
     of its split rotation, 2 or 4; ``stage_in_ring``: the FP8 staging tiles in the kept short
-    sub-tile's ring units). "smem" is opt-in: on the H200 it moves a 224-row K tile in 0.072-0.074
-    ms of device time against the default's 0.085-0.087 ms, but its host launch (TMA descriptors)
-    makes a single call slower, 0.22-0.40 ms against 0.15-0.21 ms (reports/h200/triton/report.md). Without ``stages``, ``num_warps`` and
-    ``progs_per_sm``, blocks take the launch measured fastest for their mode (_SUB_LAUNCH, a
-    register cap included). The launch chosen is in the result's ``launch``.
+    sub-tile's ring units). "smem" is opt-in: on the H200 it moves a 224-row K tile in
+    0.072-0.074 ms of device time against the default's 0.085-0.087 ms, but its host launch (TMA
+    descriptors) makes a single call slower, 0.22-0.40 ms against 0.15-0.21 ms
+    (reports/h200/triton/report.md). Without ``stages``, ``num_warps`` and ``progs_per_sm``,
+    blocks take the launch measured fastest for their mode (_SUB_LAUNCH, a register cap
+    included). The launch chosen is in the result's ``launch``.
     """
     gran = PerHead() if gran is None else gran
     f = fp8_params(fmt)

@@ -366,7 +366,8 @@ def rotate_quantize_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, *
         made = []
         for t3, dt, r_ in ((x3, gl.bfloat16, tile), (x3, gl.bfloat16, unit), (y3, gl.float8e4nv, tile),
                            (y3, gl.float8e4nv, unit)):
-            made.append(TensorDescriptor.from_tensor(t3, [1, r_, pw], gl.NVMMASharedLayout.get_default_for([1, r_, pw], dt)))
+            lay = gl.NVMMASharedLayout.get_default_for([1, r_, pw], dt)
+            made.append(TensorDescriptor.from_tensor(t3, [1, r_, pw], lay))
         _DESC_CACHE[key] = tuple(made)
     xd, xld, yd, yld = _DESC_CACHE[key]
     hkey = ("h", d, seed, parts, str(x.device))
