@@ -182,8 +182,10 @@ if gluon is not None:
         Per block: pass 1 waits for each sub-tile, rotates it, and takes the row maxima; the amax
         gives the descale. Pass 2 rotates each sub-tile again from the same units, hands the
         units to the next block's sub-tile (TMA load) at once, and casts and stores the values
-        through the staging buffer. KEEP_LAST: the last sub-tile's rotation stays in registers
-        from pass 1 (its units are refilled first, and it is cast without a second rotation)."""
+        through staging tiles. KEEP_LAST: the last sub-tile's rotation stays in registers from
+        pass 1 and is cast first, without a second rotation; its units are refilled at once, or,
+        with STAGE_IN_RING and a 32-row last sub-tile, serve as the staging tiles of pass 2 and are
+        refilled at its end (no staging buffer: 72 KB at 224 rows)."""
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         nb = gl.cdiv(TOTAL - pid, nprog)
@@ -297,8 +299,9 @@ def smem_problem(x: torch.Tensor, layout: str, out_layout: str, rows: int, d: in
         return "the shared-memory kernel is built for head_dim 128"
     if not x.is_contiguous():
         return "the shared-memory kernel needs a contiguous input (TMA descriptor)"
-    if rows % (_TILE // 2):
-        return f"the shared-memory kernel needs blocks of a multiple of {_TILE // 2} rows (TMA boxes)"
+    if rows % (_TILE // 2) or rows < _TILE:
+        # a 32-row last sub-tile's product reads on into the next sub-tile's buffers: there must be one
+        return f"the shared-memory kernel needs blocks of a multiple of {_TILE // 2} rows, at least {_TILE}"
     return None
 
 
