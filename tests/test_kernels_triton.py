@@ -191,6 +191,7 @@ from fa3_numerics.numerics.granularity import PerBlock, PerHead, PerTensor, PerT
 g = torch.Generator().manual_seed(5)
 b, n, h, d = 2, 150, 4, 64
 x = (torch.randn(b, n, h, d, generator=g) * (1 + 10 * (torch.rand(b, n, h, d, generator=g) < 0.01))).to(torch.bfloat16)
+x128 = (torch.randn(1, 500, 2, 128, generator=g) * 3).to(torch.bfloat16)
 out = []
 for name, gran, grp, rot, lay, pw, extra in [
         ("token", PerToken(), 1, "hadamard", "bhsd", 0, {}), ("head", PerHead(), 2, "hadamard", "bhds", 0, {}),
@@ -208,11 +209,13 @@ for name, gran, grp, rot, lay, pw, extra in [
         ("block64", PerBlock(64), 1, "hadamard", "bhds", 0, {"sub_tile": 32, "reread": "inputs"}),
         ("block112", PerBlock(112), 1, "hadamard", "bshd", 1, {"sub_tile": 32, "reread": "skewed"}),
         ("block96", PerBlock(96), 1, "none", "bhds", 0, {"sub_tile": 32, "reread": "skewed"}),
-        ("block64", PerBlock(64), 1, "hadamard", "bhsd", 0, {"sub_tile": 32, "reread": "skewed"})]:
+        ("block64", PerBlock(64), 1, "hadamard", "bhsd", 0, {"sub_tile": 32, "reread": "skewed"}),
+        ("vblock224 d128", PerBlock(224), 1, "none", "bhds", 1, {})]:  # V's default: 32-row sub-tiles, skewed
+    xin = x if "d128" not in name else x128
     for hf in (True, False):
         kw = dict(layout="bshd", gran=gran, group=grp, rot=rot, seed=3, out_layout=lay, pow2=bool(pw), tile=32)
-        a = rotate_quantize(x, persistent=False, **kw)
-        p = rotate_quantize(x, persistent=True, head_fast=hf, **kw, **extra)
+        a = rotate_quantize(xin, persistent=False, **kw)
+        p = rotate_quantize(xin, persistent=True, head_fast=hf, **kw, **extra)
         out.append({"case": f"{name} {rot} {lay} {extra} head_fast={hf}: {p.launch}", "shape_ok": a.values.shape == p.values.shape,
                     "bytes": bool(torch.equal(a.values.view(torch.uint8), p.values.view(torch.uint8))),
                     "descales": bool(torch.equal(a.descale, p.descale))})
@@ -223,10 +226,10 @@ print(json.dumps(out))
 def test_interpreted_persistent_kernel_matches_tiled():
     proc = _interpret(["-c", _PERSIST_SNIPPET], "test_gpu_persistent_kernel_matches_tiled")
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 40
+    assert len(rows) == 42
     launches = " ".join(r["case"] for r in rows)
     for mode in ("x2 kept", "x3 kept", "x4 kept", "x3 reread ", "reread-sync", "x2 kept-inputs", "x3 kept-inputs",
-                 "x4 kept-inputs", "x2 reread-skewed", "x3 reread-skewed", "x4 reread-skewed"):
+                 "x4 kept-inputs", "x2 reread-skewed", "x3 reread-skewed", "x4 reread-skewed", "tile32 x7 reread-skewed"):
         assert mode in launches, mode
     for r in rows:
         assert r["shape_ok"] and r["bytes"] and r["descales"], r
