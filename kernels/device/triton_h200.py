@@ -276,6 +276,19 @@ def triton_tests(out: Out, args=None, sz: Sizes | None = None) -> None:
                                 f"({'all passed' if code == 0 else 'failures: see log.txt'}); hardware vs soft casts: {cast}")
 
 
+def _k_tile_fidelity() -> list[dict]:
+    """K tiles (blocks of 224 and 96 rows, rows written (b, h, s, d)) through the shared-memory
+    kernel (split rotation) and the tl kernel, each against prepare() on the paper's outliers."""
+    from fa3_numerics.kernels.triton_ import selfcheck
+
+    cases = [("block", 224, 1, True, "hadamard"), ("block", 224, 1, False, "hadamard"), ("block", 96, 1, False, "hadamard")]
+    fid = []
+    for extra, lab in (({"reread": True}, "tl"), ({"reread": "smem"}, "smem")):
+        fid += selfcheck.quantizer_checks("cuda", shape=(2, 16, 2048, 128), exact_modes=(False,), impls=("dot",),
+                                          cases=cases, out_layout="bhsd", extra=extra, label=lab)
+    return fid
+
+
 def triton_quantizer(out: Out, args=None, sz: Sizes | None = None) -> list[dict]:
     """Fidelity against prepare() and bandwidth of the fused rotate-and-quantize kernel on a
     Q-shaped BF16 tensor (b, s, h, d), with the committed default launch (the sweep measures the
@@ -289,12 +302,7 @@ def triton_quantizer(out: Out, args=None, sz: Sizes | None = None) -> list[dict]
     sz = sz or Sizes()
     t0 = time.perf_counter()
     fid = selfcheck.quantizer_checks("cuda", shape=(2, 16, 2048, 128), impls=("butterfly", "dot"))
-    # K tiles through the shared-memory kernel (split rotation), rows written (b, h, s, d), beside
-    # the tl kernel on the same cases
-    kcases = [("block", 224, 1, True, "hadamard"), ("block", 224, 1, False, "hadamard"), ("block", 96, 1, False, "hadamard")]
-    for extra, lab in (({"reread": True}, "tl"), ({"reread": "smem"}, "smem")):
-        fid += selfcheck.quantizer_checks("cuda", shape=(2, 16, 2048, 128), exact_modes=(False,), impls=("dot",),
-                                          cases=kcases, out_layout="bhsd", extra=extra, label=lab)
+    fid += _k_tile_fidelity()
     for r in fid:
         log(f"quant fidelity {r}")
     out.timings["quant_fidelity"] = {"rows": fid, "seconds": round(time.perf_counter() - t0, 1)}
@@ -589,17 +597,11 @@ def triton_quant_sweep(out: Out, args=None, sz: Sizes | None = None) -> None:
     if which == "probe":
         # The split rotation's values against prepare() (float64), beside the one-product kernel's:
         # the paper's outliers, rows written (b, h, s, d), blocks of the FA3 tiles.
-        from fa3_numerics.kernels.triton_ import selfcheck
-
-        cases = [("block", 224, 1, True, "hadamard"), ("block", 224, 1, False, "hadamard"),
-                 ("block", 128, 1, False, "hadamard")]
         fid = []
-        for extra, lab in (({}, "tl"), ({"reread": "smem"}, "smem")):
-            try:
-                fid += selfcheck.quantizer_checks("cuda", shape=(2, 16, 2048, 128), exact_modes=(False,), impls=("dot",),
-                                                  cases=cases, out_layout="bhsd", extra=extra, label=lab)
-            except Exception as exc:  # noqa: BLE001
-                out.error(f"probe fidelity {lab}", exc)
+        try:
+            fid = _k_tile_fidelity()
+        except Exception as exc:  # noqa: BLE001
+            out.error("probe fidelity", exc)
         for r in fid:
             log(f"probe fidelity {r}")
         out.timings["probe_fidelity"] = fid

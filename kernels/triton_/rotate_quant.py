@@ -812,9 +812,10 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
         why = "per-block scales only" if code != 2 else smem_problem(x, layout, out_layout, rows, d, rot)
         if why or exact or fmt != "e4m3" or impl != "dot":
             raise UsageError(f"reread='smem': {why or 'the fast path (exact=False, impl=dot) to e4m3 only'}")
-        how = rotate_quantize_smem(x, y, desc, layout=layout, out_layout=out_layout, rows=rows, pow2=pow2, seed=seed,
-                                   fmt_max=f.max, keep_last=keep_last, parts=parts, stage_in_ring=stage_in_ring,
-                                   progs_per_sm=progs_per_sm, head_fast=head_fast, max_regs=max_regs)
+        how = rotate_quantize_smem(x, y, desc, scal, layout=layout, out_layout=out_layout, rows=rows, pow2=pow2,
+                                   seed=seed, fmt_max=f.max, keep_last=keep_last, parts=parts,
+                                   stage_in_ring=stage_in_ring, progs_per_sm=progs_per_sm, head_fast=head_fast,
+                                   max_regs=max_regs)
         return QuantOut(y, desc, out_layout, rows, group, code, how)
     if persistent and not exact:
         if code == 2 and _v_short_subtiles(rows, d, rot_code, out_layout, reread,
@@ -951,12 +952,17 @@ def _resident(args, common: dict, passes, x, y, cap: int = 0) -> int:
     if key not in _RESIDENT:
         fit = cap or _PERSIST_PPS
         for p in passes:
-            k = _rq_persistent.warmup(*args, grid=(1,), PASS=p, **common)
-            k._init_handles()
-            regs = ((max(1, int(getattr(k, "n_regs", 0) or 0)) + 7) // 8) * 8 * 32 * common["num_warps"]
-            fit = min(fit, _REGS_PER_SM // regs, _SMEM_PER_SM // (int(k.metadata.shared) + 1024))
+            fit = min(fit, fit_per_sm(_rq_persistent.warmup(*args, grid=(1,), PASS=p, **common), common["num_warps"]))
         _RESIDENT[key] = max(1, fit)
     return _RESIDENT[key]
+
+
+def fit_per_sm(k, num_warps: int) -> int:
+    """Programs of the compiled kernel ``k`` that fit one SM, by its registers (allocated in
+    units of 8 a thread) and its shared memory (plus 1 KB reserved a program)."""
+    k._init_handles()
+    regs = ((max(1, int(getattr(k, "n_regs", 0) or 0)) + 7) // 8) * 8 * 32 * num_warps
+    return min(_REGS_PER_SM // regs, _SMEM_PER_SM // (int(k.metadata.shared) + 1024))
 
 
 def _launch_persistent(x, y, desc, signs, hm, scal, layout, out_layout, f, fmt, code, rows, group, pow2, rot_code, soft,

@@ -38,6 +38,8 @@ import torch
 
 from fa3_numerics.errors import UsageError
 
+from .rotate_quant import _programs, fit_per_sm
+
 try:  # Gluon ships with triton >= 3.5; absent, smem_problem says so
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -49,21 +51,7 @@ except ImportError:  # pragma: no cover - exercised where triton is absent or ol
 
 
 if gluon is not None:
-
-    @gluon.jit
-    def _item(t, H, NBLK, HEAD_FAST: gl.constexpr):
-        """Work item t -> (batch, head, block), heads first or sequence first (as rotate_quant._item)."""
-        if HEAD_FAST:
-            bk = t // H
-            h = t - bk * H
-            b = bk // NBLK
-            blk = bk - b * NBLK
-        else:
-            bh = t // NBLK
-            blk = t - bh * NBLK
-            b = bh // H
-            h = bh - b * H
-        return b, h, blk
+    from .rotate_quant import _item  # work item -> (batch, head, block): the tl kernel's, scalar arithmetic
 
     @gluon.jit
     def _unit(J: gl.constexpr, C: gl.constexpr, SUB: gl.constexpr, NP: gl.constexpr, SHORT: gl.constexpr):
@@ -265,7 +253,6 @@ if gluon is not None:
 
 _TILE = 64  # rows of a sub-tile: one warpgroup's MMA (M = 64)
 _SPLIT_CACHE: dict = {}
-_DESC_CACHE: dict = {}
 
 
 def split_matrices(d: int, seed: int, device, parts: int = 2) -> torch.Tensor:
@@ -314,13 +301,10 @@ def _resident(args, kw: dict, smem_estimate: int) -> int:
     key = tuple(sorted(kw.items()))
     if key not in _RESIDENT:
         try:
-            k = _rq_block_smem.warmup(*args, grid=(1,), **kw)
-            k._init_handles()
-            regs = ((max(1, int(getattr(k, "n_regs", 0) or 0)) + 7) // 8) * 8 * 32 * kw["num_warps"]
-            smem = int(k.metadata.shared)
-        except Exception:  # noqa: BLE001 - no compiled kernel's resources: the estimate, 4 warps' registers
-            regs, smem = 256 * 32 * kw["num_warps"], smem_estimate
-        _RESIDENT[key] = max(1, min(4, 65536 // regs, (228 * 1024) // (smem + 1024)))
+            fit = fit_per_sm(_rq_block_smem.warmup(*args, grid=(1,), **kw), kw["num_warps"])
+        except Exception:  # noqa: BLE001 - no compiled kernel's resources: the estimate, 255 registers
+            fit = min(65536 // (256 * 32 * kw["num_warps"]), (228 * 1024) // (smem_estimate + 1024))
+        _RESIDENT[key] = max(1, min(4, fit))
     return _RESIDENT[key]
 
 
@@ -334,12 +318,14 @@ def _view3(t: torch.Tensor, layout: str) -> tuple[torch.Tensor, int, int, int]:
     return t.view(b * h, n, d), h, 1, 0
 
 
-def rotate_quantize_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, *, layout: str, out_layout: str,
+def rotate_quantize_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, scal: torch.Tensor, *, layout: str,
+                         out_layout: str,
                          rows: int, pow2: bool, seed: int, fmt_max: float, keep_last: bool = True, parts: int = 2,
                          stage_in_ring: bool = True, progs_per_sm: int = 0, head_fast: bool | None = None,
                          max_regs: int = 0) -> str:
     """Fill ``y`` (FP8, ``out_layout``) and ``desc`` (float32 (b, h, blocks)) for per-block scales of
-    ``rows`` rows (a multiple of 32); returns the launch description. ``parts``: column parts of
+    ``rows`` rows (a multiple of 32); ``scal``: [sqrt(d), 1/sqrt(d)] in float32 on the device (as
+    ``rotate_quant._constants`` makes it); returns the launch description. ``parts``: column parts of
     the split rotation (2 or 4); ``keep_last``: the last sub-tile stays rotated in registers
     between the passes; ``stage_in_ring``: with a kept 32-row last sub-tile, its buffers stage the
     FP8 tiles (no staging buffer: 72 KB at 224 rows instead of 80). ``progs_per_sm`` defaults to
@@ -361,27 +347,16 @@ def rotate_quantize_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, *
     total = b * h * nblk
     x3, xob, xoh, xch = _view3(x, layout)
     y3, yob, yoh, ych = _view3(y, out_layout)
-    key = ("desc", parts, x3.data_ptr(), tuple(x3.shape), tuple(x3.stride()), y3.data_ptr(), tuple(y3.shape),
-           tuple(y3.stride()))
-    if key not in _DESC_CACHE:  # host-side descriptors: built once per buffer (a CUDA graph replays them)
-        if len(_DESC_CACHE) > 64:
-            _DESC_CACHE.clear()
-        made = []
-        for t3, dt, r_ in ((x3, gl.bfloat16, tile), (x3, gl.bfloat16, unit), (y3, gl.float8e4nv, tile),
-                           (y3, gl.float8e4nv, unit)):
-            lay = gl.NVMMASharedLayout.get_default_for([1, r_, pw], dt)
-            made.append(TensorDescriptor.from_tensor(t3, [1, r_, pw], lay))
-        _DESC_CACHE[key] = tuple(made)
-    xd, xld, yd, yld = _DESC_CACHE[key]
+    # Host-side TMA descriptors, made per call: a cache of them would hold the tensors alive.
+    xd, xld, yd, yld = (TensorDescriptor.from_tensor(t3, [1, r_, pw],
+                                                     gl.NVMMASharedLayout.get_default_for([1, r_, pw], dt))
+                        for t3, dt, r_ in ((x3, gl.bfloat16, tile), (x3, gl.bfloat16, unit),
+                                           (y3, gl.float8e4nv, tile), (y3, gl.float8e4nv, unit)))
     hkey = ("h", d, seed, parts, str(x.device))
     if hkey not in _SPLIT_CACHE:
         lh = gl.NVMMASharedLayout.get_default_for([pw, pw], gl.bfloat16)
         _SPLIT_CACHE[hkey] = TensorDescriptor.from_tensor(split_matrices(d, seed, x.device, parts), [pw, pw], lh)
     hd = _SPLIT_CACHE[hkey]
-    skey = ("scal", d, str(x.device))
-    if skey not in _SPLIT_CACHE:  # made once: no host-to-device copy inside a CUDA-graph capture
-        _SPLIT_CACHE[skey] = torch.tensor([d ** 0.5, 1.0 / d ** 0.5], dtype=torch.float32, device=x.device)
-    scal = _SPLIT_CACHE[skey]
     if head_fast is None:
         head_fast = layout == "bshd"
     args = (xd, xld, yd, yld, hd, scal, desc, desc.stride(0), desc.stride(1), desc.stride(2),
@@ -395,22 +370,12 @@ def rotate_quantize_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, *
     in_ring = short and keep_last and stage_in_ring  # the FP8 staging tiles in the kept short sub-tile's units
     smem = nu * unit * pw * 2 + (0 if in_ring else parts * tile * pw) + parts * pw * pw * 2 + 1024
     pps = progs_per_sm or _resident(args, kw, smem)
-    grid = (max(1, min(total, _sms(x.device) * pps)),)
+    grid = (_programs(x.device, total, pps),)
     _rq_block_smem[grid](*args, **kw)
     return (f"gluon smem tile{tile} x{sub}{' short-last' if short else ''}{' keep-last' if keep_last else ''}"
             f"{' staged-in-ring' if in_ring else ''} "
             f"split-rotation {parts} parts w4{f' r{max_regs}' if max_regs else ''} pps{pps}"
             + ("" if head_fast else " seq-first"))
-
-
-_SMS: dict = {}
-
-
-def _sms(dev) -> int:
-    key = dev.index if dev.index is not None else torch.cuda.current_device()
-    if key not in _SMS:
-        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SMS[key]
 
 
 __all__ = ["rotate_quantize_smem", "smem_problem", "split_matrices"]
