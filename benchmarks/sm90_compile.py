@@ -25,7 +25,7 @@ from pathlib import Path
 
 
 def compile_kernel(*, d=128, tile=64, rot=2, gran=2, sub=4, reread=1, stages=2, warps=4, maxnreg=0, passes=0,
-                   head_fast=True, out_layout="bhsd"):
+                   head_fast=True, out_layout="bhsd", div=2):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -40,7 +40,7 @@ def compile_kernel(*, d=128, tile=64, rot=2, gran=2, sub=4, reread=1, stages=2, 
     # are specialised to constants by Triton's launcher, the others are multiples of 16.
     ones = {"sxd"} | ({"syd"} if out_layout == "bhsd" else {"sys_"})
     consts = dict(D=d, LOG2D=int(math.log2(d)), TILE=tile, ROT=rot, GRAN=gran, PASS=passes, POW2=True, MBITS=3,
-                  EMIN=-6, FMT_MAX=448.0, OUT=triton.language.float8e4nv, SOFT_CAST=False, DIV=2, STAGES=stages,
+                  EMIN=-6, FMT_MAX=448.0, OUT=triton.language.float8e4nv, SOFT_CAST=False, DIV=div, STAGES=stages,
                   HEAD_FAST=head_fast)
     if sub > 1:
         consts.update(SUB=sub, REREAD=reread)
@@ -68,8 +68,8 @@ def compile_kernel(*, d=128, tile=64, rot=2, gran=2, sub=4, reread=1, stages=2, 
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=opts)
 
 
-def compile_smem_kernel(*, rows=224, keep_last=True, parts=2, stage_in_ring=True, pow2=True, head_fast=True,
-                        maxnreg=0):
+def compile_smem_kernel(*, rows=224, keep_last=False, parts=2, stage_in_ring=True, pow2=True, head_fast=True,
+                        maxnreg=0, mul=True):
     """The shared-memory (Gluon) per-block kernel of ``rotate_quant_smem``, for a (b, s, h, d)
     BF16 input and a (b, h, s, d) FP8 output at head_dim 128."""
     import triton
@@ -91,7 +91,7 @@ def compile_smem_kernel(*, rows=224, keep_last=True, parts=2, stage_in_ring=True
            "yl_desc": desc(gl.float8e4nv, "fp8e4nv", [1, unit, pw]),
            "h_desc": desc(gl.bfloat16, "bf16", [pw, pw]), "SCAL": "*fp32", "DESC": "*fp32"}
     consts = dict(TILE=tile, PART=pw, NP=parts, SUB=sub, SHORT=rows - (sub - 1) * tile == unit, KEEP_LAST=keep_last,
-                  STAGE_IN_RING=stage_in_ring, POW2=pow2, FMT_MAX=448.0, HEAD_FAST=head_fast, num_warps=4, sdn=1)
+                  STAGE_IN_RING=stage_in_ring, POW2=pow2, MUL=pow2 and mul, FMT_MAX=448.0, HEAD_FAST=head_fast, num_warps=4, sdn=1)
     for n in fn.arg_names:
         if n not in sig:
             sig[n] = "constexpr" if n in consts else "i32"
@@ -100,6 +100,31 @@ def compile_smem_kernel(*, rows=224, keep_last=True, parts=2, stage_in_ring=True
         opts["maxnreg"] = maxnreg
     src = GluonASTSource(fn, sig, constexprs={k: v for k, v in consts.items() if k in fn.arg_names})
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=opts)
+
+
+def compile_vsmem_kernel(*, rows=224, pow2=True, head_fast=True):
+    """The shared-memory (Gluon) V kernel of ``vquant_smem``: a (b, s, h, d) BF16 input, a
+    (b, h, d, s) FP8 output at head_dim 128."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from fa3_numerics.kernels.triton_ import vquant_smem as vs
+
+    u, d = vs._UNIT, 128
+
+    def desc(ty, bits, shape):
+        return f"tensordesc<{ty}[{', '.join(map(str, shape))}],{gl.NVMMASharedLayout(0, bits, rank=3)!r}>"
+
+    fn = vs._vq_block_smem
+    sig = {"x_desc": desc("bf16", 16, [1, u, d]), "y_desc": desc("fp8e4nv", 8, [1, d, u]), "DESC": "*fp32"}
+    consts = dict(U=u, D=d, SUB=rows // u, POW2=pow2, FMT_MAX=448.0, HEAD_FAST=head_fast, num_warps=4, sdn=1)
+    for n in fn.arg_names:
+        if n not in sig:
+            sig[n] = "constexpr" if n in consts else "i32"
+    src = GluonASTSource(fn, sig, constexprs={k: v for k, v in consts.items() if k in fn.arg_names})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
 
 
 def sass_mix(cubin: bytes) -> dict:
@@ -131,24 +156,31 @@ def main(argv=None) -> int:
                     help="register cap (default: the library's: 168 for the tl kernel's 224-row tile, none for smem)")
     ap.add_argument("--passes", type=int, default=0)
     ap.add_argument("--out-layout", default="bhsd")
-    ap.add_argument("--kernel", default="tl", choices=("tl", "smem"),
-                    help="tl: rotate_quant._rq_persistent; smem: rotate_quant_smem._rq_block_smem (Gluon)")
+    ap.add_argument("--kernel", default="tl", choices=("tl", "smem", "vsmem"),
+                    help="tl: rotate_quant._rq_persistent; smem: rotate_quant_smem._rq_block_smem (Gluon); "
+                         "vsmem: vquant_smem._vq_block_smem (Gluon, V written (b, h, d, s))")
     ap.add_argument("--rows", type=int, default=224, help="smem: rows per block")
-    ap.add_argument("--no-keep-last", action="store_true", help="smem: rotate the last sub-tile twice too")
+    ap.add_argument("--keep-last", action="store_true",
+                    help="smem: the last sub-tile kept rotated in registers between the passes (not rotated twice)")
     ap.add_argument("--parts", type=int, default=2, help="smem: column parts of the split rotation (2 or 4)")
+    ap.add_argument("--no-mul", action="store_true",
+                    help="smem: the corrected division for power-of-two descales too (not one multiply)")
+    ap.add_argument("--div", type=int, default=2, help="tl: DIV of _scale_cast (2: corrected division, 1: multiply)")
     ap.add_argument("--staging-buffer", action="store_true",
                     help="smem: a staging buffer, not the kept sub-tile's units")
     a = ap.parse_args(argv)
     if a.maxnreg is None:
         a.maxnreg = 168 if a.kernel == "tl" else 0
     try:
-        if a.kernel == "smem":
-            k = compile_smem_kernel(rows=a.rows, keep_last=not a.no_keep_last, parts=a.parts,
-                                    stage_in_ring=not a.staging_buffer, maxnreg=a.maxnreg)
+        if a.kernel == "vsmem":
+            k = compile_vsmem_kernel(rows=a.rows)
+        elif a.kernel == "smem":
+            k = compile_smem_kernel(rows=a.rows, keep_last=a.keep_last, parts=a.parts,
+                                    stage_in_ring=not a.staging_buffer, maxnreg=a.maxnreg, mul=not a.no_mul)
         else:
             k = compile_kernel(d=a.d, tile=a.tile, rot=a.rot, gran=a.gran, sub=a.sub, reread=a.reread,
                                stages=a.stages, warps=a.warps, maxnreg=a.maxnreg, passes=a.passes,
-                               out_layout=a.out_layout)
+                               out_layout=a.out_layout, div=a.div)
     except ImportError as exc:
         print(f"error: {exc}; install triton==3.6.0 to compile for sm_90 here", file=sys.stderr)
         return 2

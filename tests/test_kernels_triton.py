@@ -113,6 +113,24 @@ def test_smem_quantizer_refuses_with_its_reason():
         rotate_quantize(x, layout="bshd", gran=PerBlock(224), rot="hadamard", reread="smem")
 
 
+def test_smem_kernel_is_the_default_only_where_no_launch_is_asked_for():
+    """Per-block scales of more than 128 rows (V: at least 128) on the fast path go to a
+    shared-memory kernel (where one runs); a reread mode, ``persistent``, a launch setting, the
+    float64 path, e5m2, shorter blocks and other granularities keep the tl kernel."""
+    from fa3_numerics.kernels.triton_.rotate_quant import smem_candidate
+
+    base = dict(code=2, rows=224, rot="hadamard", reread=None, persistent=None, exact=False, fmt="e4m3",
+                tuning=(0,) * 7)
+    assert smem_candidate(**base)
+    assert smem_candidate(**dict(base, rows=160))
+    assert smem_candidate(**dict(base, rows=128, rot="none"))  # V: from 128 rows
+    assert not smem_candidate(**dict(base, rows=96, rot="none"))
+    for change in (dict(rows=128), dict(code=1), dict(code=3), dict(reread=True), dict(reread="skewed"),
+                   dict(persistent=True), dict(persistent=False), dict(exact=True), dict(fmt="e5m2"),
+                   dict(tuning=(0, 0, 0, 2, 0, 0, 0)), dict(tuning=(0, 0, True, 0, 0, 0, 0))):
+        assert not smem_candidate(**dict(base, **change)), change
+
+
 def test_backends_registered_and_explain_themselves():
     for name in ("triton", "triton-two-level", "triton-fused"):
         assert name in BACKENDS
@@ -311,14 +329,20 @@ def test_gpu_smem_quantizer_matches_prepare():
     x = (x * (1 + 30 * (torch.rand(b, n, h, d, generator=g, device="cuda") < 0.01))).to(torch.bfloat16)
     for rows, lay, out, pow2, extra in [(224, "bshd", "bhsd", True, {}), (224, "bhsd", "bshd", False, {}),
                                         (224, "bshd", "bhsd", False, {"parts": 4}),
-                                        (224, "bshd", "bhsd", True, {"keep_last": False}),
+                                        (224, "bshd", "bhsd", True, {"keep_last": True}),
+                                        (224, "bhsd", "bhsd", False, {"keep_last": True}),
+                                        (224, "bshd", "bhsd", True, {"keep_last": True, "stage_in_ring": False}),
                                         (224, "bshd", "bhsd", False, {"stage_in_ring": False}),
                                         (96, "bshd", "bhsd", False, {}), (128, "bhsd", "bhsd", True, {}),
-                                        (256, "bshd", "bhsd", False, {"parts": 4, "keep_last": False})]:
+                                        (256, "bshd", "bhsd", False, {"parts": 4})]:
         xin = x if lay == "bshd" else x.transpose(1, 2).contiguous()
         kw = dict(layout=lay, gran=PerBlock(rows), rot="hadamard", seed=4, pow2=pow2, out_layout=out)
         o = rotate_quantize(xin, reread="smem", **kw, **extra)
         assert o.launch.startswith("gluon smem"), o.launch
+        if pow2:  # one multiply by (1/sqrt(d)) / descale: the corrected division's bytes
+            od = rotate_quantize(xin, reread="smem", pow2_div=True, **kw, **extra)
+            assert "pow2-mul" in o.launch and "pow2-mul" not in od.launch, (o.launch, od.launch)
+            assert torch.equal(o.values.view(torch.uint8), od.values.view(torch.uint8)), (rows, lay, extra)
         ref = quantize(make_rotation("hadamard", d, 4).apply(x.transpose(1, 2).double()), "e4m3", PerBlock(rows),
                        pow2=pow2)
         vals = o.values_bhsd()
@@ -334,9 +358,44 @@ def test_gpu_smem_quantizer_matches_prepare():
         else:
             torch.testing.assert_close(dl, ref.descale.float(), rtol=2.5e-7, atol=0)
         assert torch.isfinite(o.descale).all()
-    # opt-in: the default stays the tl kernel (its host launch is cheaper)
-    d224 = rotate_quantize(x, layout="bshd", gran=PerBlock(224), rot="hadamard", seed=4, out_layout="bhsd")
-    assert d224.launch.startswith("persistent"), d224.launch
+    # the default for blocks of more than 128 rows written row by row; a launch setting keeps the tl kernel
+    for rows, out, extra, kernel in [(224, "bhsd", {}, "gluon smem"), (160, "bshd", {}, "gluon smem"),
+                                     (128, "bhsd", {}, "persistent"), (224, "bhds", {}, "persistent"),
+                                     (224, "bhsd", {"persistent": True}, "persistent"),
+                                     (224, "bhsd", {"stages": 2}, "persistent")]:
+        o = rotate_quantize(x, layout="bshd", gran=PerBlock(rows), rot="hadamard", seed=4, out_layout=out, **extra)
+        assert o.launch.startswith(kernel), (rows, out, extra, o.launch)
+
+
+@gpu
+def test_gpu_smem_v_quantizer_matches_tiled():
+    """The shared-memory V kernel (no rotation, written (b, h, d, s)) gives the tiled kernel's bytes
+    (IEEE division) and descales exactly: blocks of 224, 160 and 96 rows, power-of-two and amax
+    descales, both input layouts, a sequence that ends inside a block. It is the default for V
+    blocks of at least 128 rows; a seqlen that is not a multiple of 16 keeps the tl kernel."""
+    from fa3_numerics.kernels.triton_.rotate_quant import rotate_quantize
+    from fa3_numerics.numerics.granularity import PerBlock
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the shared-memory kernel is written for sm_90 (TMA)")
+    g = torch.Generator(device="cuda").manual_seed(12)
+    b, n, h, d = 2, 1008, 4, 128  # 1008 = 4 x 224 + 112
+    x = torch.randn(b, n, h, d, generator=g, device="cuda")
+    x = (x * (1 + 30 * (torch.rand(b, n, h, d, generator=g, device="cuda") < 0.01))).to(torch.bfloat16)
+    for rows, lay, pow2 in [(224, "bshd", True), (224, "bshd", False), (224, "bhsd", True), (160, "bshd", False),
+                            (96, "bhsd", True)]:
+        xin = x if lay == "bshd" else x.transpose(1, 2).contiguous()
+        kw = dict(layout=lay, gran=PerBlock(rows), rot="none", pow2=pow2, out_layout="bhds")
+        o = rotate_quantize(xin, reread="smem", **kw)
+        assert o.launch.startswith("gluon smem-v"), o.launch
+        ref = rotate_quantize(xin, persistent=False, **kw)
+        assert torch.equal(o.descale, ref.descale), (rows, lay, pow2)
+        assert torch.equal(o.values.view(torch.uint8), ref.values.view(torch.uint8)), (rows, lay, pow2)
+    for rows, kernel in ((224, "gluon smem-v"), (128, "gluon smem-v"), (96, "persistent")):
+        o = rotate_quantize(x, layout="bshd", gran=PerBlock(rows), rot="none", out_layout="bhds")
+        assert o.launch.startswith(kernel), (rows, o.launch)
+    odd = rotate_quantize(x[:, :1000].contiguous(), layout="bshd", gran=PerBlock(224), rot="none", out_layout="bhds")
+    assert odd.launch.startswith("persistent"), odd.launch
 
 
 @gpu
@@ -372,12 +431,14 @@ def test_gpu_persistent_kernel_matches_tiled():
             (PerBlock(128), 1, "hadamard", "bhsd", {"reread": "skewed", "num_warps": 8}),
             (PerBlock(224), 1, "none", "bhds", {"reread": "skewed", "max_regs": 168, "stages": 2}),
             (PerToken(), 1, "hadamard", "bhsd", {"max_regs": 168, "stages": 2})]:
-        kw = dict(layout="bshd", gran=gran, group=grp, rot=rot, seed=3, out_layout=lay)
-        # the tiled kernel's blocks of over 256 rows: 64-row sub-tiles (256 need more shared memory than there is)
-        a = rotate_quantize(x, persistent=False, **kw, **({"tile": 64} if isinstance(gran, PerBlock) and gran.rows > 256 else {}))
-        for hf in (True, False):
-            p = rotate_quantize(x, persistent=True, head_fast=hf, **kw, **extra)
-            assert p.launch.startswith("persistent"), (gran, extra, p.launch)
-            assert torch.equal(a.descale, p.descale), (gran, rot, lay, hf, extra, p.launch)
-            same = (a.values.view(torch.uint8) == p.values.view(torch.uint8)).double().mean().item()
-            assert same == 1.0, (gran, rot, lay, hf, extra, p.launch, same)
+        for pow2 in (False, True):  # power-of-two descales: one multiply by the reciprocal (exact)
+            kw = dict(layout="bshd", gran=gran, group=grp, rot=rot, seed=3, out_layout=lay, pow2=pow2)
+            # the tiled kernel's blocks of over 256 rows: 64-row sub-tiles (256 need more shared memory than there is)
+            a = rotate_quantize(x, persistent=False, **kw, **({"tile": 64} if isinstance(gran, PerBlock) and gran.rows > 256 else {}))
+            for hf in (True, False):
+                p = rotate_quantize(x, persistent=True, head_fast=hf, **kw, **extra)
+                assert p.launch.startswith("persistent"), (gran, extra, p.launch)
+                assert ("pow2-mul" in p.launch) == pow2, p.launch
+                assert torch.equal(a.descale, p.descale), (gran, rot, lay, hf, extra, p.launch)
+                same = (a.values.view(torch.uint8) == p.values.view(torch.uint8)).double().mean().item()
+                assert same == 1.0, (gran, rot, lay, hf, extra, p.launch, same)

@@ -283,7 +283,8 @@ def _k_tile_fidelity() -> list[dict]:
 
     cases = [("block", 224, 1, True, "hadamard"), ("block", 224, 1, False, "hadamard"), ("block", 96, 1, False, "hadamard")]
     fid = []
-    for extra, lab in (({"reread": True}, "tl"), ({"reread": "smem"}, "smem")):
+    for extra, lab in (({"reread": True}, "tl"), ({"reread": "smem"}, "smem"),
+                       ({"reread": "smem", "keep_last": False}, "smem rotated twice")):
         fid += selfcheck.quantizer_checks("cuda", shape=(2, 16, 2048, 128), exact_modes=(False,), impls=("dot",),
                                           cases=cases, out_layout="bhsd", extra=extra, label=lab)
     return fid
@@ -502,27 +503,21 @@ def _sweep_configs(which: str = "full"):
     B128, B224 = ("block128", PerBlock(128), "hadamard", "bhsd"), ("block224", PerBlock(224), "hadamard", "bhsd")
     V128, V224 = ("vblock128", PerBlock(128), "none", "bhds"), ("vblock224", PerBlock(224), "none", "bhds")
     if which == "probe":
-        # Where a 224-row block's time goes: the rotation (none against the dot, rows written
-        # (b, h, s, d) either way), the half-empty fourth sub-tile (256-row blocks: four full
-        # ones), and sub-tiles of 32 rows (224 = 7 x 32, no padding).
-        K224N, B256 = ("kblock224-norot", PerBlock(224), "none", "bhsd"), ("block256", PerBlock(256), "hadamard", "bhsd")
-        K256N = ("kblock256-norot", PerBlock(256), "none", "bhsd")
+        # Probe p15: the defaults of this session for FA3's 224-row K and V tiles (the shared-
+        # memory kernels: K's short last sub-tile rotated twice, V in vquant_smem), power-of-two
+        # and amax descales, beside the tl kernel's launches. (p13: one multiply against the
+        # division, keep_last; p14: V's tl launches; see the report.)
+        p2 = dict(pow2=True)
+        K2, V2 = ("block224-pow2", PerBlock(224), "hadamard", "bhsd"), ("vblock224-pow2", PerBlock(224), "none", "bhds")
         return [
-            (*B224, dict(old, num_warps=8)), (*K224N, dict(old, num_warps=8)), (*B256, dict(old, num_warps=8)),
-            (*K256N, dict(old, num_warps=8)), (*V224, dict(old, num_warps=8)),
-            (*B224, {}), (*K224N, {}), (*B256, {}), (*K256N, {}),
-            (*K224N, dict(reread="skewed")), (*K224N, dict(reread="skewed", sub_tile=32, stages=4)),
-            (*K224N, dict(reread=True, sub_tile=32, stages=4)),
-            (*V224, {}), (*V224, dict(reread="skewed", sub_tile=32, stages=4)),
+            (*K2, dict(old, num_warps=8, **p2)), (*V2, dict(old, num_warps=8, **p2)), (*V224, dict(old, num_warps=8)),
+            (*B224, dict(old, num_warps=8)), (*V128, dict(old, num_warps=8)),
+            (*K2, p2), (*B224, {}), (*V2, p2), (*V224, {}),
+            (*K2, dict(reread=True, **p2)), (*V2, dict(reread="skewed", sub_tile=32, stages=6, **p2)),
             (*V224, dict(reread="skewed", sub_tile=32, stages=6)),
-            (*B224, dict(reread=True, sub_tile=32, stages=4)),
-            (*B224, dict(reread=True, sub_tile=32, stages=4, max_regs=128)),
-            (*B224, {}), ("token", PerToken(), "hadamard", "bhsd", {}), (*B128, {}),
-            # the block's inputs held in shared memory and rotated twice there (Gluon, TMA, split rotation)
-            (*B224, dict(reread="smem")), (*B224, dict(reread="smem", max_regs=168)),
-            (*B224, dict(reread="smem", stage_in_ring=False)), (*B224, dict(reread="smem", keep_last=False)),
-            (*B224, dict(reread="smem", max_regs=176, progs_per_sm=3)),
-            (*B128, dict(reread="smem")), (*B224, dict(reread="smem")),
+            (*V2, dict(reread="smem", progs_per_sm=2, **p2)), (*V224, dict(reread="smem", head_fast=False)),
+            (*V128, {}), (*V128, dict(reread="smem")),
+            (*K2, p2), (*V2, p2), (*B224, {}), (*V224, {}),  # again: the spread
         ]
     return [
         ("token", PerToken(), "hadamard", "bhsd", dict(old, tile=64, num_warps=4)),

@@ -728,8 +728,8 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
                     out_layout: str = "bhsd", impl: str = "auto", soft_cast: bool | None = None, tile: int = 0,
                     num_warps: int = 0, recip: bool = False, persistent: bool | None = None, stages: int = 0,
                     progs_per_sm: int = 0, head_fast: bool | None = None, sub_tile: int = 0,
-                    reread: bool | str | None = None, max_regs: int = 0, keep_last: bool = True,
-                    parts: int = 2, stage_in_ring: bool = True) -> QuantOut:
+                    reread: bool | str | None = None, max_regs: int = 0, keep_last: bool = False,
+                    parts: int = 2, stage_in_ring: bool = True, pow2_div: bool = False) -> QuantOut:
     """Rotate (Hadamard or none) and quantize ``x`` into FP8 in one fused kernel (see module doc).
 
     ``gran``: a granularity object (``PerHead()`` default); ``block_rows`` fills ``PerBlock(0)``;
@@ -749,12 +749,15 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
     transposed; ``"sync"`` at the block's last step, outside the pipeline), or their inputs kept
     in registers and rotated again (``"inputs"``), or held in shared memory and rotated twice there
     (``"smem"``: the Gluon kernel of ``rotate_quant_smem``, Hopper, BF16, the split rotation;
-    ``keep_last``: the last sub-tile kept in registers between its passes; ``parts``: column parts
-    of its split rotation, 2 or 4; ``stage_in_ring``: the FP8 staging tiles in the kept short
-    sub-tile's ring units). "smem" is opt-in: on the H200 it moves a 224-row K tile in
-    0.072-0.074 ms of device time against the default's 0.085-0.087 ms, but its host launch (TMA
-    descriptors) makes a single call slower, 0.22-0.40 ms against 0.15-0.21 ms
-    (reports/h200/triton/report.md). Without ``stages``, ``num_warps`` and ``progs_per_sm``,
+    ``keep_last``: the last sub-tile kept in registers between its passes instead of rotated
+    twice; ``parts``: column parts of its split rotation, 2 or 4; ``stage_in_ring``: the FP8
+    staging tiles in the short last sub-tile's ring units). "smem" is the default for blocks of
+    more than 128 rows written row by row where it runs (``_smem_default``; FA3's 224-row K tile:
+    76-83% of a copy on the H200 against the tl kernel's 54-56%, reports/h200/triton/report.md);
+    ``persistent=True`` or any launch setting keeps the tl kernel. ``pow2_div``: with
+    power-of-two descales, divide (the corrected division of other descales) instead of the
+    default one multiply by the reciprocal, which is exact for them: the same bytes, kept to
+    measure the difference. Without ``stages``, ``num_warps`` and ``progs_per_sm``,
     blocks take the launch measured fastest for their mode (_SUB_LAUNCH, a register cap
     included). The launch chosen is in the result's ``launch``.
     """
@@ -802,10 +805,23 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
         desc = torch.empty((b, h // group, 1), dtype=torch.float32, device=dev)
     else:
         desc = torch.empty((1, 1, 1), dtype=torch.float32, device=dev)
+    if smem_candidate(code, rows, rot, reread, persistent, exact, fmt,
+                      (tile, num_warps, recip, stages, progs_per_sm, sub_tile, max_regs)) \
+            and _smem_default(x, layout, out_layout, rows, d, n, rot, impl):
+        reread = "smem"
     if persistent is None:
         # Blocks written transposed (V, (b, h, d, s)) too since run 9: read again one block behind
         # (70% of a copy at 128 rows against the tiled kernel's 57-59%; 57% at 224 against 11%).
         persistent = not exact
+    if reread == "smem" and rot == "none":
+        from .vquant_smem import quantize_v_smem, vsmem_problem
+
+        why = "per-block scales only" if code != 2 else vsmem_problem(x, layout, out_layout, rows, d, n)
+        if why or exact or fmt != "e4m3":
+            raise UsageError(f"reread='smem' (V, no rotation): {why or 'the fast path (exact=False) to e4m3 only'}")
+        how = quantize_v_smem(x, y, desc, layout=layout, rows=rows, pow2=pow2, fmt_max=f.max,
+                              progs_per_sm=progs_per_sm, head_fast=head_fast)
+        return QuantOut(y, desc, out_layout, rows, group, code, how)
     if reread == "smem":
         from .rotate_quant_smem import rotate_quantize_smem, smem_problem
 
@@ -815,7 +831,7 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
         how = rotate_quantize_smem(x, y, desc, scal, layout=layout, out_layout=out_layout, rows=rows, pow2=pow2,
                                    seed=seed, fmt_max=f.max, keep_last=keep_last, parts=parts,
                                    stage_in_ring=stage_in_ring, progs_per_sm=progs_per_sm, head_fast=head_fast,
-                                   max_regs=max_regs)
+                                   max_regs=max_regs, pow2_mul=not pow2_div)
         return QuantOut(y, desc, out_layout, rows, group, code, how)
     if persistent and not exact:
         if code == 2 and _v_short_subtiles(rows, d, rot_code, out_layout, reread,
@@ -828,7 +844,7 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
         if ptile * d <= 256 * 128:
             return _launch_persistent(x, y, desc, signs, hm, scal, layout, out_layout, f, fmt, code, rows, group,
                                       pow2, rot_code, soft, ptile, num_warps, recip, stages, progs_per_sm, b, h, n,
-                                      d, head_fast, nsub, rr, max_regs)
+                                      d, head_fast, nsub, rr, max_regs, pow2_div)
     # The fast path keeps a whole tile (up to 256 rows x d in float32) in registers and reads the
     # input once; the float64 path works in sub-tiles of 32 rows (registers) and re-reads a block.
     if code == 2:
@@ -889,6 +905,34 @@ _SMEM_PER_SM = 228 * 1024  # Hopper; each resident program also reserves 1 KB
 _REGS_PER_SM = 65536
 _SMS: dict = {}
 _RESIDENT: dict = {}
+
+
+def smem_candidate(code: int, rows: int, rot: str, reread, persistent, exact: bool, fmt: str, tuning) -> bool:
+    """Whether a call leaves the launch to the library and asks what a shared-memory kernel does:
+    per-block scales of more than 128 rows (of at least 128 without rotation: V blocks of 128
+    rows moved at 87% of a copy there against the tl kernel's 70%, probe p15; rotated 128-row
+    blocks stay in the tl kernel, 89% either way, p13), the fast path to e4m3, no reread mode, no
+    ``persistent`` and no launch setting (those keep the tl kernel)."""
+    return (code == 2 and (rows >= 128 if rot == "none" else rows > 128) and reread is None and persistent is None
+            and not exact and fmt == "e4m3" and not any(tuning))
+
+
+def _smem_default(x, layout: str, out_layout: str, rows: int, d: int, n: int, rot: str, impl: str) -> bool:
+    """Blocks of more than 128 rows (FA3's 224-row K and V tiles at head_dim 128) that a
+    shared-memory kernel can run (Hopper, BF16) go there by default. On the H200 a 224-row K tile
+    (Hadamard rotation on the tensor cores, rows written (b, h, s, d); probe p13) took 0.057 ms
+    (83% of a copy) with power-of-two descales and 0.062 ms (76%) with amax descales, against the
+    tl kernel's 0.085-0.089 ms (54-56%), and 0.195-0.238 ms a call with the host's launch against
+    0.153-0.236; V (no rotation, written (b, h, d, s)): ``vquant_smem``."""
+    if interpreting() or not x.is_cuda:
+        return False
+    if rot == "none":
+        from .vquant_smem import vsmem_problem
+
+        return vsmem_problem(x, layout, out_layout, rows, d, n) is None
+    from .rotate_quant_smem import smem_problem
+
+    return impl == "dot" and smem_problem(x, layout, out_layout, rows, d, rot) is None
 
 
 def _v_short_subtiles(rows: int, d: int, rot_code: int, out_layout: str, reread, tuning) -> bool:
@@ -967,7 +1011,7 @@ def fit_per_sm(k, num_warps: int) -> int:
 
 def _launch_persistent(x, y, desc, signs, hm, scal, layout, out_layout, f, fmt, code, rows, group, pow2, rot_code, soft,
                        tile, num_warps, recip, stages, progs_per_sm, b, h, n, d, head_fast=None, nsub=1,
-                       reread=False, max_regs=0) -> QuantOut:
+                       reread=False, max_regs=0, pow2_div=False) -> QuantOut:
     """The persistent kernel: work items of ``r`` rows (a block, or ``tile`` rows), each in one tile,
     or a block in ``nsub`` sub-tiles of ``tile`` rows."""
     r = rows if code == 2 else tile
@@ -996,7 +1040,7 @@ def _launch_persistent(x, y, desc, signs, hm, scal, layout, out_layout, f, fmt, 
         st -= 1
     common = dict(D=d, LOG2D=int(math.log2(d)), TILE=tile, ROT=rot_code, GRAN=code, POW2=bool(pow2), MBITS=f.mbits,
                   EMIN=f.emin, FMT_MAX=f.max, OUT=tl_fp8(fmt), SOFT_CAST=soft,
-                  DIV=1 if recip else (0 if interpreting() else 2), STAGES=st)
+                  DIV=1 if (recip or (pow2 and not pow2_div)) else (0 if interpreting() else 2), STAGES=st)
     if nsub > 1:
         common["SUB"] = nsub
         common["REREAD"] = reread
@@ -1031,7 +1075,7 @@ def _launch_persistent(x, y, desc, signs, hm, scal, layout, out_layout, f, fmt, 
     mode = ("kept", "reread", "reread-sync", "kept-inputs", "reread-skewed")[reread]
     how = (f"persistent tile{tile}" + (f" x{nsub} {mode}" if nsub > 1 else "") + f" w{common.get('num_warps', '-')}"
            + (f" r{max_regs}" if max_regs else "") + f" s{st} pps{pps}{how_pps}" + ("" if head_fast else " seq-first")
-           + (" recip" if recip else ""))
+           + (" recip" if recip else (" pow2-mul" if common["DIV"] == 1 else "")))
     return QuantOut(y, desc, out_layout, rows, group, code, how)
 
 

@@ -11,8 +11,10 @@ the pipeline's slots spent on the second pass): 56-57% of a copy on the H200. He
 BF16 inputs are loaded by TMA into a ring of shared memory that this kernel owns, rotated once for
 the amax and again from the same buffers for the cast; a sub-tile's buffers take the next block's
 TMA load as soon as its second rotation has read them. HBM reads each element once, L2 nothing
-twice: 64-66% of a copy (reports/h200/triton/report.md). It is opt-in, not the default: its host
-launch (five TMA descriptors bound per call) makes an eager call slower than the tl kernel's.
+twice. With the last sub-tile rotated twice (168 registers: 3 programs per SM) and power-of-two
+descales cast with one multiply, a 224-row K tile moves at 83% of a copy on the H200 (76% with
+amax descales; probe p13, reports/h200/triton/report.md): ``rotate_quantize``'s default for
+blocks of more than 128 rows where this kernel runs.
 
 The rotation is split (Sylvester order, as ``rotation.hadamard_matrix``): H_d = H_P' kron H_P with
 P = d / parts, so for column parts x_i and their signs S_i
@@ -27,8 +29,9 @@ summation order moves a value across an FP8 rounding boundary: on the H200 as of
 one-product kernel's (the device run counts them).
 
 Rows: sub-tiles of 64 rows (one warpgroup's MMA); a block whose last sub-tile has 32 rows (224 =
-3 x 64 + 32) keeps that one in 32-row buffers, and with ``keep_last`` (default) those buffers
-stage the FP8 tiles of pass 2 (72 KB of shared memory at 224 rows). Rows past the sequence's end
+3 x 64 + 32) keeps that one in 32-row buffers; pass 2 casts it first (rotated again, or kept in
+registers from pass 1 with ``keep_last``: 230 registers, 2 programs per SM), after which those
+buffers stage the FP8 tiles of the other sub-tiles (72 KB of shared memory at 224 rows). Rows past the sequence's end
 are zero-filled by the TMA loads, masked out of the amax and clipped by the TMA stores.
 """
 
@@ -130,22 +133,30 @@ if gluon is not None:
         """y / descale correctly rounded (reciprocal and one Markstein correction, as
         rotate_quant._scale_cast DIV 2), then the saturating FP8 cast (cvt.rn.satfinite)."""
         v = y * r
-        v = gl.fma(v * 0.0 + r, gl.fma(v, v * 0.0 - d32, y), v)
+        lay: gl.constexpr = y.type.layout
+        rt = gl.full(y.shape, r, gl.float32, lay)  # splats (registers), not v * 0 + r per element
+        nd = gl.full(y.shape, 0.0 - d32, gl.float32, lay)
+        v = gl.fma(rt, gl.fma(v, nd, y), v)
         return v.to(OUT)
 
     @gluon.jit
-    def _cast_store(o, inv, s, r, ys, y_desc, yl_desc, yo, yc, r0, J: gl.constexpr, TILE: gl.constexpr,
+    def _cast_store(o, inv, s, r, m, ys, y_desc, yl_desc, yo, yc, r0, J: gl.constexpr, TILE: gl.constexpr,
                     PART: gl.constexpr, NP: gl.constexpr, SUB: gl.constexpr, SHORT: gl.constexpr,
-                    IN_RING: gl.constexpr):
+                    IN_RING: gl.constexpr, MUL: gl.constexpr):
         """out_c / sqrt(d) / descale to FP8 through a staging tile per part and TMA stores; a short last
         sub-tile stores its first U rows. IN_RING: ``ys`` is the ring, whose units 0 .. NP - 1 (the
-        kept short sub-tile's, free during pass 2: U rows of BF16 are the bytes of TILE rows of
-        FP8) are the staging tiles."""
+        short last sub-tile's, free during pass 2 once it is cast: U rows of BF16 are the bytes of
+        TILE rows of FP8) are the staging tiles. MUL: one multiply by ``m`` = (1/sqrt(d)) / descale,
+        exact for a power-of-two descale (see the caller)."""
         Y2: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, PART], y_desc.dtype)
         tma.store_wait(pendings=0)  # the previous sub-tile's stores have read the staging tiles
         gl.thread_barrier()
         for c in gl.static_range(NP):
-            ys.index(c)._reinterpret(y_desc.dtype, [TILE, PART], Y2).store(_scale_cast(o[c] * inv, s, r, y_desc.dtype))
+            if MUL:
+                q = (o[c] * m).to(y_desc.dtype)
+            else:
+                q = _scale_cast(o[c] * inv, s, r, y_desc.dtype)
+            ys.index(c)._reinterpret(y_desc.dtype, [TILE, PART], Y2).store(q)
         fence_async_shared()
         gl.thread_barrier()
         for c in gl.static_range(NP):
@@ -163,7 +174,8 @@ if gluon is not None:
                        H, N, R, NBLK, TOTAL, XOB, XOH, XCH, YOB, YOH, YCH,
                        TILE: gl.constexpr, PART: gl.constexpr, NP: gl.constexpr, SUB: gl.constexpr,
                        SHORT: gl.constexpr, KEEP_LAST: gl.constexpr, STAGE_IN_RING: gl.constexpr,
-                       POW2: gl.constexpr, FMT_MAX: gl.constexpr, HEAD_FAST: gl.constexpr, num_warps: gl.constexpr):
+                       POW2: gl.constexpr, MUL: gl.constexpr, FMT_MAX: gl.constexpr, HEAD_FAST: gl.constexpr,
+                       num_warps: gl.constexpr):
         """Persistent: program pid takes items pid, pid + programs, ... (a block of R rows of one
         (batch, head)). The ring holds one block, sub-tile J in its units with mbarrier J.
 
@@ -180,7 +192,8 @@ if gluon is not None:
         X2: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, PART], gl.bfloat16)
         NU: gl.constexpr = NP + 2 * NP * (SUB - 1) if SHORT else 2 * NP * SUB
         xs = gl.allocate_shared_memory(gl.bfloat16, [NU] + xl_desc.block_type.shape, xl_desc.layout)
-        IN_RING: gl.constexpr = SHORT and KEEP_LAST and STAGE_IN_RING  # FP8 staged in the kept short sub-tile's units
+        IN_RING: gl.constexpr = SHORT and STAGE_IN_RING  # FP8 staged in the short last sub-tile's units
+        FIRST: gl.constexpr = 1 if (KEEP_LAST or IN_RING) else 0  # the last sub-tile is cast first in pass 2
         if IN_RING:
             ys = xs
         else:
@@ -225,22 +238,28 @@ if gluon is not None:
                 s = (ex << 23).to(gl.float32, bitcast=True)
             gl.store(DESC + b * sdb + h * sdh + blk * sdn, s)
             r = gl.div_rn(s * 0.0 + 1.0, s)
+            # MUL (power-of-two descales only): r = 2^-e exactly, so inv * r is exact and o * (inv r)
+            # rounds the same real number as (o * inv) / s, once: the corrected division's bytes
+            # for one multiply an element instead of six
+            m = inv * r
             yo = b * YOB + h * YOH
             yc = h * YCH
             more = k + 1 < nb
-            if KEEP_LAST:  # o is the last sub-tile's rotation
+            if FIRST:  # the last sub-tile first: kept in registers (o) or rotated again
+                if not KEEP_LAST:
+                    o = _rotate(xs, hs, zero, SUB - 1, X2, SUB, NP, SHORT)
                 if not IN_RING:  # its units take the next block's sub-tile now
                     _issue(x_desc, xl_desc, xs, bars, t + nprog, more, H, NBLK, R, XOB, XOH, XCH, SUB - 1, TILE, PART,
                            NP, SUB, SHORT, HEAD_FAST)
-                _cast_store(o, inv, s, r, ys, y_desc, yl_desc, yo, yc, b0 + (SUB - 1) * TILE, SUB - 1, TILE, PART,
-                            NP, SUB, SHORT, IN_RING)
+                _cast_store(o, inv, s, r, m, ys, y_desc, yl_desc, yo, yc, b0 + (SUB - 1) * TILE, SUB - 1, TILE,
+                            PART, NP, SUB, SHORT, IN_RING, MUL)
             # pass 2: rotate again, refill the units with the next block's sub-tile, cast, store
-            for j in gl.static_range(SUB - KEEP_LAST):
+            for j in gl.static_range(SUB - FIRST):
                 o = _rotate(xs, hs, zero, j, X2, SUB, NP, SHORT)
                 _issue(x_desc, xl_desc, xs, bars, t + nprog, more, H, NBLK, R, XOB, XOH, XCH, j, TILE, PART, NP, SUB,
                        SHORT, HEAD_FAST)
-                _cast_store(o, inv, s, r, ys, y_desc, yl_desc, yo, yc, b0 + j * TILE, j, TILE, PART, NP, SUB, SHORT,
-                            IN_RING)
+                _cast_store(o, inv, s, r, m, ys, y_desc, yl_desc, yo, yc, b0 + j * TILE, j, TILE, PART, NP, SUB,
+                            SHORT, IN_RING, MUL)
             if IN_RING:  # the staging units take the next block's short sub-tile once its stores have read them
                 tma.store_wait(pendings=0)
                 gl.thread_barrier()
@@ -320,17 +339,19 @@ def _view3(t: torch.Tensor, layout: str) -> tuple[torch.Tensor, int, int, int]:
 
 def rotate_quantize_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, scal: torch.Tensor, *, layout: str,
                          out_layout: str,
-                         rows: int, pow2: bool, seed: int, fmt_max: float, keep_last: bool = True, parts: int = 2,
+                         rows: int, pow2: bool, seed: int, fmt_max: float, keep_last: bool = False, parts: int = 2,
                          stage_in_ring: bool = True, progs_per_sm: int = 0, head_fast: bool | None = None,
-                         max_regs: int = 0) -> str:
+                         max_regs: int = 0, pow2_mul: bool = True) -> str:
     """Fill ``y`` (FP8, ``out_layout``) and ``desc`` (float32 (b, h, blocks)) for per-block scales of
     ``rows`` rows (a multiple of 32); ``scal``: [sqrt(d), 1/sqrt(d)] in float32 on the device (as
     ``rotate_quant._constants`` makes it); returns the launch description. ``parts``: column parts of
     the split rotation (2 or 4); ``keep_last``: the last sub-tile stays rotated in registers
-    between the passes; ``stage_in_ring``: with a kept 32-row last sub-tile, its buffers stage the
-    FP8 tiles (no staging buffer: 72 KB at 224 rows instead of 80). ``progs_per_sm`` defaults to
-    what the compiled kernel's registers and shared memory fit (2 at 224 rows: 225 registers a
-    thread; ``max_regs`` 168 fits 3 but spills, measured slower)."""
+    between the passes (230 registers at 224 rows: 2 programs per SM) instead of rotated twice
+    (168: 3 per SM, faster on the H200); ``stage_in_ring``: with a 32-row last sub-tile, cast
+    first in pass 2, its buffers stage the FP8 tiles (no staging buffer: 72 KB at 224 rows
+    instead of 80). ``pow2_mul``: power-of-two descales cast with one multiply by
+    (1/sqrt(d)) / descale (exact) instead of the corrected division. ``progs_per_sm`` defaults to
+    what the compiled kernel's registers and shared memory fit."""
     if layout == "bshd":
         b, n, h, d = x.shape
     else:
@@ -362,19 +383,19 @@ def rotate_quantize_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, s
     args = (xd, xld, yd, yld, hd, scal, desc, desc.stride(0), desc.stride(1), desc.stride(2),
             h, n, rows, nblk, total, xob, xoh, xch, yob, yoh, ych)
     kw = dict(TILE=tile, PART=pw, NP=parts, SUB=sub, SHORT=bool(short), KEEP_LAST=bool(keep_last),
-              STAGE_IN_RING=bool(stage_in_ring), POW2=bool(pow2),
+              STAGE_IN_RING=bool(stage_in_ring), POW2=bool(pow2), MUL=bool(pow2 and pow2_mul),
               FMT_MAX=float(fmt_max), HEAD_FAST=bool(head_fast), num_warps=4)
     if max_regs:
         kw["maxnreg"] = max_regs
     nu = parts + 2 * parts * (sub - 1) if short else 2 * parts * sub
-    in_ring = short and keep_last and stage_in_ring  # the FP8 staging tiles in the kept short sub-tile's units
+    in_ring = short and stage_in_ring  # the FP8 staging tiles in the short last sub-tile's units
     smem = nu * unit * pw * 2 + (0 if in_ring else parts * tile * pw) + parts * pw * pw * 2 + 1024
     pps = progs_per_sm or _resident(args, kw, smem)
     grid = (_programs(x.device, total, pps),)
     _rq_block_smem[grid](*args, **kw)
     return (f"gluon smem tile{tile} x{sub}{' short-last' if short else ''}{' keep-last' if keep_last else ''}"
             f"{' staged-in-ring' if in_ring else ''} "
-            f"split-rotation {parts} parts w4{f' r{max_regs}' if max_regs else ''} pps{pps}"
+            f"split-rotation {parts} parts w4{f' r{max_regs}' if max_regs else ''} pps{pps}{' pow2-mul' if kw['MUL'] else ''}"
             + ("" if head_fast else " seq-first"))
 
 
