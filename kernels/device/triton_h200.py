@@ -284,7 +284,7 @@ def _k_tile_fidelity() -> list[dict]:
     cases = [("block", 224, 1, True, "hadamard"), ("block", 224, 1, False, "hadamard"), ("block", 96, 1, False, "hadamard")]
     fid = []
     for extra, lab in (({"reread": True}, "tl"), ({"reread": "smem"}, "smem"),
-                       ({"reread": "smem", "keep_last": False}, "smem rotated twice")):
+                       ({"reread": "smem", "keep_last": True}, "smem last kept")):
         fid += selfcheck.quantizer_checks("cuda", shape=(2, 16, 2048, 128), exact_modes=(False,), impls=("dot",),
                                           cases=cases, out_layout="bhsd", extra=extra, label=lab)
     return fid
@@ -553,10 +553,12 @@ def _sweep_configs(which: str = "full"):
         (*V128, dict(reread="inputs", max_regs=168, stages=3)),
         (*B128, dict(reread="skewed")),
         (*B128, dict(reread="inputs")),
-        # the shared-memory kernel (rotate_quant_smem, opt-in: reread="smem") and its variants; run 11
-        # ran it as the 224-row default with a staging buffer (its units stage the FP8 tiles since)
-        (*B224, dict(reread=True)), (*B224, dict(reread="smem")), (*B224, dict(reread="smem", keep_last=False)),
+        # the shared-memory kernels (rotate_quant_smem for K, vquant_smem for V: the defaults for
+        # these tiles since runs 13-16) against the tl kernel's launches, and their variants
+        (*B224, dict(reread=True)), (*B224, dict(reread="smem", keep_last=True)),
         (*B224, dict(reread="smem", parts=4)), (*B128, dict(reread="smem")),
+        (*V224, dict(reread="skewed", sub_tile=32, stages=6)), (*V128, dict(reread="skewed", stages=3, max_regs=168)),
+        (*V224, dict(reread="smem", progs_per_sm=2)),
         (*B224, {}),  # the defaults again: the spread within the run
         (*V128, {}),
         (*V224, {}),

@@ -3,6 +3,10 @@
 - ``rotate_quant``: fused random-Hadamard rotation + scaled FP8 quantization (per tensor, per
   (batch, kv-head), per block of tokens, per token), float64 path bit-identical to the
   emulator's ``prepare``, float32 fast path on the tensor cores.
+- ``rotate_quant_smem``, ``vquant_smem``: Gluon kernels (sm_90: TMA, wgmma) for per-block scales
+  whose block is held in shared memory between its amax and its cast: FA3's 224-row K tile
+  (rotated) and V tiles written (b, h, d, s); ``rotate_quant.rotate_quantize`` picks them where
+  they run.
 - ``attention``: FP8 attention forward with per-block Q/K descales folded into S, V per head or
   per KV tile, P offset, causal, GQA, head dims 64/128/256, any KV tile of up to three
   power-of-two chunks (the FA3 tiles), chained (= the ``fp22`` model) or two-level P.V.

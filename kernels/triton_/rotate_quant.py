@@ -940,14 +940,17 @@ def _v_short_subtiles(rows: int, d: int, rot_code: int, out_layout: str, reread,
     32-row sub-tiles with 6 pipeline stages, read again one block behind: FA3's 224-row V tile
     took 0.075 ms on the H200 (64% of a copy, probes p1-p3, bytes identical to the tiled kernel)
     against 0.086 ms (56%) in 64-row sub-tiles with 4 stages; 32-row sub-tiles with 4 stages took
-    0.087 ms. Only where no launch was asked for."""
+    0.087 ms. Only where no launch was asked for, and where the shared-memory V kernel does not
+    run (``vquant_smem``: 79-81% at 224 rows)."""
     return (d == 128 and rows > 128 and rot_code == 0 and out_layout == "bhds" and reread is None
             and not any(tuning))
 
 
 def _block_split(rows: int, d: int, sub_tile: int, reread, transposed: bool = False) -> tuple[int, int, int]:
     """(tile rows, sub-tiles per block, reread mode) for blocks of ``rows`` rows: sub-tiles of
-    8192 // d rows (64 at d 128) by default; a block that fits one such tile is one tile.
+    8192 // d rows (64 at d 128) by default; a block that fits one such tile is one tile. (On
+    Hopper, K blocks of more than 128 rows and V blocks of at least 128 go to the shared-memory
+    kernels instead where they run: ``smem_candidate``.)
 
     Default: two sub-tiles (Q's 128-row tile) stay in registers; longer blocks (K's 224 rows) are
     read again from L2 as more pipelined steps; blocks written transposed (V, (b, h, d, s)) are
