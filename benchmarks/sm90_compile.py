@@ -119,7 +119,7 @@ def compile_vsmem_kernel(*, rows=224, pow2=True, head_fast=True):
 
     fn = vs._vq_block_smem
     sig = {"x_desc": desc("bf16", 16, [1, u, d]), "y_desc": desc("fp8e4nv", 8, [1, d, u]), "DESC": "*fp32"}
-    consts = dict(U=u, D=d, SUB=rows // u, POW2=pow2, FMT_MAX=448.0, HEAD_FAST=head_fast, num_warps=4, sdn=1)
+    consts = dict(U=u, D=d, SUB=rows // u, POW2=pow2, MUL=pow2, FMT_MAX=448.0, HEAD_FAST=head_fast, num_warps=4, sdn=1)
     for n in fn.arg_names:
         if n not in sig:
             sig[n] = "constexpr" if n in consts else "i32"

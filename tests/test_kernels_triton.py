@@ -127,7 +127,8 @@ def test_smem_kernel_is_the_default_only_where_no_launch_is_asked_for():
     assert not smem_candidate(**dict(base, rows=96, rot="none"))
     for change in (dict(rows=128), dict(code=1), dict(code=3), dict(reread=True), dict(reread="skewed"),
                    dict(persistent=True), dict(persistent=False), dict(exact=True), dict(fmt="e5m2"),
-                   dict(tuning=(0, 0, 0, 2, 0, 0, 0)), dict(tuning=(0, 0, True, 0, 0, 0, 0))):
+                   dict(tuning=(0, 0, 0, 2, 0, 0, 0)), dict(tuning=(0, 0, True, 0, 0, 0, 0)),
+                   dict(tuning=(0, 0, 0, 0, 0, 0, 0, True))):
         assert not smem_candidate(**dict(base, **change)), change
 
 
@@ -316,6 +317,7 @@ def test_gpu_smem_quantizer_matches_prepare():
     within a float32 ulp. Blocks of 224 (short last sub-tile), 96, 128 and 256 rows, a sequence
     that ends inside a block, both layouts, 2 and 4 column parts, the last sub-tile kept or not
     (its units staging the FP8 tiles, or a staging buffer)."""
+    from fa3_numerics.errors import UsageError
     from fa3_numerics.kernels.triton_.rotate_quant import rotate_quantize
     from fa3_numerics.numerics.granularity import PerBlock
     from fa3_numerics.numerics.quant import quantize
@@ -358,13 +360,30 @@ def test_gpu_smem_quantizer_matches_prepare():
         else:
             torch.testing.assert_close(dl, ref.descale.float(), rtol=2.5e-7, atol=0)
         assert torch.isfinite(o.descale).all()
+    # many blocks a program (progs_per_sm=1: 132 programs, 640 blocks): both mbarrier phases, the
+    # ring's refills, the staging units reused across blocks; against the tl kernel's bytes
+    xb = torch.randn(4, 2048, 16, d, generator=g, device="cuda").to(torch.bfloat16)
+    for rows, pow2, extra in [(224, True, {}), (224, False, {}), (224, True, {"keep_last": True}),
+                              (224, False, {"stage_in_ring": False}), (128, True, {})]:
+        kw = dict(layout="bshd", gran=PerBlock(rows), rot="hadamard", seed=4, pow2=pow2, out_layout="bhsd")
+        o = rotate_quantize(xb, reread="smem", progs_per_sm=1, **kw, **extra)
+        t = rotate_quantize(xb, reread=True, **kw)
+        same = (o.values.view(torch.uint8) == t.values.view(torch.uint8)).double().mean().item()
+        assert same >= 1 - 1e-5 and _adjacent_fp8(o.values, t.values), (rows, pow2, extra, same)
+        if pow2:
+            assert torch.equal(o.descale, t.descale), (rows, extra)
+        else:
+            torch.testing.assert_close(o.descale, t.descale, rtol=2.5e-7, atol=0)
     # the default for blocks of more than 128 rows written row by row; a launch setting keeps the tl kernel
     for rows, out, extra, kernel in [(224, "bhsd", {}, "gluon smem"), (160, "bshd", {}, "gluon smem"),
                                      (128, "bhsd", {}, "persistent"), (224, "bhds", {}, "persistent"),
                                      (224, "bhsd", {"persistent": True}, "persistent"),
-                                     (224, "bhsd", {"stages": 2}, "persistent")]:
+                                     (224, "bhsd", {"stages": 2}, "persistent"),
+                                     (224, "bhsd", {"soft_cast": True}, "persistent")]:
         o = rotate_quantize(x, layout="bshd", gran=PerBlock(rows), rot="hadamard", seed=4, out_layout=out, **extra)
         assert o.launch.startswith(kernel), (rows, out, extra, o.launch)
+    with pytest.raises(UsageError, match="at most 512 rows"):  # the ring would not fit shared memory
+        rotate_quantize(x, layout="bshd", gran=PerBlock(1024), rot="hadamard", out_layout="bhsd", reread="smem")
 
 
 @gpu
@@ -373,29 +392,40 @@ def test_gpu_smem_v_quantizer_matches_tiled():
     (IEEE division) and descales exactly: blocks of 224, 160 and 96 rows, power-of-two and amax
     descales, both input layouts, a sequence that ends inside a block. It is the default for V
     blocks of at least 128 rows; a seqlen that is not a multiple of 16 keeps the tl kernel."""
+    from fa3_numerics.errors import UsageError
     from fa3_numerics.kernels.triton_.rotate_quant import rotate_quantize
     from fa3_numerics.numerics.granularity import PerBlock
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the shared-memory kernel is written for sm_90 (TMA)")
     g = torch.Generator(device="cuda").manual_seed(12)
-    b, n, h, d = 2, 1008, 4, 128  # 1008 = 4 x 224 + 112
+    b, n, h, d = 4, 1008, 16, 128  # 1008 = 4 x 224 + 112; 320 blocks of 224 rows
     x = torch.randn(b, n, h, d, generator=g, device="cuda")
     x = (x * (1 + 30 * (torch.rand(b, n, h, d, generator=g, device="cuda") < 0.01))).to(torch.bfloat16)
-    for rows, lay, pow2 in [(224, "bshd", True), (224, "bshd", False), (224, "bhsd", True), (160, "bshd", False),
-                            (96, "bhsd", True)]:
+    # progs_per_sm=1: 132 programs take 2-3 blocks each (both mbarrier phases, the ring's refills,
+    # the staging tiles reused across blocks, an odd number of units a block at 224 and 160 rows)
+    for rows, lay, pow2, extra in [(224, "bshd", True, {}), (224, "bshd", True, {"progs_per_sm": 1}),
+                                   (224, "bshd", False, {"progs_per_sm": 1}), (224, "bhsd", True, {"progs_per_sm": 1}),
+                                   (160, "bshd", False, {"progs_per_sm": 1}), (96, "bhsd", True, {"progs_per_sm": 1}),
+                                   (128, "bshd", True, {"progs_per_sm": 1})]:
         xin = x if lay == "bshd" else x.transpose(1, 2).contiguous()
         kw = dict(layout=lay, gran=PerBlock(rows), rot="none", pow2=pow2, out_layout="bhds")
-        o = rotate_quantize(xin, reread="smem", **kw)
+        o = rotate_quantize(xin, reread="smem", **kw, **extra)
         assert o.launch.startswith("gluon smem-v"), o.launch
+        assert ("pow2-mul" in o.launch) == pow2, o.launch
         ref = rotate_quantize(xin, persistent=False, **kw)
         assert torch.equal(o.descale, ref.descale), (rows, lay, pow2)
-        assert torch.equal(o.values.view(torch.uint8), ref.values.view(torch.uint8)), (rows, lay, pow2)
+        assert torch.equal(o.values.view(torch.uint8), ref.values.view(torch.uint8)), (rows, lay, pow2, extra)
+        if pow2:  # the corrected division instead of the exact multiply: the same bytes
+            od = rotate_quantize(xin, reread="smem", pow2_div=True, **kw, **extra)
+            assert "pow2-mul" not in od.launch and torch.equal(od.values.view(torch.uint8), o.values.view(torch.uint8))
     for rows, kernel in ((224, "gluon smem-v"), (128, "gluon smem-v"), (96, "persistent")):
         o = rotate_quantize(x, layout="bshd", gran=PerBlock(rows), rot="none", out_layout="bhds")
         assert o.launch.startswith(kernel), (rows, o.launch)
     odd = rotate_quantize(x[:, :1000].contiguous(), layout="bshd", gran=PerBlock(224), rot="none", out_layout="bhds")
     assert odd.launch.startswith("persistent"), odd.launch
+    with pytest.raises(UsageError, match="at most 512 rows"):  # the ring would not fit shared memory
+        rotate_quantize(x, layout="bshd", gran=PerBlock(1024), rot="none", out_layout="bhds", reread="smem")
 
 
 @gpu

@@ -806,7 +806,7 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
     else:
         desc = torch.empty((1, 1, 1), dtype=torch.float32, device=dev)
     if smem_candidate(code, rows, rot, reread, persistent, exact, fmt,
-                      (tile, num_warps, recip, stages, progs_per_sm, sub_tile, max_regs)) \
+                      (tile, num_warps, recip, stages, progs_per_sm, sub_tile, max_regs, soft_cast)) \
             and _smem_default(x, layout, out_layout, rows, d, n, rot, impl):
         reread = "smem"
     if persistent is None:
@@ -817,17 +817,17 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
         from .vquant_smem import quantize_v_smem, vsmem_problem
 
         why = "per-block scales only" if code != 2 else vsmem_problem(x, layout, out_layout, rows, d, n)
-        if why or exact or fmt != "e4m3":
-            raise UsageError(f"reread='smem' (V, no rotation): {why or 'the fast path (exact=False) to e4m3 only'}")
+        if why or exact or fmt != "e4m3" or recip or soft or max_regs:
+            raise UsageError(f"reread='smem' (V, no rotation): {why or _SMEM_ONLY}")
         how = quantize_v_smem(x, y, desc, layout=layout, rows=rows, pow2=pow2, fmt_max=f.max,
-                              progs_per_sm=progs_per_sm, head_fast=head_fast)
+                              progs_per_sm=progs_per_sm, head_fast=head_fast, pow2_mul=not pow2_div)
         return QuantOut(y, desc, out_layout, rows, group, code, how)
     if reread == "smem":
         from .rotate_quant_smem import rotate_quantize_smem, smem_problem
 
         why = "per-block scales only" if code != 2 else smem_problem(x, layout, out_layout, rows, d, rot)
-        if why or exact or fmt != "e4m3" or impl != "dot":
-            raise UsageError(f"reread='smem': {why or 'the fast path (exact=False, impl=dot) to e4m3 only'}")
+        if why or exact or fmt != "e4m3" or impl != "dot" or recip or soft:
+            raise UsageError(f"reread='smem': {why or _SMEM_ONLY + ', impl=dot'}")
         how = rotate_quantize_smem(x, y, desc, scal, layout=layout, out_layout=out_layout, rows=rows, pow2=pow2,
                                    seed=seed, fmt_max=f.max, keep_last=keep_last, parts=parts,
                                    stage_in_ring=stage_in_ring, progs_per_sm=progs_per_sm, head_fast=head_fast,
@@ -905,6 +905,10 @@ _SMEM_PER_SM = 228 * 1024  # Hopper; each resident program also reserves 1 KB
 _REGS_PER_SM = 65536
 _SMS: dict = {}
 _RESIDENT: dict = {}
+
+
+_SMEM_ONLY = ("the fast path (exact=False) to e4m3 only, with the hardware cast and the exact division "
+              "(no soft_cast, no recip)")
 
 
 def smem_candidate(code: int, rows: int, rot: str, reread, persistent, exact: bool, fmt: str, tuning) -> bool:

@@ -129,6 +129,20 @@ if gluon is not None:
         return gl.maximum(run, gl.where(rows < lim, m, 0.0))
 
     @gluon.jit
+    def _block_descale(am, FMT_MAX: gl.constexpr, POW2: gl.constexpr):
+        """A block's amax -> (descale, its float32 reciprocal), as quant.amax_to_scale: amax / max,
+        1 where that is 0 or not finite, with POW2 rounded up to a power of two (as
+        rotate_quant._descale)."""
+        s = gl.div_rn(am, am * 0.0 + FMT_MAX)
+        s = gl.where((s > 0) & (s < float("inf")), s, 1.0)
+        if POW2:
+            bits = s.to(gl.int32, bitcast=True)
+            ex = (bits >> 23) & 0xFF
+            ex = gl.where((bits & 0x7FFFFF) != 0, ex + 1, ex)
+            s = (ex << 23).to(gl.float32, bitcast=True)
+        return s, gl.div_rn(s * 0.0 + 1.0, s)
+
+    @gluon.jit
     def _scale_cast(y, d32, r, OUT: gl.constexpr):
         """y / descale correctly rounded (reciprocal and one Markstein correction, as
         rotate_quant._scale_cast DIV 2), then the saturating FP8 cast (cvt.rn.satfinite)."""
@@ -229,15 +243,8 @@ if gluon is not None:
                 o = _rotate(xs, hs, zero, j, X2, SUB, NP, SHORT)
                 run = _row_max(run, o, rows, lim - j * TILE, NP)
             am = gl.max(run, axis=0) * inv
-            s = gl.div_rn(am, am * 0.0 + FMT_MAX)
-            s = gl.where((s > 0) & (s < float("inf")), s, 1.0)
-            if POW2:
-                bits = s.to(gl.int32, bitcast=True)
-                ex = (bits >> 23) & 0xFF
-                ex = gl.where((bits & 0x7FFFFF) != 0, ex + 1, ex)
-                s = (ex << 23).to(gl.float32, bitcast=True)
+            s, r = _block_descale(am, FMT_MAX, POW2)
             gl.store(DESC + b * sdb + h * sdh + blk * sdn, s)
-            r = gl.div_rn(s * 0.0 + 1.0, s)
             # MUL (power-of-two descales only): r = 2^-e exactly, so inv * r is exact and o * (inv r)
             # rounds the same real number as (o * inv) / s, once: the corrected division's bytes
             # for one multiply an element instead of six
@@ -271,6 +278,7 @@ if gluon is not None:
 
 
 _TILE = 64  # rows of a sub-tile: one warpgroup's MMA (M = 64)
+_MAX_ROWS = 512  # 128 KB of ring; a Hopper program has at most 227 KB of shared memory
 _SPLIT_CACHE: dict = {}
 
 
@@ -305,6 +313,8 @@ def smem_problem(x: torch.Tensor, layout: str, out_layout: str, rows: int, d: in
         return "the shared-memory kernel is built for head_dim 128"
     if not x.is_contiguous():
         return "the shared-memory kernel needs a contiguous input (TMA descriptor)"
+    if rows > _MAX_ROWS:
+        return f"the shared-memory kernel holds a block in shared memory: at most {_MAX_ROWS} rows"
     if rows % (_TILE // 2) or rows < _TILE:
         # a 32-row last sub-tile's product reads on into the next sub-tile's buffers: there must be one
         return f"the shared-memory kernel needs blocks of a multiple of {_TILE // 2} rows, at least {_TILE}"

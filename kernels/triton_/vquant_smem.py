@@ -35,11 +35,12 @@ except ImportError:  # pragma: no cover - exercised where triton is absent or ol
     gluon = gl = None
 
 _UNIT = 32  # rows of a ring unit: 8 KB of BF16 at head_dim 128, 4 KB of FP8 staged
+_MAX_ROWS = 512  # 128 KB of ring; a Hopper program has at most 227 KB of shared memory
 
 
 if gluon is not None:
     from .rotate_quant import _item
-    from .rotate_quant_smem import _scale_cast
+    from .rotate_quant_smem import _block_descale, _scale_cast
 
     @gluon.jit
     def _issue_v(x_desc, xs, bars, t, pred, H, NBLK, R, XOB, XOH, XCH, J: gl.constexpr, U: gl.constexpr,
@@ -52,7 +53,7 @@ if gluon is not None:
 
     @gluon.jit
     def _vq_block_smem(x_desc, y_desc, DESC, sdb, sdh, sdn, H, N, R, NBLK, TOTAL, XOB, XOH, XCH,
-                       U: gl.constexpr, D: gl.constexpr, SUB: gl.constexpr, POW2: gl.constexpr,
+                       U: gl.constexpr, D: gl.constexpr, SUB: gl.constexpr, POW2: gl.constexpr, MUL: gl.constexpr,
                        FMT_MAX: gl.constexpr, HEAD_FAST: gl.constexpr, num_warps: gl.constexpr):
         """Persistent: program pid takes items pid, pid + programs, ... (a block of R = SUB U rows
         of one (batch, head)); unit J of the ring with mbarrier J."""
@@ -82,25 +83,20 @@ if gluon is not None:
                 v = xs.index(j)._reinterpret(gl.bfloat16, [U, D], X2).load(LX)
                 run = gl.maximum(run, gl.abs(v.to(gl.float32)))
             am = gl.max(gl.max(run, axis=1), axis=0)
-            s = gl.div_rn(am, am * 0.0 + FMT_MAX)
-            s = gl.where((s > 0) & (s < float("inf")), s, 1.0)
-            if POW2:
-                bits = s.to(gl.int32, bitcast=True)
-                ex = (bits >> 23) & 0xFF
-                ex = gl.where((bits & 0x7FFFFF) != 0, ex + 1, ex)
-                s = (ex << 23).to(gl.float32, bitcast=True)
+            s, r = _block_descale(am, FMT_MAX, POW2)
             gl.store(DESC + b * sdb + h * sdh + blk * sdn, s)
-            r = gl.div_rn(s * 0.0 + 1.0, s)
             more = k + 1 < nb
             # pass 2: read each unit again, hand it to the next block's load, cast, store (d, s)
             for j in gl.static_range(SUB):
                 v = xs.index(j)._reinterpret(gl.bfloat16, [U, D], X2).load(LX).to(gl.float32)
-                if POW2:  # r = 2^-e exactly: v * r is v / s
+                if MUL:  # power-of-two descales: r = 2^-e exactly, v * r is v / s
                     q = (v * r).to(y_desc.dtype)
                 else:
                     q = _scale_cast(v, s, r, y_desc.dtype)
                 qt = gl.convert_layout(gl.permute(q, [1, 0]), LY)
-                tma.store_wait(pendings=1)  # the staging tile of two units ago has been read
+                # the staging tile of two units ago has been read (the unit before this block's first
+                # used the same tile when SUB is odd: then none may be pending) ...
+                tma.store_wait(pendings=0 if (j == 0 and SUB % 2 == 1) else 1)
                 gl.thread_barrier()  # ... and every warp has read unit j
                 _issue_v(x_desc, xs, bars, t + nprog, more, H, NBLK, R, XOB, XOH, XCH, j, U, HEAD_FAST)
                 st = ys.index(j % 2)
@@ -129,6 +125,8 @@ def vsmem_problem(x: torch.Tensor, layout: str, out_layout: str, rows: int, d: i
         return "the shared-memory V kernel needs a contiguous input (TMA descriptor)"
     if rows % _UNIT:
         return f"the shared-memory V kernel needs blocks of a multiple of {_UNIT} rows"
+    if rows > _MAX_ROWS:
+        return f"the shared-memory V kernel holds a block in shared memory: at most {_MAX_ROWS} rows"
     if n % 16:
         return "the shared-memory V kernel writes rows of s by TMA: seqlen must be a multiple of 16"
     return None
@@ -138,11 +136,14 @@ _RESIDENT: dict = {}
 
 
 def quantize_v_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, *, layout: str, rows: int, pow2: bool,
-                    fmt_max: float, progs_per_sm: int = 0, head_fast: bool | None = None) -> str:
+                    fmt_max: float, progs_per_sm: int = 0, head_fast: bool | None = None,
+                    pow2_mul: bool = True) -> str:
     """Fill ``y`` (FP8, (b, h, d, s)) and ``desc`` (float32 (b, h, blocks)) with per-block scales
     of ``rows`` rows (a multiple of 32) of ``x`` (BF16, ``layout``); returns the launch
     description. ``progs_per_sm`` defaults to what the compiled kernel's registers and shared
-    memory fit (3 at 224 rows: 56 KB of ring, 8 KB of staging and the layout change's scratch)."""
+    memory fit (3 at 224 rows: 56 KB of ring, 8 KB of staging and the layout change's scratch).
+    ``pow2_mul``: power-of-two descales cast with one multiply by the reciprocal (exact) instead of
+    the corrected division."""
     from .rotate_quant_smem import _view3
 
     if layout == "bshd":
@@ -163,7 +164,8 @@ def quantize_v_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, *, lay
     if head_fast is None:
         head_fast = layout == "bshd"
     args = (xd, yd, desc, desc.stride(0), desc.stride(1), desc.stride(2), h, n, rows, nblk, total, xob, xoh, xch)
-    kw = dict(U=u, D=d, SUB=sub, POW2=bool(pow2), FMT_MAX=float(fmt_max), HEAD_FAST=bool(head_fast), num_warps=4)
+    kw = dict(U=u, D=d, SUB=sub, POW2=bool(pow2), MUL=bool(pow2 and pow2_mul), FMT_MAX=float(fmt_max),
+              HEAD_FAST=bool(head_fast), num_warps=4)
     key = tuple(sorted(kw.items()))
     if not progs_per_sm:
         if key not in _RESIDENT:
@@ -175,7 +177,7 @@ def quantize_v_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, *, lay
         progs_per_sm = _RESIDENT[key]
     grid = (_programs(x.device, total, progs_per_sm),)
     _vq_block_smem[grid](*args, **kw)
-    return (f"gluon smem-v unit{u} x{sub} w4 pps{progs_per_sm}{' pow2-mul' if pow2 else ''}"
+    return (f"gluon smem-v unit{u} x{sub} w4 pps{progs_per_sm}{' pow2-mul' if kw['MUL'] else ''}"
             + ("" if head_fast else " seq-first"))
 
 
