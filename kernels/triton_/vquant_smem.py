@@ -62,8 +62,10 @@ if gluon is not None:
         nb = gl.cdiv(TOTAL - pid, nprog)
         X2: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
         Y2: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
-        # loads: 8 consecutive d a thread (16 B); stores to the (d, s) staging tile: 8 consecutive s
-        # a thread, a warp's 8 rows of d contiguous (256 B, no bank conflict)
+        # loads: 4 rows x 8 consecutive d a thread (16-byte loads), so that after the transpose a
+        # thread holds 4 consecutive s (4-byte stores into the layout conversion's scratch, 86 STS
+        # against 254 with 1 row a thread); stores to the (d, s) staging tile: 8 consecutive s a
+        # thread, a warp's 8 rows of d contiguous (256 B, no bank conflict)
         LX: gl.constexpr = gl.BlockedLayout([4, 8], [2, 16], [num_warps, 1], [1, 0])
         LY: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
         xs = gl.allocate_shared_memory(gl.bfloat16, [SUB] + x_desc.block_type.shape, x_desc.layout)
