@@ -41,7 +41,7 @@ import torch
 
 from fa3_numerics.errors import UsageError
 
-from .rotate_quant import _programs, fit_per_sm
+from .rotate_quant import _dims, _programs, fit_per_sm
 
 try:  # Gluon ships with triton >= 3.5; absent, smem_problem says so
     from triton.experimental import gluon
@@ -297,14 +297,23 @@ def split_matrices(d: int, seed: int, device, parts: int = 2) -> torch.Tensor:
     return _SPLIT_CACHE[key]
 
 
+def hopper_bf16_problem(x: torch.Tensor, kernel: str, units: str) -> str | None:
+    """The checks every shared-memory (Gluon) kernel shares: Gluon present, a Hopper GPU (its
+    ``units``), BF16 inputs; ``kernel`` names it in the reason."""
+    if gluon is None:
+        return f"{kernel} needs Gluon (triton >= 3.5)"
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return f"{kernel} is written for Hopper (sm_90: {units})"
+    if x.dtype != torch.bfloat16:
+        return f"{kernel} reads BF16 inputs"
+    return None
+
+
 def smem_problem(x: torch.Tensor, layout: str, out_layout: str, rows: int, d: int, rot: str) -> str | None:
     """Why this kernel cannot run a case, or None."""
-    if gluon is None:
-        return "the shared-memory kernel needs Gluon (triton >= 3.5)"
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
-        return "the shared-memory kernel is written for Hopper (sm_90: TMA and wgmma)"
-    if x.dtype != torch.bfloat16:
-        return "the shared-memory kernel reads BF16 inputs"
+    why = hopper_bf16_problem(x, "the shared-memory kernel", "TMA and wgmma")
+    if why:
+        return why
     if rot != "hadamard":
         return "the shared-memory kernel applies the split Hadamard rotation (rot=hadamard)"
     if layout not in ("bshd", "bhsd") or out_layout not in ("bshd", "bhsd"):
@@ -324,15 +333,17 @@ def smem_problem(x: torch.Tensor, layout: str, out_layout: str, rows: int, d: in
 _RESIDENT: dict = {}
 
 
-def _resident(args, kw: dict, smem_estimate: int) -> int:
-    """Programs of the compiled kernel that fit one SM by its registers and shared memory (a
-    persistent grid of more would run a second wave); compiled once per configuration."""
-    key = tuple(sorted(kw.items()))
+def resident(kernel, args, kw: dict, estimate: int) -> int:
+    """Programs of the compiled Gluon ``kernel`` that fit one SM by its registers and shared
+    memory (a persistent grid of more would run a second wave), at most 4; compiled once per
+    kernel and configuration. ``estimate``: the caller's count where no compiled kernel's
+    resources can be read."""
+    key = (kernel.fn.__name__, tuple(sorted(kw.items())))
     if key not in _RESIDENT:
         try:
-            fit = fit_per_sm(_rq_block_smem.warmup(*args, grid=(1,), **kw), kw["num_warps"])
-        except Exception:  # noqa: BLE001 - no compiled kernel's resources: the estimate, 255 registers
-            fit = min(65536 // (256 * 32 * kw["num_warps"]), (228 * 1024) // (smem_estimate + 1024))
+            fit = fit_per_sm(kernel.warmup(*args, grid=(1,), **kw), kw["num_warps"])
+        except Exception:  # noqa: BLE001 - no compiled kernel's resources
+            fit = estimate
         _RESIDENT[key] = max(1, min(4, fit))
     return _RESIDENT[key]
 
@@ -362,10 +373,7 @@ def rotate_quantize_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, s
     instead of 80). ``pow2_mul``: power-of-two descales cast with one multiply by
     (1/sqrt(d)) / descale (exact) instead of the corrected division. ``progs_per_sm`` defaults to
     what the compiled kernel's registers and shared memory fit."""
-    if layout == "bshd":
-        b, n, h, d = x.shape
-    else:
-        b, h, n, d = x.shape
+    b, h, n, d = _dims(x, layout)
     if parts not in (2, 4):
         raise UsageError(f"parts={parts}: the split rotation takes 2 or 4 column parts")
     tile, pw = _TILE, d // parts
@@ -400,7 +408,9 @@ def rotate_quantize_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, s
     nu = parts + 2 * parts * (sub - 1) if short else 2 * parts * sub
     in_ring = short and stage_in_ring  # the FP8 staging tiles in the short last sub-tile's units
     smem = nu * unit * pw * 2 + (0 if in_ring else parts * tile * pw) + parts * pw * pw * 2 + 1024
-    pps = progs_per_sm or _resident(args, kw, smem)
+    # without a compiled kernel's resources: 255 registers a thread and the shared memory above
+    est = min(65536 // (256 * 32 * kw["num_warps"]), (228 * 1024) // (smem + 1024))
+    pps = progs_per_sm or resident(_rq_block_smem, args, kw, est)
     grid = (_programs(x.device, total, pps),)
     _rq_block_smem[grid](*args, **kw)
     return (f"gluon smem tile{tile} x{sub}{' short-last' if short else ''}{' keep-last' if keep_last else ''}"

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from .rotate_quant import _programs, fit_per_sm
+from .rotate_quant import _dims, _programs
+from .rotate_quant_smem import _MAX_ROWS, _view3, hopper_bf16_problem, resident
 
 try:  # Gluon ships with triton >= 3.5; absent, vsmem_problem says so
     from triton.experimental import gluon
@@ -35,7 +36,6 @@ except ImportError:  # pragma: no cover - exercised where triton is absent or ol
     gluon = gl = None
 
 _UNIT = 32  # rows of a ring unit: 8 KB of BF16 at head_dim 128, 4 KB of FP8 staged
-_MAX_ROWS = 512  # 128 KB of ring; a Hopper program has at most 227 KB of shared memory
 
 
 if gluon is not None:
@@ -113,12 +113,9 @@ if gluon is not None:
 
 def vsmem_problem(x: torch.Tensor, layout: str, out_layout: str, rows: int, d: int, n: int) -> str | None:
     """Why this kernel cannot run a case, or None."""
-    if gluon is None:
-        return "the shared-memory V kernel needs Gluon (triton >= 3.5)"
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
-        return "the shared-memory V kernel is written for Hopper (sm_90: TMA)"
-    if x.dtype != torch.bfloat16:
-        return "the shared-memory V kernel reads BF16 inputs"
+    why = hopper_bf16_problem(x, "the shared-memory V kernel", "TMA")
+    if why:
+        return why
     if layout not in ("bshd", "bhsd") or out_layout != "bhds":
         return "the shared-memory V kernel reads rows of head_dim and writes (b, h, d, s)"
     if d != 128:
@@ -134,9 +131,6 @@ def vsmem_problem(x: torch.Tensor, layout: str, out_layout: str, rows: int, d: i
     return None
 
 
-_RESIDENT: dict = {}
-
-
 def quantize_v_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, *, layout: str, rows: int, pow2: bool,
                     fmt_max: float, progs_per_sm: int = 0, head_fast: bool | None = None,
                     pow2_mul: bool = True) -> str:
@@ -146,12 +140,7 @@ def quantize_v_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, *, lay
     memory fit (3 at 224 rows: 56 KB of ring, 8 KB of staging and the layout change's scratch).
     ``pow2_mul``: power-of-two descales cast with one multiply by the reciprocal (exact) instead of
     the corrected division."""
-    from .rotate_quant_smem import _view3
-
-    if layout == "bshd":
-        b, n, h, d = x.shape
-    else:
-        b, h, n, d = x.shape
+    b, h, n, d = _dims(x, layout)
     u = _UNIT
     sub = rows // u
     nblk = -(-n // rows)
@@ -168,15 +157,10 @@ def quantize_v_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, *, lay
     args = (xd, yd, desc, desc.stride(0), desc.stride(1), desc.stride(2), h, n, rows, nblk, total, xob, xoh, xch)
     kw = dict(U=u, D=d, SUB=sub, POW2=bool(pow2), MUL=bool(pow2 and pow2_mul), FMT_MAX=float(fmt_max),
               HEAD_FAST=bool(head_fast), num_warps=4)
-    key = tuple(sorted(kw.items()))
     if not progs_per_sm:
-        if key not in _RESIDENT:
-            try:
-                fit = fit_per_sm(_vq_block_smem.warmup(*args, grid=(1,), **kw), 4)
-            except Exception:  # noqa: BLE001 - no compiled kernel's resources: the shared-memory estimate
-                fit = (228 * 1024) // (sub * u * d * 2 + 2 * d * u + u * d + 2048)
-            _RESIDENT[key] = max(1, min(4, fit))
-        progs_per_sm = _RESIDENT[key]
+        # without a compiled kernel's resources: the ring, the staging tiles and the conversion's scratch
+        est = (228 * 1024) // (sub * u * d * 2 + 2 * d * u + u * d + 2048)
+        progs_per_sm = resident(_vq_block_smem, args, kw, est)
     grid = (_programs(x.device, total, progs_per_sm),)
     _vq_block_smem[grid](*args, **kw)
     return (f"gluon smem-v unit{u} x{sub} w4 pps{progs_per_sm}{' pow2-mul' if kw['MUL'] else ''}"
