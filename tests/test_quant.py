@@ -215,12 +215,14 @@ def test_int_gemm_is_exact_and_float32_accumulation_of_codes_is_too(x, fmt):
 
 def test_float32_exactness_bound_and_int32_overflow_refusal():
     assert float32_gemm_is_exact(1040, "int8", "int8") and not float32_gemm_is_exact(1041, "int8", "int8")
-    # past the bound a float32 sum of codes really can round
+    # past the bound a float32 sum of codes really can round: a running float32 sum, one product
+    # at a time (a BLAS is free to block or pair its sums, and some do this one exactly)
     k = 2048
-    a = torch.full((1, k), 127.0)
-    b = torch.full((k, 1), 127.0)
-    b[-1, 0] = 1.0
-    assert torch.matmul(a, b).item() != 127 * 127 * (k - 1) + 127
+    prods = np.full(k, 127 * 127, dtype=np.float32)
+    prods[-1] = 127
+    exact = 127 * 127 * (k - 1) + 127
+    assert np.cumsum(prods, dtype=np.float32)[-1] != exact
+    assert np.cumsum(prods[:1040], dtype=np.float32)[-1] == 127 * 127 * 1040  # within the bound: exact
     big = torch.full((1, 200_000), 127, dtype=torch.int64)
     with pytest.raises(UsageError, match="overflow"):
         int_matmul(big, big.T)

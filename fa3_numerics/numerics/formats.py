@@ -25,8 +25,8 @@ not in it, so a recipe cannot name them before the emulator handles their block 
 - E8M0 (the MX scale: 8 exponent bits, no sign, no mantissa, no zero; 2^-127 .. 2^127,
   code 0xFF is NaN). It is not a sign/exponent/mantissa format, so it has functions instead
   of a ``Format`` row: ``round_to_e8m0`` with the rounding modes the hardware has (``rz``,
-  ``rp``: PTX ``cvt.{rz,rp}.satfinite.ue8m0x2.f32``) and ml_dtypes' nearest rounding
-  (``rn``), used to check the encoding against an independent implementation.
+  ``rp``: PTX ``cvt.{rz,rp}.satfinite.ue8m0x2.f32``) and round-to-nearest (``rn``), which no
+  hardware offers and no recipe uses.
 """
 
 from __future__ import annotations
@@ -255,22 +255,20 @@ def round_to_e8m0(x: torch.Tensor, mode: str = "rn") -> torch.Tensor:
     - ``rz``: toward zero, 2^floor(log2 x); ``rp``: up, 2^ceil(log2 x). Both exact on the
       input's value (float32 or float64) and saturating to [2^-127, 2^127] like PTX's
       ``cvt.rz/rp.satfinite.ue8m0x2.f32`` (+inf gives 2^127).
-    - ``rn``: nearest as ml_dtypes' ``float8_e8m0fnu`` rounds, which no hardware offers; kept
-      to check the encoding against that independent implementation. Its rule, stated on
-      the float32 bits (float64 inputs are first rounded to float32, as ml_dtypes does): a
-      normal input rounds its 23 fraction bits away, halves up (1.5 * 2^k -> 2^(k+1)), and
-      overflow past 2^127 is NaN; a float32 subnormal gives 2^-126 when above 2^-127 and
-      2^-127 otherwise (E8M0 has no zero).
+    - ``rn``: to the nearest power of two by value, once, from the input's own precision
+      (float64 is not rounded to float32 first). Between 2^k and 2^(k+1) the midpoint is
+      1.5 * 2^k; a tie goes up, since E8M0 has no mantissa whose evenness could decide it
+      (ml_dtypes 0.7's ``float8_e8m0fnu`` cast rounds the same way). Everything below 2^-127,
+      float32 subnormals included, is nearest to 2^-127 (E8M0 has no zero); from the midpoint
+      1.5 * 2^127 on the value is past the top and, as E8M0 has no infinity, NaN.
     """
     if mode == "rn":
-        x32 = x.to(torch.float32)
-        bits = x32.view(torch.int32)
-        exp = (bits >> 23) & 0xFF
-        frac = bits & 0x7FFFFF
-        half = 0x400000
-        code = torch.where(exp > 0, exp + (frac >= half).to(exp.dtype), (frac > half).to(exp.dtype))
-        bad = torch.isnan(x32) | torch.isinf(x32) | (x32 <= 0) | (code >= 255)
-        return torch.where(bad, torch.full_like(x32, torch.nan), decode_e8m0(code.clamp(0, 254)))
+        x64 = x.to(torch.float64)  # exact for float32 inputs, subnormals included
+        m, e = torch.frexp(x64)  # x = m * 2^e, 0.5 <= m < 1 for finite x > 0
+        k = e.to(torch.int64) - 1 + (m >= 0.75).to(torch.int64)  # 2m >= 1.5: nearer 2^(k+1)
+        bad = torch.isnan(x64) | torch.isinf(x64) | (x64 <= 0) | (k > E8M0_MAX_EXP)
+        v = decode_e8m0((k.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP) + 127).to(torch.uint8))
+        return torch.where(bad, torch.full_like(v, torch.nan), v)
     if mode not in ("rz", "rp"):
         raise ValueError(f"round_to_e8m0 mode {mode!r}: use rn, rz or rp")
     m, e = torch.frexp(x)  # x = m * 2^e, 0.5 <= m < 1 for finite x > 0
