@@ -274,19 +274,51 @@ def test_resume_uses_finished_passes_and_recomputes_broken_ones(study, tiny):
         np.testing.assert_array_equal(ds[name].values, ds2[name].values)
 
 
-def test_one_study_per_folder(tmp_path):
-    from fa3_numerics.studies.impact_store import CellStore
+def _one_error_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
 
-    a, b = CellStore(tmp_path, {}), CellStore(tmp_path, {})
-    (tmp_path / ".cells").mkdir()
-    (tmp_path / ".cells" / ".x.npz.tmp").write_bytes(b"junk")
-    a.lock(tmp_path)
-    assert not (tmp_path / ".cells" / ".x.npz.tmp").exists()  # a killed run's temp file is cleaned up
-    with pytest.raises(UsageError, match="another impact study is writing"):
-        b.lock(tmp_path)
-    a.unlock()
-    b.lock(tmp_path)
-    b.unlock()
+
+def test_impact_refuses_a_folder_another_command_holds(tiny, tmp_path, capsys):
+    from fa3_numerics.engine.files import OutputFolder
+
+    out = tmp_path / "o"
+    (out / "figures").mkdir(parents=True)
+    with OutputFolder(out):  # the lock `run`, `run ablation`, `audit`, `report` and `validate` take
+        code, _, err = run_cli(["impact", "--model", str(tiny), "--tokens", "32", "--variants", "exact",
+                                "--no-sweep", "--decode", "none", "--no-baselines", "--out", str(out)], capsys)
+    assert code == 2 and "another fa3-numerics process is writing" in _one_error_line(err)
+    assert sorted(p.name for p in out.iterdir()) == ["figures"]  # nothing written, no .cells
+
+
+def test_no_command_writes_into_a_folder_impact_holds(tiny, tmp_path, capsys):
+    # While the study runs and while its files are written (``then``), `run outliers` and a
+    # second impact into the same folder stop at once with one line, exit 2.
+    out = tmp_path / "o"
+    (out / ".cells").mkdir(parents=True)
+    (out / ".cells" / ".x.npz.tmp").write_bytes(b"junk")  # what a killed study leaves
+    seen = {}
+
+    def meanwhile(ds):
+        seen["temp left"] = (out / ".cells" / ".x.npz.tmp").exists()
+        seen["run"] = run_cli(["run", "outliers", "--seqlen", "64", "--heads", "2", "--batch", "1", "--rows", "16",
+                               "--variants", "fa3-fp8", "--out", str(out)], capsys)
+        seen["impact"] = run_cli(["impact", "--model", str(tiny), "--tokens", "32", "--variants", "exact",
+                                  "--no-sweep", "--decode", "none", "--no-baselines", "--out", str(out)], capsys)
+
+    impact(model=str(tiny), tokens=32, variants="exact", sweep=False, decode="none", baselines=False, out=out,
+           progress=QUIET, then=meanwhile)
+    assert seen["temp left"] is False  # cleaned once the study held the folder
+    for command in ("run", "impact"):
+        code, _, err = seen[command]
+        assert code == 2 and "another fa3-numerics process is writing" in _one_error_line(err), command
+    assert not (out / "outliers.nc").exists() and not (out / "report.md").exists()
+    # Released at the end: the next command gets the folder.
+    from fa3_numerics.engine.files import OutputFolder
+
+    with OutputFolder(out):
+        pass
 
 
 # ------------------------------------------------------------------------------------------

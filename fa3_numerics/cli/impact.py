@@ -73,12 +73,18 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         formats = parse_formats(format)
         require(str(out).strip() != "", "--out is empty; pass a folder, e.g. --out results/impact")
         require(not out.exists() or out.is_dir(), f"--out {out} is a file; pass a folder")
+        written = []
+
+        def write_files(ds) -> None:  # the study still holds --out while its files are written
+            written.append(write(ds, out / "impact.nc"))
+            written.extend(render_impact(ds, out, formats))
+
         ds = impact(model=model, text=text, tokens=tokens, variants=variants, backend=backend, device=device,
                     layers=layers, sweep=sweep, recipe_maps=recipe_map or (), budget_kl=budget_kl,
                     budget_stat=budget_stat, budget_runs=budget_runs, decode=decode, baselines=baselines,
-                    audit=audit, check_prefix=check_prefix, sweep_acc=sweep_acc, seed=seed, out=out)
-        nc = write(ds, out / "impact.nc")
-        paths = render_impact(ds, out, formats)
+                    audit=audit, check_prefix=check_prefix, sweep_acc=sweep_acc, seed=seed, out=out,
+                    then=write_files)
+        nc, paths = written[0], written[1:]
         _print_summary(ds)
         typer.echo(f"wrote {nc}, " + ", ".join(str(p) for p in paths if p.suffix != ".png")
                    + f" ({time.perf_counter() - t0:.0f} s)")
@@ -97,15 +103,16 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
     ) -> None:
         """Render report.md / report.html of a saved impact dataset, as `impact` does."""
         from ..cli.report import parse_formats
-        from ..errors import require
+        from ..engine.files import OutputFolder
         from ..report.impact import render_impact
         from ..studies.impact_dataset import read_impact
 
         formats = parse_formats(format)
-        target = out if out is not None else dataset.parent
-        require(not target.exists() or target.is_dir(), f"--out {target} is a file; pass a folder")
-        for p in render_impact(read_impact(dataset), target, formats):
-            typer.echo(f"wrote {p}")
+        folder = OutputFolder(out if out is not None else dataset.parent, "--out")
+        ds = read_impact(dataset)
+        with folder as target:  # held as every command holds its folder
+            for p in render_impact(ds, target, formats):
+                typer.echo(f"wrote {p}")
 
 
 def _print_summary(ds) -> None:

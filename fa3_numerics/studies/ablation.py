@@ -370,7 +370,8 @@ def tasks(ab: Ablation) -> tuple[list[Task], list[tuple[int, int, int, int, int]
             continue
         for si, seed in enumerate(ab.seeds):
             key = functools.partial(cache_key, data.dist, cell, seed, batch=ab.batch, heads=ab.heads,
-                                    kv_heads=ab.heads, rows=ab.rows, backend=ab.backend, device=ab.device)
+                                    kv_heads=ab.heads, rows=ab.rows, backend=ab.backend, device=ab.device,
+                                    study=(__name__,))
             inputs = DistInputs(data.dist, tuple(params.items()), ab.batch, ab.heads, ab.heads, n, d, seed)
             out.append(Task(inputs, causal, seed, ab.rows, ab.backend, ab.device,
                             [Job(vi, r, key(r.spec())) for vi, r in todo], key("hist"),

@@ -34,6 +34,7 @@ dataset is assembled by ``fa3_numerics.studies.impact_dataset``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -151,9 +152,11 @@ def impact(*, model: str = "smollm2", text: str | Path | None = None, tokens: in
            budget_kl: float | None = None, budget_stat: str = "mean", budget_runs: int = 4,
            decode=DEFAULT_DECODE, baselines: bool = True, audit: bool = True, check_prefix: int = 2,
            sweep_acc: str = "auto", seed: int = 0, out: str | Path | None = None,
-           progress: Callable[[str], None] = _stderr):
-    """Run the study (module docstring) and return its xarray Dataset; ``out`` keeps finished passes."""
+           progress: Callable[[str], None] = _stderr, then: Callable | None = None):
+    """Run the study (module docstring) and return its xarray Dataset; ``out`` keeps finished passes.
+    ``then(ds)`` runs while ``out`` is still held (the CLI writes the dataset and reports there)."""
     from ..data import capture as cap
+    from ..engine.files import OutputFolder
     from .impact_budget import check_map_layers, parse_recipe_map
     from .impact_store import CellStore, code_version
 
@@ -188,9 +191,7 @@ def impact(*, model: str = "smollm2", text: str | Path | None = None, tokens: in
     src_text, text_source = cap.read_text(text) if text is not None else cap.default_text()
     src = cap.resolve_model(model)
     cap.require_capture_deps(gguf=src.gguf_file is not None)
-    out_dir = Path(out) if out is not None else None
-    if out_dir is not None:
-        require(not out_dir.exists() or out_dir.is_dir(), f"--out {out_dir} is a file; pass a folder")
+    folder = OutputFolder(out, "--out") if out is not None else contextlib.nullcontext()  # checked now, held later
 
     # -- model and tokens ---------------------------------------------------------------------
     if device.startswith("cuda"):
@@ -213,12 +214,15 @@ def impact(*, model: str = "smollm2", text: str | Path | None = None, tokens: in
 
     # -- cache, lock, reference ---------------------------------------------------------------
     context = {"model_sha256": cap.model_sha256(src), "token_ids_sha256": cap.token_ids_sha256(input_ids),
-               "backend": backend, "device": device.split(":")[0], "seed": seed, "code": code_version(),
+               "backend": backend, "device": device.split(":")[0], "seed": seed,
+               "code": code_version(backend, device, text),
                "torch": torch.__version__, "transformers": __import__("transformers").__version__}
-    store = CellStore(out_dir, context, warn=progress)
-    if out_dir is not None:
-        store.lock(out_dir)
-    try:
+    # The folder is held as every command holds its --out (created, locked, cleared of a killed
+    # run's temp files) until the end, ``then`` included: no other command writes into it meanwhile.
+    with folder as out_dir:
+        if getattr(folder, "cleaned", None):
+            progress(f"removed {len(folder.cleaned)} temp file(s) of an interrupted run")
+        store = CellStore(out_dir, context, warn=progress)
         runner = ModelRunner(m, input_ids, backend=be, device=device, seed=seed)
         progress(f"reference pass: {num_layers} layers of float64 attention over {tokens} tokens")
         t0 = time.perf_counter()
@@ -239,20 +243,20 @@ def impact(*, model: str = "smollm2", text: str | Path | None = None, tokens: in
         if budget_kl is not None:
             budget = _budget(runner, ref, store, recipes, budget_recipes, results, num_layers, budget_kl,
                              budget_stat, budget_runs, progress)
-    finally:
-        store.unlock()
 
-    from .impact_dataset import assemble
+        from .impact_dataset import assemble
 
-    info = {"model": src, "model_sha256": context["model_sha256"], "text": src_text, "text_source": text_source,
-            "input_ids": input_ids, "tokenizer": tok, "backend": backend, "device": device, "seed": seed,
-            "sweep_layers": sweep_layers, "modes": modes, "num_layers": num_layers, "ref_ppl": ref_ppl,
-            "times": {"load": t_load, "reference": t_ref, "total": time.perf_counter() - t_start},
-            "check_prefix": check_prefix, "code": context["code"], "config": m.config,
-            "architecture": ",".join(getattr(m.config, "architectures", None) or [type(m).__name__])}
-    info["sweep_acc"] = sweep_acc
-    ds = assemble(info, ref, recipes, dec, map_layers, results, audit_ds, budget, swept)
-    return ds
+        info = {"model": src, "model_sha256": context["model_sha256"], "text": src_text, "text_source": text_source,
+                "input_ids": input_ids, "tokenizer": tok, "backend": backend, "device": device, "seed": seed,
+                "sweep_layers": sweep_layers, "modes": modes, "num_layers": num_layers, "ref_ppl": ref_ppl,
+                "times": {"load": t_load, "reference": t_ref, "total": time.perf_counter() - t_start},
+                "check_prefix": check_prefix, "code": context["code"], "config": m.config,
+                "architecture": ",".join(getattr(m.config, "architectures", None) or [type(m).__name__])}
+        info["sweep_acc"] = sweep_acc
+        ds = assemble(info, ref, recipes, dec, map_layers, results, audit_ds, budget, swept)
+        if then is not None:
+            then(ds)
+        return ds
 
 
 def _plan_cells(recipes, swept, dec, map_layers, sweep_layers, baselines, check_prefix, num_layers) -> list[Cell]:

@@ -157,7 +157,7 @@ def _as_list(v) -> list:
 
 def _key(exp: Experiment, cell: dict, seed: int, spec: str) -> str:
     return cache_key(exp.dist, cell, seed, spec, batch=exp.batch, heads=exp.heads, kv_heads=exp.kv_heads,
-                     rows=exp.rows, backend=exp.backend, device=exp.device)
+                     rows=exp.rows, backend=exp.backend, device=exp.device, study=(__name__,))
 
 
 def tasks(exp: Experiment) -> list[Task]:
