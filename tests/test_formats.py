@@ -320,9 +320,12 @@ def test_e8m0_rn_is_round_to_nearest_on_every_input_class():
 
 
 def test_e8m0_rn_agrees_with_ml_dtypes_on_normal_float32():
-    """Normal float32 inputs: the class on which every admitted ml_dtypes rounds to nearest."""
+    """Normal float32 inputs that are not ties: the class on which every admitted ml_dtypes
+    rounds to nearest alike (0.5 sends a tie 1.5 * 2^k to the even code, 0.6 and 0.7 up, as
+    here; the exact reference above judges the ties)."""
     x = e8m0_input_classes()
-    x = x[(np.abs(x) >= np.finfo(np.float32).tiny) | ~np.isfinite(x)]
+    tie = (x.view(np.uint32) & 0x7FFFFF) == 0x400000
+    x = x[((np.abs(x) >= np.finfo(np.float32).tiny) | ~np.isfinite(x)) & ~tie]
     with np.errstate(invalid="ignore", over="ignore"):
         ref = torch.from_numpy(x.astype(E8).view(np.uint8).copy())
     assert torch.equal(encode_e8m0(round_to_e8m0(torch.from_numpy(x), "rn")), ref)
