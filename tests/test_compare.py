@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import functools
+import json
 import math
 
 import numpy as np
@@ -342,3 +343,21 @@ def test_no_variants_in_common_lists_a_few_names():
     msg = str(exc.value)
     assert "B has 200: v0-0, v1-0, v0-1, v1-1, v0-2 and 195 more" in msg and "v1-99" not in msg
     assert "A has 2: fa3-fp8, baseline-fp8;" in msg
+
+
+def test_json_output_holds_rows_warnings_and_the_gate(tmp_path, cli):
+    a = _synthetic(range(2))
+    b = a.copy(deep=True)
+    b["rmse"].loc[dict(variant="baseline-fp8")] = math.inf
+    pa, pb = write(a, tmp_path / "a.nc"), write(b.assign_coords(rows=64), tmp_path / "b.nc")
+    rc, out, err = cli("compare", pa, pb, "--fail-above", "1.1", "--json")
+    assert rc == 1, err  # the gate's exit code, as without --json
+    doc = json.loads(out, parse_constant=lambda name: pytest.fail(f"non-standard JSON {name}"))
+    assert doc["a"] == str(pa) and doc["metric"] == "rmse" and doc["paired"] is True
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert rows["baseline-fp8"]["ratio"] == "inf" and rows["baseline-fp8"]["ratio_lo"] is None
+    assert rows["fa3-fp8"]["ratio"] == pytest.approx(1.0)
+    assert doc["differs"] == ["rows: A 32, B 64"] and doc["warnings"][0].startswith("SETTINGS DIFFER")
+    assert doc["gate"]["rule"] == "interval" and len(doc["gate"]["failed"]) == 1
+    assert doc["gate"]["failed"][0].startswith("baseline-fp8 at single cell: B/A = inf")
+    assert "FAILED: baseline-fp8" in err

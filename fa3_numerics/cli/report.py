@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from ..errors import UsageError
-from .options import ALLOW_NONFINITE_HELP, examples, finish, wrote
+from .options import ALLOW_NONFINITE_HELP, JSON_HELP, examples, finish, json_text, wrote
 
 REPORT_EXAMPLES = examples(
     "fa3-numerics report results/outliers/outliers.nc --out my-report",
@@ -23,6 +23,7 @@ COMPARE_EXAMPLES = examples(
     "fa3-numerics compare main.nc branch.nc --fail-above 1.05 --gate point   # ... when B's estimate is >5% worse",
     "fa3-numerics compare s1024.nc s2048.nc --allow-different-settings   # compare across a setting on purpose",
     "fa3-numerics compare a.nc b.nc --fail-if-not-covered --out cmp.html",
+    "fa3-numerics compare main.nc branch.nc --fail-above 1.05 --json > cmp.json   # rows, warnings, gate for a CI",
 )
 
 
@@ -92,6 +93,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             help="compare runs whose settings differ (seqlen 1024 against 2048, another distribution, sweep cells "
                  "only one run has): a warning at the top instead of an error"),
         allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=ALLOW_NONFINITE_HELP),
+        json_out: bool = typer.Option(False, "--json", help=JSON_HELP + "; exit codes as without it"),
     ):
         """The same variants of two runs side by side, with ratios B/A and whether their intervals cover 1.
 
@@ -104,7 +106,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         from ..engine.dataset import read
         from ..engine.files import atomic_write, output_file
         from ..errors import require
-        from ..report.compare import html_report, markdown_report, text_report
+        from ..report.compare import html_report, markdown_report, text_report, warnings
         from ..studies.compare import GATE_RULES, compare, findings, gate
 
         require(gate_rule in GATE_RULES, f"--gate must be {' or '.join(GATE_RULES)}, got {gate_rule!r}")
@@ -114,11 +116,19 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         da, db = read(a, ("run", "ablation", "audit")), read(b, ("run", "ablation", "audit"))
         res = compare(da, db, metric, allow_different=allow_different)
         failed = gate(res, fail_above=fail_above, fail_if_not_covered=fail_if_not_covered, rule=gate_rule)
-        typer.echo(text_report(res, da, db, str(a), str(b)))
         if dest is not None:
             render = html_report if dest.suffix.lower() in (".html", ".htm") else markdown_report
             atomic_write(dest, render(res, da, db, str(a), str(b)))
-            typer.echo("\n" + wrote([dest]))
+        if json_out:
+            typer.echo(json_text({
+                "a": str(a), "b": str(b), **res, "warnings": warnings(res), "findings": findings(res),
+                "gate": {"fail_above": fail_above, "rule": gate_rule, "fail_if_not_covered": fail_if_not_covered,
+                         "failed": failed},
+                "written": [str(dest)] if dest is not None else []}))
+        else:
+            typer.echo(text_report(res, da, db, str(a), str(b)))
+            if dest is not None:
+                typer.echo("\n" + wrote([dest]))
         for line in failed:
             typer.echo(f"FAILED: {line}", err=True)
         finish(findings(res), allow_nonfinite, lambda m: typer.echo(m, err=True))
