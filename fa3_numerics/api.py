@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 import time
 import warnings
 from typing import Callable, Iterable
@@ -121,13 +122,16 @@ def _bhsd(q, k, v, layout: str | None) -> tuple[torch.Tensor, torch.Tensor, torc
     require(min(n, nk) >= 1 and b >= 1 and hk >= 1, f"empty tensors: {shapes}; give at least one query and key")
     require(h % hk == 0, f"Q's {h} heads are not a multiple of K/V's {hk} heads: {shapes}{hint}")
     check_head_dim(d)
-    return (*(t.to(torch.float64) for t in (q, k, v)), layout)
+    # detached: the emulator is not differentiable, and a graph would hold every intermediate
+    return (*(t.detach().to(torch.float64) for t in (q, k, v)), layout)
 
 
 def _scale(softmax_scale, head_dim: int) -> float | None:
+    import numpy as np
+
     if softmax_scale is None:
         return None
-    ok = isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
+    ok = isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, (bool, np.bool_))
     require(ok and math.isfinite(softmax_scale) and softmax_scale > 0,
             f"softmax_scale must be a positive finite number (None: 1/sqrt(head_dim) = {head_dim ** -0.5:.6g}), "
             f"got {softmax_scale!r}")
@@ -135,13 +139,16 @@ def _scale(softmax_scale, head_dim: int) -> float | None:
 
 
 def _checked(q, k, v, layout, causal, softmax_scale, what: str):
+    import numpy as np
+
     from .engine.inputs import check_inputs, default_scale
 
     q, k, v, layout = _bhsd(q, k, v, layout)
-    require(isinstance(causal, bool), f"causal must be True or False, got {causal!r}")
+    require(isinstance(causal, (bool, np.bool_)), f"causal must be True or False, got {causal!r}")
+    causal = bool(causal)
     scale = _scale(softmax_scale, q.shape[-1])
     check_inputs(q, k, v, scale=default_scale(q.shape[-1], scale), where=what)
-    return q, k, v, layout, scale
+    return q, k, v, layout, scale, causal
 
 
 def _back(o: torch.Tensor, layout: str) -> torch.Tensor:
@@ -166,7 +173,7 @@ def emulate(q, k, v, recipe="fa3-fp8", *, layout: str | None = None, causal: boo
     from .numerics.emulator import emulate as _emulate
 
     _, r = as_recipe(recipe)
-    q, k, v, layout, scale = _checked(q, k, v, layout, causal, softmax_scale, "emulate")
+    q, k, v, layout, scale, causal = _checked(q, k, v, layout, causal, softmax_scale, "emulate")
     check_seed(seed, "seed")
     return _back(_emulate(r, q, k, v, causal=causal, softmax_scale=scale, rotation_seed=seed), layout)
 
@@ -177,7 +184,7 @@ def reference(q, k, v, *, layout: str | None = None, causal: bool = False,
     caller's layout: what every error of this package is measured against."""
     from .numerics.reference import reference_attention
 
-    q, k, v, layout, scale = _checked(q, k, v, layout, causal, softmax_scale, "reference")
+    q, k, v, layout, scale, causal = _checked(q, k, v, layout, causal, softmax_scale, "reference")
     return _back(reference_attention(q, k, v, causal=causal, softmax_scale=scale), layout)
 
 
@@ -206,7 +213,7 @@ def evaluate(q, k, v, variants=None, *, layout: str | None = None, causal: bool 
 
     t0 = time.perf_counter()
     recipes = _recipes(list(TABLE3) if variants is None else variants)
-    q, k, v, layout_in, scale = _checked(q, k, v, layout, causal, softmax_scale, "evaluate")
+    q, k, v, layout_in, scale, causal = _checked(q, k, v, layout, causal, softmax_scale, "evaluate")
     require(isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0,
             f"rows must be an integer >= 0 (0 = every query row), got {rows!r}")
     check_seed(seed, "seed")

@@ -111,6 +111,14 @@ def test_gqa_heads_read_the_kv_head_they_belong_to():
     assert not torch.equal(o, fa3n.emulate(q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), "fa3-fp8"))
 
 
+def test_tensors_that_require_grad_are_read_not_differentiated():
+    q, k, v = _qkv()
+    want = fa3n.evaluate(q, k, v, ["fa3-fp8"])["rmse"].values
+    got = fa3n.evaluate(q.requires_grad_(), k, v, ["fa3-fp8"])["rmse"].values
+    assert np.array_equal(got, want)
+    assert not fa3n.emulate(q, k, v).requires_grad
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64, "numpy"])
 def test_any_float_dtype_is_widened_exactly(dtype):
     q, k, v = (t.to(torch.bfloat16) for t in _qkv())  # values every dtype below holds exactly
