@@ -49,6 +49,7 @@ def build_app() -> typer.Typer:
         add_completion=False,
         pretty_exceptions_enable=False,
     )
+    app.callback()(_options)
     run_app = typer.Typer(help="Run an experiment and write its dataset and summary.", no_args_is_help=True)
     app.add_typer(run_app, name="run")
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
@@ -61,6 +62,22 @@ def build_app() -> typer.Typer:
         for cmd in typer_app.registered_commands:
             cmd.callback = _interruptible(cmd.callback)
     return app
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        typer.echo(f"fa3-numerics {__version__}")
+        raise typer.Exit(0)
+
+
+def _options(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="print the version and exit"),
+) -> None:
+    # Options of the program itself, before any command (typer's app callback).
+    pass
 
 
 @functools.lru_cache(maxsize=1)

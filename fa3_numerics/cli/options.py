@@ -2,7 +2,7 @@
 
 Exposed: ``parse_list``, ``with_options``, ``option``, ``dist_options``, ``factor_options``,
 ``factor_flag``, ``examples``, ``toml_default``, ``experiment_toml``, ``wrote``, ``ALLOW_NONFINITE_HELP``,
-``finish``.
+``finish``, ``JSON_HELP``, ``json_text``.
 
 ``dist_options`` makes one ``--NAME`` option per parameter of every registered distribution
 (its help from the registry, a comma list sweeps), and ``factor_options`` one per registered
@@ -171,6 +171,32 @@ def factor_options() -> list[inspect.Parameter]:
     return out
 
 
+JSON_HELP = "print one JSON document on stdout instead of the text (NaN as null, infinities as \"inf\"/\"-inf\")"
+
+
+def json_text(obj) -> str:
+    """``obj`` as strict JSON (RFC 8259 has no NaN or Infinity): NaN becomes null and +-inf the
+    strings "inf" / "-inf", NumPy scalars and arrays plain numbers and lists, tuples lists, and
+    anything else (paths, recipe objects) its ``str``."""
+    import json
+    import math
+
+    def plain(x):
+        if isinstance(x, dict):
+            return {str(k): plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        if hasattr(x, "tolist"):  # NumPy scalars and arrays
+            return plain(x.tolist())
+        if isinstance(x, float) and not math.isfinite(x):
+            return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        return str(x)
+
+    return json.dumps(plain(obj), indent=1, ensure_ascii=False, allow_nan=False)
+
+
 def finish(findings, allow: bool, echo: Callable[[str], None]) -> None:
     """End a command after its files are written: warn about non-finite results, exit 3 unless allowed."""
     from ..engine.nonfinite import enforce, warn
@@ -180,4 +206,4 @@ def finish(findings, allow: bool, echo: Callable[[str], None]) -> None:
 
 
 __all__ = ["parse_list", "with_options", "option", "dist_options", "factor_options", "factor_flag", "examples",
-           "toml_default", "experiment_toml", "wrote", "ALLOW_NONFINITE_HELP", "finish"]
+           "toml_default", "experiment_toml", "wrote", "ALLOW_NONFINITE_HELP", "finish", "JSON_HELP", "json_text"]

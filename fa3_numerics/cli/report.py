@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from ..errors import UsageError
-from .options import ALLOW_NONFINITE_HELP, examples, finish, wrote
+from .options import ALLOW_NONFINITE_HELP, JSON_HELP, examples, finish, json_text, wrote
 
 REPORT_EXAMPLES = examples(
     "fa3-numerics report results/outliers/outliers.nc --out my-report",
@@ -19,8 +19,11 @@ REPORT_EXAMPLES = examples(
 COMPARE_EXAMPLES = examples(
     "fa3-numerics compare cpu/outliers.nc gpu/outliers.nc",
     "fa3-numerics compare reports/outliers/default/outliers.nc reports/h200/table3_hardware.nc   # emulator vs FA3",
-    "fa3-numerics compare main.nc branch.nc --fail-above 1.05      # CI: exit 1 when B is 5% worse anywhere",
+    "fa3-numerics compare main.nc branch.nc --fail-above 1.05      # CI: exit 1 when B is surely >5% worse anywhere",
+    "fa3-numerics compare main.nc branch.nc --fail-above 1.05 --gate point   # ... when B's estimate is >5% worse",
+    "fa3-numerics compare s1024.nc s2048.nc --allow-different-settings   # compare across a setting on purpose",
     "fa3-numerics compare a.nc b.nc --fail-if-not-covered --out cmp.html",
+    "fa3-numerics compare main.nc branch.nc --fail-above 1.05 --json > cmp.json   # rows, warnings, gate for a CI",
 )
 
 
@@ -76,41 +79,61 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                                                      "self-contained page when it ends in .html"),
         fail_above: Optional[float] = typer.Option(
             None, "--fail-above", metavar="RATIO",
-            help="exit 1 when any B/A ratio of an error metric exceeds RATIO (e.g. 1.05: B may be at most 5% worse)"),
+            help="exit 1 when B/A of an error metric exceeds RATIO (e.g. 1.05: B may be at most 5% worse) by the "
+                 "--gate rule; an infinite B/A always fails"),
+        gate_rule: str = typer.Option(
+            "interval", "--gate", metavar="interval|point",
+            help="--fail-above rule: interval fails a row when the whole 95% interval of B/A lies above RATIO "
+                 "(two runs of the same code on different seeds pass); point when the point estimate does"),
         fail_if_not_covered: bool = typer.Option(
             False, "--fail-if-not-covered",
             help="exit 1 when any ratio's 95% interval excludes 1 (the runs differ beyond sampling noise)"),
+        allow_different: bool = typer.Option(
+            False, "--allow-different-settings",
+            help="compare runs whose settings differ (seqlen 1024 against 2048, another distribution, sweep cells "
+                 "only one run has): a warning at the top instead of an error"),
         allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=ALLOW_NONFINITE_HELP),
+        json_out: bool = typer.Option(False, "--json", help=JSON_HELP + "; exit codes as without it"),
     ):
         """The same variants of two runs side by side, with ratios B/A and whether their intervals cover 1.
 
         Hardware variants named BACKEND:VARIANT (fa3:..., triton:..., sdpa-math:...) are matched to
-        the variant that runs the same recipe. Settings that differ are a warning at the top.
+        the variant that runs the same recipe. Runs whose settings differ are refused unless
+        --allow-different-settings (then a warning at the top names every difference).
         Exit codes: 0 passed, 1 a --fail-above / --fail-if-not-covered gate failed, 2 bad input,
         3 non-finite results.
         """
         from ..engine.dataset import read
         from ..engine.files import atomic_write, output_file
         from ..errors import require
-        from ..report.compare import html_report, markdown_report, text_report
-        from ..studies.compare import compare, findings, gate
+        from ..report.compare import html_report, markdown_report, text_report, warnings
+        from ..studies.compare import GATE_RULES, compare, findings, gate
 
+        require(gate_rule in GATE_RULES, f"--gate must be {' or '.join(GATE_RULES)}, got {gate_rule!r}")
         if fail_above is not None:
             require(fail_above > 0 and fail_above == fail_above, f"--fail-above must be a positive ratio, got {fail_above}")
         dest = output_file(out) if out is not None else None
         da, db = read(a, ("run", "ablation", "audit")), read(b, ("run", "ablation", "audit"))
-        res = compare(da, db, metric)
-        failed = gate(res, fail_above=fail_above, fail_if_not_covered=fail_if_not_covered)
-        typer.echo(text_report(res, da, db, str(a), str(b)))
+        res = compare(da, db, metric, allow_different=allow_different)
+        failed = gate(res, fail_above=fail_above, fail_if_not_covered=fail_if_not_covered, rule=gate_rule)
         if dest is not None:
             render = html_report if dest.suffix.lower() in (".html", ".htm") else markdown_report
             atomic_write(dest, render(res, da, db, str(a), str(b)))
-            typer.echo("\n" + wrote([dest]))
+        if json_out:
+            typer.echo(json_text({
+                "a": str(a), "b": str(b), **res, "warnings": warnings(res), "findings": findings(res),
+                "gate": {"fail_above": fail_above, "rule": gate_rule, "fail_if_not_covered": fail_if_not_covered,
+                         "failed": failed},
+                "written": [str(dest)] if dest is not None else []}))
+        else:
+            typer.echo(text_report(res, da, db, str(a), str(b)))
+            if dest is not None:
+                typer.echo("\n" + wrote([dest]))
         for line in failed:
             typer.echo(f"FAILED: {line}", err=True)
         finish(findings(res), allow_nonfinite, lambda m: typer.echo(m, err=True))
         if failed:
-            gates = ([f"--fail-above {fail_above:g}"] if fail_above is not None else []) + \
+            gates = ([f"--fail-above {fail_above:g} (--gate {gate_rule})"] if fail_above is not None else []) + \
                 (["--fail-if-not-covered"] if fail_if_not_covered else [])
             typer.echo(f"error: {len(failed)} comparison(s) failed the gate {' and '.join(gates)}", err=True)
             raise typer.Exit(1)

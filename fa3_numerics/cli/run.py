@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from .options import ALLOW_NONFINITE_HELP, dist_options, examples, experiment_toml, finish, parse_list, toml_default, \
-    with_options, wrote
+from .options import ALLOW_NONFINITE_HELP, JSON_HELP, dist_options, examples, experiment_toml, finish, json_text, \
+    parse_list, toml_default, with_options, wrote
 
 # option -> help; one table so the CLI's help cannot drift from what the runner reads.
 HELP = {
@@ -190,12 +190,20 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         run_and_write("outliers", overrides, out, fresh, workers, scheduler, allow_nonfinite)
 
     @app.command("variants", epilog=examples("fa3-numerics variants",
+                                             "fa3-numerics variants --json",
                                              "fa3-numerics run outliers --variants 'fa3-fp8,acc=fp22,bn=128'"))
-    def variants_cmd():
+    def variants_cmd(json_out: bool = typer.Option(False, "--json", help=JSON_HELP)):
         """List the preset variants (recipes) and every recipe key, with what each does."""
-        from ..numerics.keys import keys
+        from ..numerics.keys import fmt_value, keys
         from ..numerics.recipe import PRESETS
 
+        if json_out:
+            typer.echo(json_text({
+                "presets": [{"name": name, "description": pre.description, "spec": pre.recipe.spec(),
+                             "paper_rmse": pre.paper_rmse} for name, pre in PRESETS.items()],
+                "keys": [{"key": k.key, "default": fmt_value(k.default), "choices": k.allowed(), "help": k.help}
+                         for k in keys()]}))
+            return
         for name, pre in PRESETS.items():
             paper = f" [paper RMSE {pre.paper_rmse:g}]" if pre.paper_rmse else ""
             typer.echo(f"{name}{paper}\n    {pre.description}\n    spec: {pre.recipe.spec()}")

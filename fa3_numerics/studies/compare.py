@@ -1,6 +1,7 @@
 """Compare two runs' datasets: the same variants side by side with ratios B / A, and gates.
 
-Exposed: ``compare``, ``findings``, ``match_variants``, ``gate``, ``sample_warnings``
+Exposed: ``compare``, ``findings``, ``match_variants``, ``gate``, ``sample_warnings``, ``GATE_RULES``,
+``SettingsDiffer``
 (the rendering is ``fa3_numerics.report.compare``).
 
 For two machines, two backends, two seeds, or before/after a change.
@@ -11,18 +12,28 @@ For two machines, two backends, two seeds, or before/after a change.
   hardware variants may match one emulator variant (``sdpa-flash:fa3-fp16`` and
   ``sdpa-cudnn:fa3-fp16``): each is a row.
 - **Cells**: swept parameters are aligned by their common values (a parameter swept in one run
-  and fixed in the other is compared at the fixed value). Fixed parameters that differ (seqlen
-  512 against 8192) do not stop the comparison; they are returned in ``differs``, which the
-  rendering puts first, as a warning.
+  and fixed in the other is compared at the fixed value). Settings that differ between the runs
+  (a fixed seqlen 1024 against 2048, another distribution, cells of a sweep that only one run
+  holds) are an error (``SettingsDiffer``, a ``UsageError``) unless ``allow_different=True``
+  (``--allow-different-settings``): then they are returned in ``differs``, which the rendering
+  puts first, as a warning, and the cells only one run holds are named there, never dropped
+  silently. ``rows`` (how many query rows each sample evaluates) is a sample size, not a
+  setting: it is listed in ``differs`` but never refused.
 - **Intervals**: each side's value is the pooled metric over its (seed, batch, head) samples with
   its BCa interval (``fa3_numerics.numerics.metrics.bootstrap``); the ratio's BCa interval
   resamples both sides, *paired* when the two runs hold the same samples (same seeds, batch and
   heads: the same inputs when the data agree, so that a CPU-GPU comparison is as tight as the
   inputs allow), independently otherwise. "Covers 1" then means the runs agree within sampling
   noise.
+- **Ratios** of error metrics: B/A; +Inf when B's pooled value is infinite (or A's is 0 and B's is
+  not), 0 when A's is infinite and B's finite, 1 when both are 0.
 - **Gates** (``gate``), like pytest-benchmark's ``--benchmark-compare-fail``: ``fail_above``
-  fails a row whose ratio B/A (point estimate) exceeds it, for error metrics (larger is worse);
-  ``fail_if_not_covered`` fails a row whose ratio interval excludes 1.
+  fails a row, for error metrics (larger is worse), by one of two ``GATE_RULES``: ``interval``
+  (the default) when the whole interval of B/A lies above the threshold, so that two runs of the
+  same code on different seeds do not fail on sampling noise (a row without an interval is gated
+  on its point estimate and says so); ``point`` when the point estimate exceeds it. An infinite
+  ratio fails under both. ``fail_if_not_covered`` fails a row whose ratio interval excludes 1
+  (an infinite or zero ratio excludes it).
 
 A side whose samples hold NaN (non-finite outputs) has no value and no interval: the row says
 "non-finite (k of n samples)" and ``findings`` lists it, never a ratio over the finite rest.
@@ -43,6 +54,28 @@ from ..numerics.metrics.bootstrap import MIN_SAMPLES, bca, few_samples, pool_fn
 
 # Coordinates that describe variants or bins, not the setting of a run.
 _NOT_SETTINGS = ("variant", "spec", "paper_rmse", "abs_bin_lo", "abs_bin", "tensor", "backend")
+# Sample sizes: a difference is reported, never refused (a subsample of query rows estimates the
+# same per-sample error as every row).
+_SAMPLE_SIZES = ("rows",)
+GATE_RULES = {"interval": "the whole interval of B/A lies above the threshold",
+              "point": "the point estimate of B/A exceeds the threshold"}
+_FEW = 5  # names listed in an error before "and N more"
+
+
+class SettingsDiffer(UsageError):
+    """The two runs differ in a setting (or in the cells of a sweep); ``differs`` lists how."""
+
+    def __init__(self, differs: list[str]):
+        super().__init__(f"the runs differ in their settings ({_few(differs, sep='; ')}), so their ratios would compare "
+                         "different things; compare runs of one setting, or pass --allow-different-settings "
+                         "(allow_different=True) to compare them anyway")
+        self.differs = differs
+
+
+def _few(names: list, k: int = _FEW, sep: str = ", ") -> str:
+    """The first ``k`` names and how many more: an error line stays one readable line."""
+    shown = sep.join(str(x) for x in names[:k])
+    return shown + (f" and {len(names) - k} more" if len(names) > k else "") if names else "none"
 
 
 def _swept(ds: xr.Dataset, metric: str) -> list[str]:
@@ -119,8 +152,21 @@ def _paired(a: xr.Dataset, b: xr.Dataset, metric: str) -> bool:
     return True
 
 
-def compare(a: xr.Dataset, b: xr.Dataset, metric: str = "rmse", level: float = 0.95) -> dict:
-    """Rows (cell, variant pair) with A, B, their intervals, ratio B/A, its interval and coverage of 1."""
+def _ratio(pa: float, pb: float) -> float:
+    """B/A of two pooled values (see the module docstring for zeros and infinities)."""
+    if math.isnan(pa) or math.isnan(pb):
+        return math.nan
+    if pa == 0:
+        return 1.0 if pb == 0 else math.inf
+    return pb / pa  # inf / inf is NaN: no ratio
+
+
+def compare(a: xr.Dataset, b: xr.Dataset, metric: str = "rmse", level: float = 0.95, *,
+            allow_different: bool = False) -> dict:
+    """Rows (cell, variant pair) with A, B, their intervals, ratio B/A, its interval and coverage of 1.
+
+    Raises ``SettingsDiffer`` when the runs differ in a setting or in the cells of a sweep,
+    unless ``allow_different`` (then ``differs`` lists how)."""
     get_metric(metric)  # a registered metric, or the one-line error listing them
     for name, ds in (("A", a), ("B", b)):
         if metric not in ds:
@@ -130,20 +176,29 @@ def compare(a: xr.Dataset, b: xr.Dataset, metric: str = "rmse", level: float = 0
     vb = [str(v) for v in b["variant"].values]
     pairs = match_variants(a, b)
     if not pairs:
-        raise UsageError(f"no variants in common (A has {', '.join(va)}; B has {', '.join(vb)}); "
+        raise UsageError(f"no variants in common (A has {len(va)}: {_few(va)}; B has {len(vb)}: {_few(vb)}); "
                          "compare runs of the same variants (or BACKEND:VARIANT against VARIANT)")
     sa, sb = _swept(a, metric), _swept(b, metric)
     dims = [d for d in sa] + [d for d in sb if d not in sa]
     cell_values: dict[str, list] = {}
+    dropped: list[str] = []
     for d in dims:
         xa, xb = _values(a, d), _values(b, d)
         if not xa or not xb:
             raise UsageError(f"parameter {d!r} is swept in one dataset and absent from the other; cannot align them")
         vals = [x for x in xa if any(_same(x, y) for y in xb)]
         if not vals:
-            raise UsageError(f"no common values of {d} (A: {xa}; B: {xb}); compare runs that share a setting")
+            raise UsageError(f"no common values of {d} (A: {_few(xa)}; B: {_few(xb)}); compare runs that share a "
+                             "setting")
         cell_values[d] = vals
-    differs = _differs(a, b, dims)
+        for side, mine, other in (("A", xa, xb), ("B", xb, xa)):
+            only = [x for x in mine if not any(_same(x, y) for y in other)]
+            if only:
+                dropped.append(f"{d}={_few(only)} only in {side} (not compared)")
+    differs = _differs(a, b, dims) + dropped
+    refused = [x for x in differs if x.split(":")[0] not in _SAMPLE_SIZES]
+    if refused and not allow_different:
+        raise SettingsDiffer(refused)
     spec_a, spec_b = _specs(a), _specs(b)
     paired = _paired(a, b, metric)
     rule = pool_rule(metric)
@@ -158,14 +213,17 @@ def compare(a: xr.Dataset, b: xr.Dataset, metric: str = "rmse", level: float = 0
             pa, pb = pooled(metric, xa), pooled(metric, xb)
             la, ha = bootstrap_ci(metric, xa, level=level)
             lb, hb = bootstrap_ci(metric, xb, level=level)
-            ratio = pb / pa if pa and math.isfinite(pa) and math.isfinite(pb) else math.nan
+            ratio = _ratio(pa, pb)
             rlo = rhi = math.nan
-            if math.isfinite(ratio) and (not paired or xa.size == xb.size):
+            if 0 < pa < math.inf and math.isfinite(pb) and (not paired or xa.size == xb.size):
                 with np.errstate(divide="ignore", invalid="ignore"):
                     _, rlo, rhi = bca(lambda x, y, axis=-1: pool(y, axis=axis) / pool(x, axis=axis), (xa, xb),
                                       level=level, paired=paired and xa.size == xb.size, seed=1)
                 rlo, rhi = float(rlo), float(rhi)
-            covers = bool(rlo <= 1.0 <= rhi) if math.isfinite(rlo) else None
+            if ratio in (0.0, math.inf):  # one side infinitely worse: no noise covers that
+                covers = False
+            else:
+                covers = bool(rlo <= 1.0 <= rhi) if math.isfinite(rlo) else None
             rows.append({**where, "variant": v if v == w else f"{v} ↔ {w}", "variant_a": v, "variant_b": w,
                          "a": pa, "a_lo": la, "a_hi": ha, "b": pb, "b_lo": lb, "b_hi": hb,
                          "ratio": ratio, "ratio_lo": rlo, "ratio_hi": rhi, "covers_1": covers,
@@ -178,8 +236,7 @@ def compare(a: xr.Dataset, b: xr.Dataset, metric: str = "rmse", level: float = 0
 
 
 def _differs(a: xr.Dataset, b: xr.Dataset, dims: list[str]) -> list[str]:
-    """Fixed settings that differ between the runs, as 'name: A x, B y' (reported, not refused:
-    a before/after comparison may change one on purpose)."""
+    """Fixed settings that differ between the runs, as 'name: A x, B y'."""
     out = []
     for d in sorted(set(a.coords) | set(b.coords)):
         if d in dims or d in _NOT_SETTINGS or d in SAMPLE_DIMS:
@@ -232,23 +289,37 @@ def sample_warnings(res: dict) -> list[str]:
     return out
 
 
-def gate(res: dict, *, fail_above: float | None = None, fail_if_not_covered: bool = False) -> list[str]:
-    """The rows that fail the gates, one line each (empty: passed)."""
+def gate(res: dict, *, fail_above: float | None = None, fail_if_not_covered: bool = False,
+         rule: str = "interval") -> list[str]:
+    """The rows that fail the gates, one line each (empty: passed). ``rule``: one of ``GATE_RULES``."""
+    if rule not in GATE_RULES:
+        raise UsageError(f"unknown gate rule {rule!r}; choose {' or '.join(GATE_RULES)} "
+                         f"({'; '.join(f'{k}: fail when {v}' for k, v in GATE_RULES.items())})")
     out = []
     if fail_above is not None:
         m = get_metric(res["metric"])
         if m.worse != "higher":
             raise UsageError(f"--fail-above applies to error metrics (larger is worse); {res['metric']} is not one: "
                              f"use {', '.join(n for n, x in metrics().items() if x.worse == 'higher')}")
+    level = f"{res['level']:.0%}"
     for r in res["rows"]:
         where = f"{r['variant']} at {_cell(res, r)}"
-        if fail_above is not None and math.isfinite(r["ratio"]) and r["ratio"] > fail_above:
-            out.append(f"{where}: B/A = {r['ratio']:.4g} > {fail_above:g} (interval [{r['ratio_lo']:.4g}, "
-                       f"{r['ratio_hi']:.4g}])")
+        ratio, lo, hi = r["ratio"], r["ratio_lo"], r["ratio_hi"]
+        interval = f"[{lo:.4g}, {hi:.4g}]"
+        if fail_above is not None and ratio == math.inf:
+            out.append(f"{where}: B/A = inf > {fail_above:g} (B's {res['metric']} is {r['b']:.4g}, A's {r['a']:.4g})")
+        elif fail_above is not None and math.isfinite(ratio) and ratio > fail_above:
+            if rule == "point":
+                out.append(f"{where}: B/A = {ratio:.4g} > {fail_above:g} ({level} interval {interval})")
+            elif not math.isfinite(lo):
+                out.append(f"{where}: B/A = {ratio:.4g} > {fail_above:g} (no interval: gated on the point estimate)")
+            elif lo > fail_above:
+                out.append(f"{where}: B/A = {ratio:.4g} > {fail_above:g}, and so is its whole {level} interval "
+                           f"{interval}")
         if fail_if_not_covered and r["covers_1"] is False:
-            out.append(f"{where}: the {res['level']:.0%} interval of B/A [{r['ratio_lo']:.4g}, {r['ratio_hi']:.4g}] "
+            out.append(f"{where}: the {level} interval of B/A {interval if math.isfinite(lo) else f'(B/A = {ratio:g})'} "
                        "excludes 1")
     return out
 
 
-__all__ = ["compare", "findings", "match_variants", "gate", "sample_warnings"]
+__all__ = ["compare", "findings", "match_variants", "gate", "sample_warnings", "GATE_RULES", "SettingsDiffer"]
