@@ -16,6 +16,7 @@ on this machine's disk; any other version downloads a CUDA build of several GB).
     python benchmarks/dep_ranges.py --oldest            # the full suite, oldest admitted releases
     python benchmarks/dep_ranges.py --newest --fast     # the numerics subset, newest releases
     python benchmarks/dep_ranges.py --oldest --json out.json
+    python benchmarks/dep_ranges.py --oldest tests/test_impact.py tests/test_capture.py   # some files
 
 It prints the versions installed for each declared package and pytest's closing line; exit code
 0 when the suite passed.
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     end.add_argument("--newest", action="store_true", help="what pip resolves today")
     ap.add_argument("--torch", default="2.13.0", help="torch version installed first (default 2.13.0, on disk)")
     ap.add_argument("--fast", action="store_true", help='run the numerics subset (-m "not slow") only')
+    ap.add_argument("tests", nargs="*", help="test files to run (default: the whole suite)")
     ap.add_argument("--json", type=Path, help="write the versions and the result here")
     ap.add_argument("--keep", action="store_true", help="keep the virtual environment (its path is printed)")
     args = ap.parse_args(argv)
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     versions = {n: installed.get(n, "absent") for n in names}
     for n in names:
         print(f"  {n:18s} {versions[n]}")
-    test = [str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider"] + (["-m", "not slow"] if args.fast else [])
+    test = [str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider"] + (["-m", "not slow"] if args.fast else []) + args.tests
     proc = run(test, cwd=ROOT, capture_output=True)
     tail = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     closing = tail[-1] if tail else "(no output)"
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(failed))
     print(f"{'oldest' if args.oldest else 'newest'}: {closing}  ({time.time() - t0:.0f} s with the install)")
     if args.json:
-        args.json.write_text(json.dumps({"end": "oldest" if args.oldest else "newest", "fast": args.fast,
+        args.json.write_text(json.dumps({"end": "oldest" if args.oldest else "newest", "fast": args.fast, "tests": args.tests,
                                          "versions": versions, "closing": closing, "failed": failed,
                                          "returncode": proc.returncode, "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                                             time.gmtime())}, indent=1))
