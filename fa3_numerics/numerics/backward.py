@@ -31,7 +31,8 @@ whole call, found in a first pass: current scaling, where TransformerEngine's de
 would use an earlier step's amax; ``block``: one scale per bm x bn tile; ``token``: one per row
 of the tile). With ``bwd.acc=fp32`` descales are multiplied into the operand in float32 (one
 rounding, 2^-24 relative, far below any format's own) and the GEMM is float32 with TF32 off;
-integer codes are multiplied in float64, exact as an INT32 accumulator. With ``bwd.acc=fp22``
+integer codes times their descales too (where an INT32 accumulator would be exact: the float32
+sum differs by ~2^-24 relative, against INT8's 2^-8). With ``bwd.acc=fp22``
 FP8/BF16 operands go to the Hopper MMA model (``mma.hopper_mma``) as their own values and the
 uniform descales multiply the result.
 """
@@ -44,9 +45,9 @@ import math
 import torch
 
 from ..errors import UsageError
-from .emulator import _fma32, emulate
+from .emulator import emulate
 from .families import family
-from .formats import cast, get_format
+from .formats import cast, get_format, quantize_dequantize
 from .granularity import PerBlock, PerHead, PerTensor, PerToken
 from .intformats import get_int_format, round_to_int
 from .keys.backward import backward_pairs
@@ -58,6 +59,8 @@ from .reference import causal_mask
 from .rotation import make_rotation
 
 LOG2E = math.log2(math.e)
+# P and dS tiles the amax pass of per-tensor/per-head scales keeps for the main pass
+_KEEP_BYTES = 256 << 20
 
 # FA3's backward tiles on sm90 (kBlockM, kBlockN) by head dim, from hopper/flash_bwd_launch_template.h;
 # hdim 128 uses 80-row query tiles without a causal mask and 64 with one.
@@ -116,13 +119,19 @@ def emulate_backward(recipe: Recipe, q, k, v, do, *, causal: bool = False, softm
 
 @dataclasses.dataclass
 class _Operand:
-    """One GEMM operand: ``x`` the dequantized value the fp32 path multiplies (float64 for integer
-    codes), and for the MMA model the format's own values ``raw`` with their uniform descale ``d``."""
+    """One GEMM operand: ``x`` the dequantized value, or (for a descale uniform per (batch, head))
+    the format's own values ``raw`` and that descale ``d``, which the product takes out of the GEMM
+    (the MMA model needs the format's values; the float32 path saves a pass over the operand)."""
 
-    x: torch.Tensor
+    x: torch.Tensor | None
     fmt: str
     raw: torch.Tensor | None = None
     d: torch.Tensor | None = None
+
+    def value(self) -> torch.Tensor:
+        if self.x is None:
+            self.x = (self.raw * self.d).to(self.raw.dtype)
+        return self.x
 
 
 def _scaled_fmt(fmt: str) -> bool:
@@ -134,27 +143,30 @@ def _quantize(x: torch.Tensor, fmt: str, gran, rows: int, wd: torch.dtype) -> _O
     working precision (float32; float64 under ``bwd.acc=fp64``)."""
     if family(fmt) == "int":
         qt = quantize_int(x, fmt, gran, block_rows=rows, ties="even")
-        return _Operand(qt.values.to(torch.float64) * qt.descale.to(torch.float64), fmt)
+        return _Operand((qt.values.to(wd) * qt.descale).to(wd), fmt)
     qt = quantize(x, fmt, gran, block_rows=rows)
     vals = qt.values.to(wd)
-    uniform = qt.descale.shape[2] == 1 and qt.descale.shape[3] == 1
-    xw = vals if not _scaled_fmt(fmt) else (vals * qt.descale).to(wd)
-    return _Operand(xw, fmt, vals if uniform else None, qt.descale if uniform else None)
+    if not _scaled_fmt(fmt):
+        return _Operand(vals, fmt, vals, None)
+    if qt.descale.shape[2] == 1 and qt.descale.shape[3] == 1:
+        return _Operand(None, fmt, vals, qt.descale)
+    return _Operand((vals * qt.descale).to(wd), fmt)
 
 
 def _cast_tile(x: torch.Tensor, fmt: str, descale: torch.Tensor | None, wd: torch.dtype) -> _Operand:
     """P or dS of one KV tile ([B, H, N, bn] float32) cast to ``fmt``; ``descale`` broadcasts
     against it (None: the format is used unscaled)."""
     if descale is None:
-        return _Operand(cast(x, fmt).to(wd), fmt)
-    d = descale.to(torch.float64)
+        vals = cast(x, fmt).to(wd)
+        return _Operand(vals, fmt, vals, None)
     if family(fmt) == "int":
-        codes = round_to_int(x.to(torch.float64) / d, get_int_format(fmt), "even")
-        return _Operand(codes * d, fmt)
-    vals = cast(x.to(torch.float64) / d, fmt).to(wd)
-    uniform = descale.shape[2] == 1 and descale.shape[3] == 1
-    return _Operand((vals * descale).to(wd), fmt, vals if uniform else None,
-                    descale if uniform else None)
+        codes = round_to_int(x / descale.to(x.dtype), get_int_format(fmt), "even")
+        return _Operand((codes * descale).to(wd), fmt)
+    # the kernel scales the float32 tile in float32 and casts it (cvt.rn.satfinite): one rounding each
+    vals = quantize_dequantize(x / descale.to(x.dtype), fmt, wd)
+    if descale.shape[2] == 1 and descale.shape[3] == 1:
+        return _Operand(None, fmt, vals, descale)
+    return _Operand((vals * descale).to(wd), fmt)
 
 
 def _fmt_max(fmt: str) -> object:
@@ -169,35 +181,40 @@ def _tile_descale(x: torch.Tensor, fmt: str, gran, bm: int, whole: torch.Tensor 
     f = _fmt_max(fmt)
     if isinstance(gran, (PerTensor, PerHead)):
         return amax_to_scale(whole, f)
-    a = x.abs()
     if isinstance(gran, PerToken):
-        return amax_to_scale(a.amax(dim=-1, keepdim=True), f)
-    b, h, n, bn = a.shape
+        return amax_to_scale(_absmax(x, (-1,)), f)
+    b, h, n, bn = x.shape
     nb = -(-n // bm)
-    pad = torch.nn.functional.pad(a, (0, 0, 0, nb * bm - n))
-    blk = pad.reshape(b, h, nb, bm, bn).amax(dim=(3, 4))
-    return amax_to_scale(blk.repeat_interleave(bm, dim=2)[:, :, :n].unsqueeze(-1), f)
+    pad = torch.nn.functional.pad(x, (0, 0, 0, nb * bm - n)) if nb * bm != n else x
+    blk = _absmax(pad.reshape(b, h, nb, bm, bn), (3, 4))
+    return amax_to_scale(blk.reshape(b, h, nb).repeat_interleave(bm, dim=2)[:, :, :n].unsqueeze(-1), f)
+
+
+def _absmax(x: torch.Tensor, dims: tuple) -> torch.Tensor:
+    """max |x| over ``dims`` (kept) as the larger of max and -min: two reductions, no |x| copy."""
+    return torch.maximum(x.amax(dim=dims, keepdim=True), -x.amin(dim=dims, keepdim=True))
 
 
 def _mm(a: _Operand, b: _Operand, acc: str, *, ta: bool = False, tb: bool = False) -> torch.Tensor:
     """a @ b (``ta``/``tb``: transpose the last two dims first) under the accumulator model, as
-    float32 (float64 for integer operands: exact as INT32 accumulation, then one rounding)."""
+    float32 (float64 under ``bwd.acc=fp64``)."""
     def t(x, flag):
         return x.transpose(-1, -2) if flag else x
 
     fa, fb = a.fmt, b.fmt
     if acc == "fp64":
-        return torch.matmul(t(a.x.to(torch.float64), ta), t(b.x.to(torch.float64), tb))
-    if family(fa) == "int" or family(fb) == "int":
-        return torch.matmul(t(a.x.to(torch.float64), ta), t(b.x.to(torch.float64), tb)).to(torch.float32)
-    ea, eb = get_format(fa), get_format(fb)
-    if acc == "fp22" and a.raw is not None and b.raw is not None and hopper_mma_on("fp22", ea, eb):
-        out = hopper_mma(t(a.raw, ta).contiguous(), t(b.raw, tb).contiguous(), a_fmt=ea, b_fmt=eb)
-        da = a.d if a.d is not None else 1.0
-        db = b.d if b.d is not None else 1.0
-        scale = da * db if isinstance(da, torch.Tensor) or isinstance(db, torch.Tensor) else None
-        return (out * scale).to(torch.float32) if scale is not None else out
-    return torch.matmul(t(a.x, ta), t(b.x, tb))
+        return torch.matmul(t(a.value().to(torch.float64), ta), t(b.value().to(torch.float64), tb))
+    mma = acc == "fp22" and family(fa) == "float" and family(fb) == "float" and \
+        hopper_mma_on("fp22", get_format(fa), get_format(fb))
+    if a.raw is None or b.raw is None or (acc == "fp22" and not mma):
+        return torch.matmul(t(a.value(), ta), t(b.value(), tb))
+    if mma:
+        out = hopper_mma(t(a.raw, ta).contiguous(), t(b.raw, tb).contiguous(), a_fmt=get_format(fa),
+                         b_fmt=get_format(fb))
+    else:
+        out = torch.matmul(t(a.raw, ta), t(b.raw, tb))
+    scale = a.d if b.d is None else (b.d if a.d is None else a.d * b.d)
+    return out if scale is None else out.mul_(scale.to(out.dtype))
 
 
 def _expand(x: torch.Tensor, h: int) -> torch.Tensor:
@@ -209,13 +226,14 @@ def _expand(x: torch.Tensor, h: int) -> torch.Tensor:
 
 
 def _expand_op(op: _Operand, h: int) -> _Operand:
-    return _Operand(_expand(op.x, h), op.fmt, None if op.raw is None else _expand(op.raw, h),
-                    None if op.d is None else _expand(op.d, h))
+    ex = lambda t: None if t is None else _expand(t, h)  # noqa: E731
+    return _Operand(ex(op.x), op.fmt, ex(op.raw), ex(op.d))
 
 
 def _rows(op: _Operand, s0: int, s1: int) -> _Operand:
     """Rows s0:s1 along the sequence axis of an operand."""
-    return _Operand(op.x[:, :, s0:s1], op.fmt, None if op.raw is None else op.raw[:, :, s0:s1], op.d)
+    sl = lambda t: None if t is None else t[:, :, s0:s1]  # noqa: E731
+    return _Operand(sl(op.x), op.fmt, sl(op.raw), op.d)
 
 
 def _group_sum(x: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -267,8 +285,14 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
     # float64 throughout under bwd.acc=fp64: the algorithm checked against autograd, no rounding
     wd = torch.float64 if acc == "fp64" else torch.float32
 
+    memo: dict = {}
+
     def op(x, key, side, rows):
-        return _quantize(x, pairs[key][side], gran, rows, wd)
+        # a tensor read by several products in one format is quantized once
+        at = (id(x), pairs[key][side])
+        if at not in memo:
+            memo[at] = _quantize(x, pairs[key][side], gran, rows, wd)
+        return memo[at]
 
     q_s, k_s = op(q64, "bwd.s", 0, rows_q), _expand_op(op(k64, "bwd.s", 1, rows_k), h)
     do_dv = op(do64, "bwd.dv", 1, rows_q)
@@ -277,7 +301,7 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
     q_dk = op(q64, "bwd.dk", 1, rows_q)
     # D: FA3's preprocess reads dO and O as stored and sums their product in float32.
     do_d, o_d = op(do64, "bwd.ds", 0, rows_q), op(o64, "bwd.ds", 1, rows_q)
-    dsum = (do_d.x.to(wd) * o_d.x.to(wd)).sum(dim=-1, keepdim=True, dtype=wd)
+    dsum = (do_d.value() * o_d.value()).sum(dim=-1, keepdim=True, dtype=wd)
 
     sl2 = torch.tensor(scale * LOG2E, dtype=wd)
     lse2 = (fwd.lse.to(wd) * torch.tensor(LOG2E, dtype=wd)).unsqueeze(-1)
@@ -287,11 +311,10 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
 
     def p_and_ds(s0: int, s1: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = _mm(q_s, _rows(k_s, s0, s1), acc, tb=True)
-        # FA3: exp2f(S * scale_log2 - lse_log2), one FFMA; an infinite LSE (a row that saw no key) gives 0
-        if wd == torch.float64:
-            p = torch.exp2(s * sl2 - lse2)
-        else:
-            p = torch.exp2(_fma32(s, sl2, -lse2).double()).to(torch.float32)
+        # FA3: exp2f(S * scale_log2 - lse_log2), an FFMA then ex2.approx. Here a float32 multiply and
+        # subtract (two roundings where FFMA has one: both are ~|x| 2^-24 in the exponent) and torch's
+        # exp2, in place; an infinite LSE (a row that saw no key) gives 0
+        p = torch.exp2(s.mul_(sl2).sub_(lse2), out=s)
         if causal:
             vis = causal_mask(q_pos, s0, s1, n, nk)
             p = p.masked_fill(~vis, 0.0)
@@ -299,25 +322,29 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
         ds = (p * (dp - dsum)).to(wd)
         return p, ds
 
-    # tensor/head scales of P and dS need their amax over the whole call first
-    whole = {}
-    needs = {name: fmt for name, fmt in (("p", p_fmt), ("dsq", ds_fmt_q), ("dsk", ds_fmt_k))
-             if _scaled_fmt(fmt) and isinstance(gran, (PerTensor, PerHead))}
-    if needs:
+    # tensor/head scales of P and dS need their amax over the whole call first; the first pass keeps
+    # its tiles (up to _KEEP_BYTES) so that the second does not recompute them
+    whole, kept = {}, {}
+    needs = [fmt for fmt in (p_fmt, ds_fmt_q, ds_fmt_k) if _scaled_fmt(fmt)]
+    if needs and isinstance(gran, (PerTensor, PerHead)):
         dims = (0, 1, 2, 3) if isinstance(gran, PerTensor) else (2, 3)
         amax = {"p": None, "ds": None}
+        room = _KEEP_BYTES
         for s0, s1 in tiles:
             p, ds = p_and_ds(s0, s1)
             for name, t in (("p", p), ("ds", ds)):
-                a = t.abs().amax(dim=dims, keepdim=True).to(torch.float64)
+                a = _absmax(t, dims).to(torch.float64)
                 amax[name] = a if amax[name] is None else torch.maximum(amax[name], a)
+            size = 2 * p.numel() * p.element_size()
+            if size <= room:
+                kept[s0], room = (p, ds), room - size
         whole = {"p": amax["p"], "dsq": amax["ds"], "dsk": amax["ds"]}
 
     dq = torch.zeros((b, h, n, d), dtype=wd, device=q.device)
     dk = torch.zeros((b, h, nk, d), dtype=wd, device=q.device)
     dv = torch.zeros((b, h, nk, v.shape[-1]), dtype=wd, device=q.device)
     for s0, s1 in tiles:
-        p, ds = p_and_ds(s0, s1)
+        p, ds = kept.pop(s0) if s0 in kept else p_and_ds(s0, s1)
         p_op = _cast_tile(p, p_fmt, _tile_descale(p, p_fmt, gran, bm, whole.get("p")), wd)
         dv[:, :, s0:s1] = _mm(p_op, do_dv, acc, ta=True)
         dsq = _cast_tile(ds, ds_fmt_q, _tile_descale(ds, ds_fmt_q, gran, bm, whole.get("dsq")), wd)
