@@ -225,7 +225,8 @@ _BACKWARD = [
            "arises). Backward: S = Q K^T, dV = P^T dO, dQ = dS K, dK = dS^T Q INT8 with one scale per block of "
            "the backward's tiles, dP FP16, D from FP16 dO and O, BF16 gradients. Inferred or not modelled: the "
            "forward's P V in INT8 (the emulator's P and V take no integer format: sage1's FP16 P and V at float32 "
-           "accumulation stand in), K smoothing in the backward (the forward smooths K), per-block granularity of P, dO and dS. "
+           "accumulation stand in), K smoothing in the backward (the forward smooths K), per-block granularity of P, "
+           "dO and dS. "
            "Requires: sm80+ (INT8 mma)"),
     Preset("fp8-bwd-block", dataclasses.replace(_CUDNN_FWD, **{**_FP8_BWD, "bwd_gran": PerBlock(), "bwd_out": "bf16"}),
            "what-if, no public kernel: cuDNN's FP8 formats with one scale per block of the backward's tiles (Q, "

@@ -199,7 +199,8 @@ def _assemble(res: Results):
     attrs.update({
         "format": "fa3-numerics-backward/1", "kind": "backward", "experiment": "backward", "dist": exp.dist,
         "description": exp.description, "backend": "emulate", "seeds": json.dumps(exp.seeds),
-        "rows_sampling": "every query row", "rotation_seed": "seed", "do_seed": f"torch.randn from manual_seed({DO_SEED})",
+        "rows_sampling": "every query row", "rotation_seed": "seed",
+        "do_seed": f"torch.randn from manual_seed({DO_SEED})",
         "data_seed": "seed (torch.Generator on CPU, float64)", "wall_seconds": round(res.wall, 3),
         "reference": "float64 autograd of exact attention (numerics.backward_reference)",
         "stages": json.dumps({"full": "the variant", **STAGES, "exact": "every part exact (float32 floor)"}),

@@ -96,9 +96,6 @@ def check_cudnn(q, k, v, do, causal):
     """cuDNN sdpa_fp8 forward + sdpa_fp8_backward against the cudnn-fp8 preset on the same FP8 inputs."""
     import cudnn
 
-    from fa3_numerics.numerics.backward import emulate_backward
-    from fa3_numerics.numerics.recipe import PRESETS
-
     e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
     q8, dq_ = _per_tensor_fp8(q, e4, 448.0)
     k8, dk_ = _per_tensor_fp8(k, e4, 448.0)
@@ -162,7 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--checks", default="sdpa,cudnn")
     ap.add_argument("--sdpa-recipe", default="fa3-bf16-bwd-bf16,bm=128,bn=64,order=forward,bwd.bm=64,bwd.bn=128",
                     help="emulated recipe for SDPA's flash (FA2) kernels: FA2 tiles (128x64 forward, 64x128 backward "
-                         "at head dim 128: inferred), tiles first to last; float32 accumulation (FA2 runs mma.sync, not the fitted wgmma)")
+                         "at head dim 128: inferred), tiles first to last; float32 accumulation (FA2 runs "
+                         "mma.sync, not the fitted wgmma)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: no CUDA device; run this on the H200 with the device tool", file=sys.stderr)

@@ -123,7 +123,8 @@ def _mma_scales(r) -> str | None:
         narrow = [k for k, ab in backward_pairs(r).items() for f in ab if family(f) != "float" or f in ("e4m3", "e5m2")]
         if narrow:
             return (f"bwd.acc=fp22 models the tensor core on the operands' FP8 values, which descales per "
-                    f"{r.bwd_gran.short_str()} along the contraction cannot be taken out of: use bwd.gran=tensor or head, "
+                    f"{r.bwd_gran.short_str()} along the contraction cannot be taken out of: use bwd.gran=tensor or "
+                    "head, "
                     "or bwd.acc=fp32")
     return None
 
