@@ -280,3 +280,17 @@ def test_run_backward_command(tmp_path):
     floor = float(ds["dq_rel_l2"].sel(stage="exact").mean())
     assert 0 < floor < 1e-5 < full < 0.5
     assert "Attribution" in (out / "report.md").read_text()
+
+
+def test_lse_of_a_smoothed_forward_is_the_lse_of_the_scores():
+    """K smoothing shifts a row's scores by -Q_i . mean(K); the saved LSE adds it back, so the
+    float32 forward with smooth=k gives the same LSE as without (negative control: the shift itself
+    is far larger than the difference)."""
+    q, k, v, _ = _inputs(n=100, nk=100, d=64)
+    k = k + 0.7  # a bias shared by every token: the case smoothing is for
+    plain, smooth = {}, {}
+    emulate(PRESETS["exact"].recipe, q, k, v, stats=plain)
+    emulate(Recipe.from_str("exact,smooth=k"), q, k, v, stats=smooth)
+    diff = (plain["lse"] - smooth["lse"]).abs().max()
+    shift = (q * k.mean(dim=2, keepdim=True).repeat_interleave(2, 1)).sum(-1).abs().max() / 8
+    assert diff < 1e-4 < shift

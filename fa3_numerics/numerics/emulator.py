@@ -219,7 +219,7 @@ def emulate(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     ``stats``: a dict that receives ``"lse"``, the log-sum-exp the kernel saves for its
     backward ([B, H, R] float32, natural log of the sum of exp(softmax_scale * S); +inf for a
     row that sees no key), as FA3's ``softmax.finalize`` forms it (flash algorithm, deferred
-    normalisation only). It changes no output."""
+    normalisation only), with K smoothing's row shift added back. It changes no output."""
     _no_tf32()
     d = q.shape[-1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
@@ -229,9 +229,17 @@ def emulate(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     if stats is not None and (recipe.algo != "flash" or recipe.norm != "deferred"):
         raise UsageError(f"recipe {recipe.short_str()}: only the flash algorithm with deferred normalisation saves the "
                          "log-sum-exp a backward reads (algo=flash, norm=deferred)")
-    if recipe.algo == "flash":
-        return _flash(recipe, pre, q_index, causal, scale, stats)
-    return _standard(recipe, pre, q_index, causal, scale)
+    if recipe.algo != "flash":
+        return _standard(recipe, pre, q_index, causal, scale)
+    out = _flash(recipe, pre, q_index, causal, scale, stats)
+    if stats is not None and recipe.smooth != "none":
+        # Smoothing moves every score of row i by -scale Q_i . mean(K) (exact for the output, not for the
+        # LSE): the LSE of the scores attention means is the smoothed one plus that shift, in float64
+        # rounded once (rotation keeps dot products, so the inputs as given serve).
+        mu = expand_kv(k.to(torch.float64).mean(dim=2, keepdim=True), q.shape[1])
+        shift = (q.to(torch.float64).index_select(2, q_index) * mu).sum(dim=-1) * scale
+        stats["lse"] = (stats["lse"].double() + shift).to(torch.float32)
+    return out
 
 
 def _uniform_per_head(t: torch.Tensor) -> bool:
