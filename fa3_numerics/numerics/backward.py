@@ -29,12 +29,12 @@ Operands: float formats are ``quant.quantize``'d (16-bit and float32 unscaled, F
 with the same saturating ``formats.cast`` (``tensor``/``head`` scales from their amax over the
 whole call, found in a first pass: current scaling, where TransformerEngine's delayed scaling
 would use an earlier step's amax; ``block``: one scale per bm x bn tile; ``token``: one per row
-of the tile). With ``bwd.acc=fp32`` descales are multiplied into the operand in float32 (one
-rounding, 2^-24 relative, far below any format's own) and the GEMM is float32 with TF32 off;
-integer codes times their descales too (where an INT32 accumulator would be exact: the float32
-sum differs by ~2^-24 relative, against INT8's 2^-8). With ``bwd.acc=fp22``
-FP8/BF16 operands go to the Hopper MMA model (``mma.hopper_mma``) as their own values and the
-uniform descales multiply the result.
+of the tile). With ``bwd.acc=fp32`` the GEMM is float32 with TF32 off on the formats' values, a
+descale uniform per (batch, head) multiplying its result; descales that vary along a tensor (block,
+token) are multiplied into the operand in float32 first (one rounding, 2^-24 relative, far below any
+format's own), integer codes likewise (where an INT32 accumulator would be exact: the float32 sum
+differs by ~2^-24 relative, against INT8's 2^-8). With ``bwd.acc=fp22`` FP8/BF16 operands go to the
+Hopper MMA model (``mma.hopper_mma``) as their own values and the uniform descales multiply the result.
 """
 
 from __future__ import annotations
