@@ -212,18 +212,34 @@ def _trim(cache: dict, keep) -> None:
 
 def emulate(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
             softmax_scale: float | None = None, q_index: torch.Tensor | None = None, rotation_seed: int = 0,
-            cache: dict | None = None) -> torch.Tensor:
+            cache: dict | None = None, stats: dict | None = None) -> torch.Tensor:
     """Attention output for the query rows ``q_index``: [B, H, R, Dv], float64 holding values
-    of the output format. Pass the same ``cache`` for several recipes on the same inputs."""
+    of the output format. Pass the same ``cache`` for several recipes on the same inputs.
+
+    ``stats``: a dict that receives ``"lse"``, the log-sum-exp the kernel saves for its
+    backward ([B, H, R] float32, natural log of the sum of exp(softmax_scale * S); +inf for a
+    row that sees no key), as FA3's ``softmax.finalize`` forms it (flash algorithm, deferred
+    normalisation only), with K smoothing's row shift added back. It changes no output."""
     _no_tf32()
     d = q.shape[-1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     if q_index is None:
         q_index = torch.arange(q.shape[2], device=q.device)
     pre = prepare(recipe, q, k, v, q_index=q_index, rotation_seed=rotation_seed, causal=causal, cache=cache)
-    if recipe.algo == "flash":
-        return _flash(recipe, pre, q_index, causal, scale)
-    return _standard(recipe, pre, q_index, causal, scale)
+    if stats is not None and (recipe.algo != "flash" or recipe.norm != "deferred"):
+        raise UsageError(f"recipe {recipe.short_str()}: only the flash algorithm with deferred normalisation saves the "
+                         "log-sum-exp a backward reads (algo=flash, norm=deferred)")
+    if recipe.algo != "flash":
+        return _standard(recipe, pre, q_index, causal, scale)
+    out = _flash(recipe, pre, q_index, causal, scale, stats)
+    if stats is not None and recipe.smooth != "none":
+        # Smoothing moves every score of row i by -scale Q_i . mean(K) (exact for the output, not for the
+        # LSE): the LSE of the scores attention means is the smoothed one plus that shift, in float64
+        # rounded once (rotation keeps dot products, so the inputs as given serve).
+        mu = expand_kv(k.to(torch.float64).mean(dim=2, keepdim=True), q.shape[1])
+        shift = (q.to(torch.float64).index_select(2, q_index) * mu).sum(dim=-1) * scale
+        stats["lse"] = (stats["lse"].double() + shift).to(torch.float32)
+    return out
 
 
 def _uniform_per_head(t: torch.Tensor) -> bool:
@@ -259,7 +275,8 @@ def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | float) -> torch.T
     return (prod + c.double() if isinstance(c, torch.Tensor) else prod.add_(c)).to(torch.float32)
 
 
-def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, scale: float,
+           stats: dict | None = None) -> torch.Tensor:
     dev = pre.q.values.device
     qv = native.to_float32(pre.q.values)
     qd = pre.q.descale
@@ -385,9 +402,25 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
         return quantize_dequantize(o, recipe.out, torch.float64)
     # The kernel's final quad reduction (shuffle-xor by 2, then by 1).
     row_sum = _quad_total(rs4)
+    if stats is not None:
+        stats["lse"] = _log_sum_exp(m, row_sum, sl2, offset)
     inv = torch.where((row_sum > 0) & torch.isfinite(row_sum), 1.0 / row_sum, torch.zeros_like(row_sum))
     o = acc * (inv * v_end).to(torch.float32) if v_end is not None else acc * inv
     return quantize_dequantize(o, recipe.out, torch.float64)
+
+
+def _log_sum_exp(m: torch.Tensor, row_sum: torch.Tensor, sl2: torch.Tensor, offset: float) -> torch.Tensor:
+    """The kernel's saved statistic (FA3 ``softmax.finalize``): m * (scale_log2 * ln 2) + ln(row_sum / 2^offset)
+    in float32, [B, H, R]; +inf where the row sum is 0 or NaN (a row that sees no key), so that
+    a backward's exp(S * scale - lse) is 0 there. ``m`` is the running max of S as the softmax
+    step held it (raw or descaled, matching ``sl2``)."""
+    ln2 = torch.tensor(math.log(2.0), dtype=torch.float32, device=m.device)
+    sl = (sl2 * ln2).to(torch.float32)
+    # the 2^-offset is exact; ln(row_sum) in float64 rounded once stands in for the kernel's __logf
+    s = row_sum * float(2.0 ** -offset)
+    lse = (m * sl).to(torch.float32) + torch.log(s.double()).to(torch.float32)
+    bad = (s == 0) | torch.isnan(s) | ~torch.isfinite(m)
+    return torch.where(bad, torch.full_like(lse, math.inf), lse).squeeze(-1)
 
 
 def _quad_total(rs4: torch.Tensor) -> torch.Tensor:

@@ -183,6 +183,62 @@ _FIELD = [
            "float32 accumulation, 128x128 tiles last to first. Requires: sm100 (block-scaled MMA)"),
 ]
 
+# Backward presets (issue 25): a forward and the backward that reads its O and LSE, from public facts;
+# each description says what is inferred. Forwards take acc=fp32 for CPU speed (add acc=fp22,bwd.acc=fp22
+# for the Hopper MMA model in both passes).
+_BF16_BWD = dict(bwd_s="bf16", bwd_dv="bf16", bwd_dp="bf16", bwd_ds="bf16", bwd_dq="bf16", bwd_dk="bf16",
+                 bwd_out="bf16")
+# cuDNN's sdpa_fp8_backward: every tensor FP8 with one descale per tensor; E4M3 for the forward's tensors
+# and E5M2 for gradients is TransformerEngine's default HYBRID format.
+_FP8_BWD = dict(bwd_s="e4m3", bwd_dv="e4m3:e5m2", bwd_dp="e5m2:e4m3", bwd_ds="e5m2:e4m3", bwd_dq="e5m2:e4m3",
+                bwd_dk="e5m2:e4m3", bwd_out="e5m2", bwd_gran=PerTensor())
+_CUDNN_FWD = Recipe(qk="e4m3", v="e4m3", p="e4m3", gran=PerTensor(), p_offset=8.80735, acc="fp32", out="bf16")
+_BACKWARD = [
+    Preset("fa3-fp8-bwd-bf16", Recipe(gran=PerHead(), rot="none", acc="fp32", **_BF16_BWD),
+           "what FA3 users train with: FA3 has no FP8 backward (Dao-AILab/flash-attention #1069, #1420, #1490), so "
+           "the public FP8 forward (fa3-fp8-kernel at acc=fp32: per-head descales, BF16 O) hands its O and LSE to "
+           "FA3's BF16 backward (hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp): Q, K, V and dO in BF16 as the caller "
+           "holds them, P recomputed from the FP8 forward's LSE, P and dS cast to BF16, float32 accumulation, dQ "
+           "summed in float32 across KV tiles, dQ/dK/dV written in BF16; tiles 80x128 (64x128 causal) at head dim "
+           "128 (hopper/flash_bwd_launch_template.h). Requires: sm90"),
+    Preset("fa3-bf16-bwd-bf16", dataclasses.replace(_FLASH16, qk="bf16", v="bf16", p="bf16", out="bf16",
+                                                    **_BF16_BWD),
+           "the BF16 training baseline: FA3's BF16 forward and BF16 backward (as fa3-fp8-bwd-bf16, with a BF16 "
+           "forward). Requires: sm90"),
+    Preset("cudnn-fp8", dataclasses.replace(_CUDNN_FWD, **_FP8_BWD),
+           "cuDNN's FP8 attention, forward and backward, as TransformerEngine runs it (TE #768, NVTE_FP8_DPA_BWD=1; "
+           "cudnn-frontend sdpa_fp8 / sdpa_fp8_backward, docs/operations/Attention.md): Q, K, V, O, dO, S (= P) and "
+           "dP (= our dS) FP8 with one descale per tensor ((1,1,1,1) in cuDNN's tables), S = Q K^T E4M3 x E4M3, "
+           "dV = P^T dO E4M3 x E5M2, dP = dO V^T, dQ = dS K, dK = dS^T Q E5M2 x E4M3, D from FP8 dO and O, "
+           "dQ/dK/dV written in E5M2 per tensor. Inferred: which of E4M3/E5M2 each tensor takes (cuDNN accepts "
+           "either; TE's default HYBRID format: E4M3 forward, E5M2 gradients), scales from this call's amax "
+           "(TE's delayed scaling uses earlier steps'), P in the forward as P~ filling E4M3 (poff=log2 448), the "
+           "forward's O in BF16 (the backward reads it as per-tensor E4M3), FA3's tiles standing in for cuDNN's "
+           "unpublished ones. Requires: sm90 (cuDNN 9)"),
+    Preset("sagebwd", dataclasses.replace(Recipe(
+               qk="int8", gran=PerBlock(), bm=128, bn=64, smooth="k", ties="away", p="fp16", p_offset=0.0, v="fp16",
+               acc="fp32", order="forward", out="bf16"),
+               bwd_s="int8", bwd_dv="int8", bwd_dp="fp16", bwd_ds="fp16", bwd_dq="int8", bwd_dk="int8",
+               bwd_out="bf16", bwd_gran=PerBlock()),
+           "SageBwd (SageAttention3, arXiv 2505.11594; arXiv 2603.02170): INT8 attention for training, six of the "
+           "seven matmuls INT8 and dP = dO V^T kept in FP16 (the paper: dS is where the quantization error "
+           "arises). Backward: S = Q K^T, dV = P^T dO, dQ = dS K, dK = dS^T Q INT8 with one scale per block of "
+           "the backward's tiles, dP FP16, D from FP16 dO and O, BF16 gradients. Inferred or not modelled: the "
+           "forward's P V in INT8 (the emulator's P and V take no integer format: sage1's FP16 P and V at float32 "
+           "accumulation stand in), K smoothing in the backward (the forward smooths K), per-block granularity of P, "
+           "dO and dS. "
+           "Requires: sm80+ (INT8 mma)"),
+    Preset("fp8-bwd-block", dataclasses.replace(_CUDNN_FWD, **{**_FP8_BWD, "bwd_gran": PerBlock(), "bwd_out": "bf16"}),
+           "what-if, no public kernel: cuDNN's FP8 formats with one scale per block of the backward's tiles (Q, "
+           "dO, O per bm rows, K, V per bn keys, P and dS per bm x bn tile) and BF16 gradients"),
+    Preset("fp8-bwd-hadamard", dataclasses.replace(_CUDNN_FWD, **{**_FP8_BWD, "bwd_rot": "hadamard",
+                                                                  "bwd_out": "bf16"}),
+           "what-if, no public kernel: cuDNN's per-tensor FP8 backward after a random Hadamard along head_dim on "
+           "Q, K, V and dO (every head_dim contraction keeps its value; the casts see spread-out channels), "
+           "gradients rotated back in float64, BF16 gradients"),
+]
+BACKWARD_PRESETS = tuple(p.name for p in _BACKWARD)
+
 PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("baseline-fp16", _FP16_STD,
            "standard attention in FP16 (as PyTorch's math SDPA): S = QK^T and P = softmax(S) materialised in FP16", 3.2e-4),
@@ -211,6 +267,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("exact", Recipe(qk="fp32", v="fp32", p="fp32", out="fp32", p_offset=0.0),
            "tile-by-tile FP32 attention without quantization: checks the emulator itself"),
     *_FIELD,
+    *_BACKWARD,
 ]}
 
 TABLE3 = ("baseline-fp16", "fa2-fp16", "fa3-fp16", "baseline-fp8", "fa3-fp8", "fa3-fp8-no-block-quant",

@@ -1,0 +1,225 @@
+"""`run backward`: the error of dQ, dK, dV under a recipe's forward and backward, and which product causes it.
+
+Exposed: ``STAGES``, ``stage_recipe``, ``exact_backward``, ``BackwardStudy``, ``load_study``, ``compute``,
+``GRADS``, ``DO_SEED``.
+
+Definition: a distribution of the registry, a shape (every query row: dK and dV sum over all of
+them), variants (default: the backward presets, ``recipe.BACKWARD_PRESETS``) and seeds, as
+``run outliers`` defines them (``studies.outliers.Experiment``). The incoming gradient dO is drawn
+N(0, 1) from its own generator (``DO_SEED``). Per (cell, seed, variant): the recipe's forward over
+every row, its backward from that forward's O and LSE (``numerics.backward``), and every registered
+metric of O, dQ, dK, dV against float64 autograd of exact attention (``numerics.backward_reference``).
+
+Attribution (``STAGES``): the same inputs through recipes that keep one part of the variant in low
+precision and everything else exact: ``fwd`` (the forward's O and LSE, the backward exact),
+one stage per backward product (its two operands in the variant's formats, at the variant's scale
+granularity, accumulator, tiles and rotation; the forward and every other product exact), ``out``
+(the gradients' output format alone), and ``exact`` (the emulator's float32 floor). A stage's share
+of a gradient's error is its MSE over the sum of the stage MSEs (``stage_shares``). ``fwd`` and
+``s`` alone each pair a log-sum-exp with scores it was not computed from (P then does not sum to
+1); a recipe whose forward and backward quantize Q and K alike cancels that, which ``fwd+s``
+(both together) measures and the additivity ratio (full MSE / sum of stage MSEs below 1) shows.
+
+Dataset: variables ``{grad}_{metric}`` for grad in o, dq, dk, dv, dims (*swept, variant, stage,
+seed, batch, head) (``kv_head`` for dk, dv), stage ``full`` being the variant itself; ``spec``
+per variant and ``stage_spec`` per (variant, stage); provenance attrs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import time
+
+import numpy as np
+import torch
+
+from ..engine.inputs import DistInputs, check_inputs
+from ..engine.provenance import provenance
+from ..engine.sampling import deterministic_matmuls
+from ..numerics.backward import emulate_backward
+from ..numerics.backward_reference import reference_gradients
+from ..numerics.keys.backward import PRODUCTS
+from ..numerics.metrics import METRICS, per_sample
+from ..numerics.recipe import BACKWARD_PRESETS, Recipe
+from .attribution import exact_recipe
+from .outliers import Experiment
+
+GRADS = ("o", "dq", "dk", "dv")
+GRAD_NAMES = {"o": "O (forward)", "dq": "dQ", "dk": "dK", "dv": "dV"}
+DO_SEED = "seed * 1000003 + 29"
+_PRODUCT_FIELDS = {k.split(".", 1)[1]: k.replace(".", "_") for k in PRODUCTS}
+STAGES = {
+    "fwd": "the forward's O and LSE (backward exact)",
+    **{name: f"{PRODUCTS[f'bwd.{name}'][0]} alone" for name in _PRODUCT_FIELDS},
+    "out": "gradients written in bwd.out alone",
+    # the forward's LSE and the recomputed S together: consistent when both quantize Q and K alike
+    "fwd+s": "the forward and the S recompute together (the rest of the backward exact)",
+}
+# stages whose MSEs are summed for the shares: each part of the recipe exactly once
+SHARE_STAGES = tuple(s for s in STAGES if s != "fwd+s")
+_EXACT_BWD = {**{f: "fp32" for f in _PRODUCT_FIELDS.values()}, "bwd_out": "fp32", "bwd_acc": "fp32", "bwd_rot": "none"}
+
+
+def do_seed(seed: int) -> int:
+    return seed * 1000003 + 29
+
+
+def exact_backward(r: Recipe) -> Recipe:
+    """R's forward with the exact (float32) backward."""
+    return dataclasses.replace(r, **_EXACT_BWD)
+
+
+def stage_recipe(r: Recipe, stage: str) -> Recipe:
+    """R with only ``stage`` in low precision (module docstring); ``exact``: nothing."""
+    base = exact_backward(exact_recipe(r))
+    if stage == "exact":
+        return base
+    if stage == "fwd":
+        return exact_backward(r)
+    if stage == "out":
+        return dataclasses.replace(base, bwd_out=r.bwd_out)
+    if stage == "fwd+s":
+        return dataclasses.replace(exact_backward(r), bwd_s=r.bwd_s, bwd_acc=r.bwd_acc, bwd_rot=r.bwd_rot)
+    if stage not in _PRODUCT_FIELDS:
+        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}, exact")
+    f = _PRODUCT_FIELDS[stage]
+    return dataclasses.replace(base, **{f: getattr(r, f)}, bwd_acc=r.bwd_acc, bwd_rot=r.bwd_rot)
+
+
+@dataclasses.dataclass
+class BackwardStudy:
+    exp: Experiment
+    attribution: bool = True
+
+    def stages(self) -> list[str]:
+        return ["full", *STAGES, "exact"] if self.attribution else ["full"]
+
+
+def load_study(overrides: dict, attribution: bool = True) -> BackwardStudy:
+    """An ``Experiment`` (every check of ``run outliers``) over every query row."""
+    kw = {k: v for k, v in overrides.items() if v is not None}
+    dist = kw.pop("dist", None) or "outliers"
+    variants = kw.pop("variants", None) or [",".join(BACKWARD_PRESETS)]
+    from ..data.dist_spec import parse_dist
+
+    family = parse_dist(dist).entry
+    params = {k: kw.pop(k) for k in list(kw) if k in family.params}
+    shape = dict(seqlen=[1024], head_dim=[128], causal=[False], batch=1, heads=4, kv_heads=0, seeds=[0])
+    shape.update({k: v for k, v in kw.items() if k in shape})
+    exp = Experiment(name="backward", description="gradient error of low-precision attention backward passes",
+                     dist=dist, variants=variants, params={k: list(v) for k, v in params.items()}, rows=0,
+                     **shape)
+    return BackwardStudy(exp, attribution)
+
+
+@dataclasses.dataclass
+class Results:
+    study: BackwardStudy
+    out: dict  # "{grad}_{metric}" -> [cell, variant, stage, seed, batch, heads or kv_heads]
+    stage_specs: list  # [variant][stage] -> spec
+    wall: float
+    attrs: dict
+
+    def dataset(self):
+        return _assemble(self)
+
+
+def compute(study: BackwardStudy, progress=lambda m: None) -> Results:
+    """Every (cell, seed, variant, stage) of the study (identical stage recipes run once per input)."""
+    deterministic_matmuls()
+    exp = study.exp
+    cells, stages = exp.cells(), study.stages()
+    hkv = exp.kv_heads or exp.heads
+    heads = {"o": exp.heads, "dq": exp.heads, "dk": hkv, "dv": hkv}
+    out = {f"{g}_{m}": np.full((len(cells), len(exp.recipes), len(stages), len(exp.seeds), exp.batch, heads[g]),
+                               np.nan) for g in GRADS for m in METRICS}
+    specs = [[(r if s == "full" else stage_recipe(r, s)).spec() for s in stages] for _, r in exp.recipes]
+    t0 = time.perf_counter()
+    for ci, si in itertools.product(range(len(cells)), range(len(exp.seeds))):
+        cell, seed = cells[ci], exp.seeds[si]
+        params = tuple((k, cell[k]) for k in exp.params)
+        inp = DistInputs(exp.dist, params, exp.batch, exp.heads, hkv, cell["seqlen"], cell["head_dim"], seed)
+        q, k, v = inp.draw("cpu")
+        scale = 1.0 / math.sqrt(cell["head_dim"])
+        where = ", ".join(f"{kk}={cell[kk]}" for kk in exp.swept_dims()) or "single cell"
+        check_inputs(q, k, v, scale=scale, where=f"{inp.describe()}, {where}, seed {seed}")
+        g = torch.Generator().manual_seed(do_seed(seed))
+        do = torch.randn(q.shape, generator=g, dtype=torch.float64)
+        ref = dict(zip(GRADS, reference_gradients(q, k, v, do, causal=cell["causal"], softmax_scale=scale)))
+        done: dict = {}
+        cache: dict = {}
+        for vi, (label, r) in enumerate(exp.recipes):
+            for sti, stage in enumerate(stages):
+                spec = specs[vi][sti]
+                if spec not in done:
+                    rr = r if stage == "full" else stage_recipe(r, stage)
+                    gr = emulate_backward(rr, q, k, v, do, causal=cell["causal"], softmax_scale=scale,
+                                          rotation_seed=seed, cache=cache)
+                    got = {"o": gr.forward.o, "dq": gr.dq, "dk": gr.dk, "dv": gr.dv}
+                    done[spec] = {gname: per_sample(got[gname], ref[gname]) for gname in GRADS}
+                for gname in GRADS:
+                    for m, val in done[spec][gname].items():
+                        out[f"{gname}_{m}"][ci, vi, sti, si] = val
+            progress(f"{where}, seed {seed}: {label} ({len(done)} backward runs so far)")
+    return Results(study, out, specs, time.perf_counter() - t0, provenance("cpu"))
+
+
+def _assemble(res: Results):
+    import xarray as xr
+
+    from ..engine.conventions import apply_conventions
+
+    study, exp = res.study, res.study.exp
+    sw = exp.sweeps()
+    dims_sw = exp.swept_dims()
+    shape_sw = [len(sw[d]) for d in dims_sw]
+    hkv = exp.kv_heads or exp.heads
+    data = {}
+    for name, arr in res.out.items():
+        g, m = name.split("_", 1)
+        head_dim_name = "kv_head" if g in ("dk", "dv") else "head"
+        dims = dims_sw + ["variant", "stage", "seed", "batch", head_dim_name]
+        data[name] = (dims, arr.reshape(shape_sw + list(arr.shape[1:])),
+                      {"description": f"{METRICS.get(m, m)}, of {GRAD_NAMES[g]} against float64 autograd"})
+    coords = {d: sw[d] for d in dims_sw}
+    coords.update({
+        "variant": [l for l, _ in exp.recipes], "stage": study.stages(), "seed": exp.seeds,
+        "batch": np.arange(exp.batch), "head": np.arange(exp.heads), "kv_head": np.arange(hkv),
+        "spec": ("variant", [r.spec() for _, r in exp.recipes]),
+        "stage_spec": (("variant", "stage"), np.array(res.stage_specs, dtype=object).astype(str)),
+    })
+    for k, v in sw.items():
+        if k not in dims_sw:
+            coords[k] = v[0]
+    coords.update({"heads": exp.heads, "kv_heads": hkv, "batch_size": exp.batch})
+    attrs = dict(res.attrs)
+    attrs.update({
+        "format": "fa3-numerics-backward/1", "kind": "backward", "experiment": "backward", "dist": exp.dist,
+        "description": exp.description, "backend": "emulate", "seeds": json.dumps(exp.seeds),
+        "rows_sampling": "every query row", "rotation_seed": "seed",
+        "do_seed": f"torch.randn from manual_seed({DO_SEED})",
+        "data_seed": "seed (torch.Generator on CPU, float64)", "wall_seconds": round(res.wall, 3),
+        "reference": "float64 autograd of exact attention (numerics.backward_reference)",
+        "stages": json.dumps({"full": "the variant", **STAGES, "exact": "every part exact (float32 floor)"}),
+    })
+    ds = xr.Dataset(data, coords=coords, attrs={k: (v if isinstance(v, (str, int, float)) else json.dumps(v))
+                                                 for k, v in attrs.items()})
+    return apply_conventions(ds)
+
+
+def stage_shares(ds, grad: str, variant: str) -> dict[str, float]:
+    """Share of ``grad``'s summed stage MSE per stage (pooled over samples and cells), and the
+    additivity ratio (full MSE / sum of stage MSEs) under key ``"additivity"``."""
+    rmse = ds[f"{grad}_rmse"].sel(variant=variant)
+    mse = {s: float(np.nanmean(rmse.sel(stage=s).values ** 2)) for s in SHARE_STAGES}
+    total = sum(mse.values())
+    out = {s: (m / total if total > 0 else math.nan) for s, m in mse.items()}
+    out["additivity"] = float(np.nanmean(rmse.sel(stage="full").values ** 2)) / total if total > 0 else math.nan
+    return out
+
+
+__all__ = ["STAGES", "stage_recipe", "exact_backward", "BackwardStudy", "load_study", "compute", "Results", "GRADS",
+           "DO_SEED", "stage_shares", "SHARE_STAGES"]
