@@ -240,6 +240,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            "what the public FA3 FP8 kernel computes: one descale per (batch, kv-head), no rotation, Hopper MMA model"),
     Preset("fa3-fp8-kernel-hadamard", Recipe(gran=PerHead(), rot="hadamard", acc="fp22"),
            "the public FA3 FP8 kernel with per-head descales after a random Hadamard on Q and K, Hopper MMA model"),
+    Preset("fa3-bf16", Recipe(qk="bf16", v="bf16", p="bf16", out="bf16", p_offset=0.0),
+           "FlashAttention-3 BF16: the kernel's tiles, online softmax in FP32, P cast to BF16 (a layer an engine "
+           "keeps out of its FP8 KV cache)"),
     Preset("exact", Recipe(qk="fp32", v="fp32", p="fp32", out="fp32", p_offset=0.0),
            "tile-by-tile FP32 attention without quantization: checks the emulator itself"),
     *_FIELD,

@@ -4,7 +4,9 @@ it can run) and the remedies its diagnosis points to.
 Exposed: ``Target``, ``TARGETS``, ``target_names``, ``candidates``, ``Remedy``, ``REMEDIES``, ``diagnose``,
 ``implements``.
 
-A target is data: its candidate presets or specs, what it deploys (``deploy``: the FA3 kernel's
+The FA3 and engine targets also hold ``fa3-bf16``, the per-layer fallback: a layer the mix gives it
+runs the BF16 kernel (an engine keeps it out of its FP8 KV cache: vLLM's
+``--kv-cache-dtype-skip-layers``); it is verified alone only when nothing else is left. A target is data: its candidate presets or specs, what it deploys (``deploy``: the FA3 kernel's
 pre-pass and descales, an engine's checkpoint scales, or a kernel's own recipe), and why. ``any``
 is the union of all. The user edits a target's set with ``--add SPEC`` and ``--drop NAME``.
 
@@ -20,7 +22,7 @@ import dataclasses
 from typing import Callable
 
 from ..errors import UsageError, require
-from ..numerics.recipe import Recipe, parse_recipes
+from ..numerics.recipe import Recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +34,7 @@ class Target:
 
 
 _FA3 = ("fa3-fp8-kernel", "fa3-fp8-kernel,gran=tensor", "fa3-fp8-kernel-hadamard",
-        "fa3-fp8-kernel,smooth=k,kmean=static", "fa3-fp8-kernel-hadamard,smooth=k,kmean=static")
+        "fa3-fp8-kernel,smooth=k,kmean=static", "fa3-fp8-kernel-hadamard,smooth=k,kmean=static", "fa3-bf16")
 TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("fa3", "the public FA3 FP8 kernel: one descale per (batch, kv-head) or per tensor; a Hadamard rotation "
            "and K smoothing (a static per-kv-head K mean) are pre-passes on Q and K before the call", _FA3, "fa3"),
@@ -46,11 +48,11 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
            "(pytorch/ao #3959, #3857)", ("fa3-fp8-kernel",), "fa3"),
     Target("vllm", "vLLM's FP8 attention with an FP8 KV cache on the FA3 backend: scales 1.0, "
            "calculate_kv_scales, or calibrated per-tensor / per-head checkpoint scales",
-           ("vllm-fp8", "vllm-fp8-calc", "vllm-fp8-static", "vllm-fp8-static-head"), "engine"),
+           ("vllm-fp8", "vllm-fp8-calc", "vllm-fp8-static", "vllm-fp8-static-head", "fa3-bf16"), "engine"),
     Target("sglang", "SGLang's FP8 KV cache: scales 1.0 without checkpoint scales, or per-tensor checkpoint scales",
-           ("sglang-fp8", "sglang-fp8-static"), "engine"),
-    Target("trtllm", "TensorRT-LLM's FP8 attention with ModelOpt's calibrated per-tensor scales", ("trtllm-fp8",),
-           "engine"),
+           ("sglang-fp8", "sglang-fp8-static", "fa3-bf16"), "engine"),
+    Target("trtllm", "TensorRT-LLM's FP8 attention with ModelOpt's calibrated per-tensor scales",
+           ("trtllm-fp8", "fa3-bf16"), "engine"),
 ]}
 
 
@@ -72,7 +74,8 @@ def candidates(target: str, add=(), drop=()) -> list[tuple[str, Recipe]]:
         names = [n for n in names if n != name]
     require(names, f"--target {target} has no candidates left after --drop; --add a recipe (e.g. --add fa3-fp8-kernel)")
     out, seen = [], set()
-    for label, r in parse_recipes(";".join(names)):
+    for label in dict.fromkeys(names):
+        r = Recipe.from_str(label)
         if r.spec() in seen:
             continue
         seen.add(r.spec())
