@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from .document import Bullets, Document, Para, Section, Table, write_document
 from .format import fmt_e
 
@@ -68,7 +70,8 @@ def recommend_document(ds) -> Document:
         s = ds.sel(candidate=c)
         sat = int(s.saturated.sum())
         screen_rows.append([c, fmt_e(float(s.predicted_kl)), str(int(s.cost)),
-                            fmt_e(float(s.rel_l2_pooled.max())), str(int(s.rel_l2_pooled.argmax())), str(sat)])
+                            fmt_e(float(s.rel_l2_pooled.max())), str(int(np.nanargmax(s.rel_l2_pooled.values))),
+                            str(sat)])
     screen = Section("Screen: every candidate, every layer", [
         Para("rel_l2 on the held-out Q, K, V of each layer; predicted KL = sum over layers of gain x rel_l2^2, the "
              "gain measured one layer at a time with the first candidate."),

@@ -265,10 +265,15 @@ def recommend(*, model: str = "smollm2", text: str | Path | None = None, calib_t
     mix_attempts = []
     if mix_runs and C > 1:
         def run_mix(choice):
+            same = next((v for v in verified if v["choice"] == list(choice)), None)
+            if same is not None:  # a uniform candidate already measured: no second pass
+                return same["kl_mean"]
             got = measure([recipe_attn(run_recipes[c][0], resolve(run_recipes[c][1], cid, i))
                            for i, c in enumerate(choice)])
             labels = [cands[c][0] for c in choice]
-            verified.append({"kind": "mix", "label": assignment_label(labels), "choice": list(choice),
+            uniform = len(set(choice)) == 1
+            verified.append({"kind": "uniform" if uniform else "mix",
+                             "label": labels[0] if uniform else assignment_label(labels), "choice": list(choice),
                              "cost": int(sum(costs[c] for c in choice)), "predicted": float(sum(
                                  pred_layer[c, i] for i, c in enumerate(choice))), **got})
             progress(f"verify mix {verified[-1]['label']}: KL mean {got['kl_mean']:.3g}")
