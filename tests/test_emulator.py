@@ -576,7 +576,7 @@ def _preset_bound(r: Recipe) -> float:
     if all(f == "fp32" for f in ops):
         return 1e-5
     if all(f in ("fp16", "bf16") for f in ops):
-        return 2e-3
+        return 2e-3 if "bf16" not in ops else 1.6e-2  # BF16: 4 units of its roundoff, 4 * 2^-8
     if any(f in ("int4", "nvfp4") for f in ops):
         return 1.5
     return 0.25

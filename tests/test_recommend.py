@@ -61,10 +61,22 @@ def test_static_scales_from_other_text_change_the_output():
     assert not torch.equal(a, b)
 
 
-def test_calibrated_recipe_without_calibration_is_refused():
+def test_uncalibrated_preset_calibrates_on_its_own_tensors():
+    """calib=none: the call's own tensors are the calibration (optimistic), so the engine presets run
+    anywhere; equal to naming a calibration of the same tensors."""
     q, k, v = _qkv()
-    with pytest.raises(UsageError, match="recommend"):
-        emulate(PRESETS["vllm-fp8-calc"].recipe, q, k, v, causal=True, q_index=torch.arange(8))
+    cid = calib.register(calib.Calibration({0: (q, k, v)}))
+    idx = torch.arange(128)
+    for name in ("vllm-fp8-calc", "vllm-fp8-static-head"):
+        r = PRESETS[name].recipe
+        a = emulate(r, q, k, v, causal=True, q_index=idx)
+        b = emulate(Recipe.from_str(f"{name},calib={cid}@0"), q, k, v, causal=True, q_index=idx)
+        assert torch.equal(a, b)
+    with pytest.raises(UsageError, match="has no layer"):
+        emulate(Recipe.from_str(f"vllm-fp8-calc,calib={cid}@3"), q, k, v, causal=True, q_index=idx)
+
+
+def test_recipes_refuse_what_no_kernel_computes():
     with pytest.raises(UsageError, match="smooth=k"):
         Recipe.from_str("fa3-fp8-kernel,kmean=static")
     with pytest.raises(UsageError, match="FP8"):

@@ -21,7 +21,8 @@ cache can deploy, since it cannot know the mean of tokens not yet generated.
 
 A ``Calibration`` holds the float64 Q, K, V of each calibrated layer, recorded on the
 calibration text, registered in this process under a hash of its contents; a recipe names one
-layer of it as ``calib=<id>@<layer>``. The static descales are computed from those tensors after
+layer of it as ``calib=<id>@<layer>``; ``calib=none`` calibrates on the call's own tensors
+(optimistic: nothing saturates; what ``impact``'s static decode modes assume too). The static descales are computed from those tensors after
 the recipe's own pre-pass (rotation, K smoothing) at the recipe's granularity, so a rotated or
 smoothed recipe is calibrated on what its kernel sees.
 """
@@ -98,17 +99,24 @@ class StaticInputs:
     k_mean: torch.Tensor | None
 
 
-def static_for(recipe, rot, *, group: int, device) -> StaticInputs | None:
+def static_for(recipe, rot, *, group: int, device, own=None) -> StaticInputs | None:
     """The static descales and K mean of ``recipe`` (None when it fixes nothing). ``rot`` is the
-    recipe's rotation; ``group`` query heads share Q's per-head descale (the kernel's shape)."""
+    recipe's rotation; ``group`` query heads share Q's per-head descale (the kernel's shape).
+
+    With ``calib=none`` the calibration text is the call's own (q, k, v) ``own``: the optimistic
+    calibration (no entry saturates) that lets a calibrated preset run anywhere; ``recommend``
+    always names a calibration of other text."""
     if recipe.dscale == "amax" and recipe.kmean != "static":
         return None
     cal_q = cal_k = cal_v = None
     if uses_calibration(recipe):
-        require(recipe.calib != "none", f"recipe {recipe.short_str()} needs calibrated scales or a calibrated K "
-                "mean (calib=ID@LAYER); `fa3-numerics recommend` calibrates them on --calib-text")
-        cal, layer = lookup(recipe.calib)
-        cal_q, cal_k, cal_v = (t.to(device, torch.float64) for t in cal.layers[layer])
+        if recipe.calib == "none":
+            require(own is not None, f"recipe {recipe.short_str()} needs calibrated scales or a calibrated K mean "
+                    "(calib=ID@LAYER); `fa3-numerics recommend` calibrates them on --calib-text")
+            cal_q, cal_k, cal_v = (t.to(device, torch.float64) for t in own)
+        else:
+            cal, layer = lookup(recipe.calib)
+            cal_q, cal_k, cal_v = (t.to(device, torch.float64) for t in cal.layers[layer])
     k_mean = None
     if cal_k is not None:
         rk = rot.apply(cal_k)

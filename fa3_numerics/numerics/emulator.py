@@ -156,7 +156,7 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     # One Q descale per (batch, kv-head) group: the shape the kernel's q_descale takes.
     group = h // hkv if isinstance(g, PerHead) else 1
     # Calibrated recipes (dscale=static/calc/unit, kmean=static) fix descales and the K mean.
-    static = static_for(recipe, rot, group=group, device=q.device)
+    static = static_for(recipe, rot, group=group, device=q.device, own=(q, k, v))
     if recipe.smooth != "none" and static is not None and static.k_mean is not None:
         rk0 = rk
         rk = lambda: once("smooth-k", lambda: rk0() - static.k_mean)  # noqa: E731

@@ -41,7 +41,7 @@ def saturation(recipe, q, k, v, *, seed: int) -> dict[str, np.ndarray]:
         return zeros
     rot = make_rotation(recipe.rot, q.shape[-1], seed)
     group = h // hkv if isinstance(recipe.gran, PerHead) else 1
-    st = static_for(recipe, rot, group=group, device=q.device)
+    st = static_for(recipe, rot, group=group, device=q.device, own=(q, k, v))
     rq, rk = rot.apply(q.to(torch.float64)), rot.apply(k.to(torch.float64))
     if recipe.smooth != "none":
         rk = rk - st.k_mean if st.k_mean is not None else smooth_k(rk)[0]
