@@ -192,8 +192,9 @@ _VLLM_DOCS = ("vllm-project/vllm docs/features/quantization/quantized_kvcache.md
               "[num_heads], k/v_scale [num_kv_heads], FlashAttention backend, from llm-compressor)")
 _SERVING = [
     Preset("vllm-fp8", dataclasses.replace(_ENGINE, dscale="unit"),
-           "vLLM --kv-cache-dtype fp8 without checkpoint scales: q/k/v scales 1.0 (the default; vllm-project/vllm "
-           "vllm/attention/layer.py registers _q_scale/_k_scale/_v_scale as 1.0; issues #5493, #12076). " + _VLLM_DOCS),
+           "vLLM --kv-cache-dtype fp8 without checkpoint scales: q/k/v scales 1.0 (the default: vllm-project/vllm "
+           "vllm/attention/layer.py, set_default_quant_scales when no quant weights load; Q quantized per tensor "
+           "with _q_scale before the FA3 call; issues #5493, #12076). " + _VLLM_DOCS),
     Preset("vllm-fp8-calc", dataclasses.replace(_ENGINE, dscale="calc"),
            "vLLM --calculate-kv-scales: the first batch's amax / Q_SCALE_CONSTANT 200, K_SCALE_CONSTANT 200, "
            "V_SCALE_CONSTANT 100, per tensor, then fixed (vllm-project/vllm vllm/envs.py; calc_kv_scales in "
