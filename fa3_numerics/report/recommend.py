@@ -35,8 +35,9 @@ def _verdict(f: dict) -> list:
         cl = f["closest"]
         lines.append(f"**No verified candidate meets the budget.** Closest: `{cl['label']}`, {_m(cl)}.")
     for a in f["avoid"][:3]:
-        why = f"{a['worst_layer_share'] * 100:.0f}% of its predicted KL in layer {a['worst_layer']} " \
-              f"({a['worst_layer_diagnosis']} indicated there)"
+        why = f"{a['worst_layer_share'] * 100:.0f}% of its predicted KL in layer {a['worst_layer']} " + (
+            f"({a['worst_layer_diagnosis']} indicated there)" if a["worst_layer_indicated"] else
+            f"(no statistic over its threshold there; nearest: {a['worst_layer_diagnosis']})")
         if a["saturation"]:
             s = a["saturation"][0]
             why += f"; its fixed {s['tensor'].upper()} scale saturates {s['count']} held-out entries (worst: layer " \
@@ -77,9 +78,14 @@ def recommend_document(ds) -> Document:
              "gain measured one layer at a time with the first candidate."),
         Table(["candidate", "predicted KL", "cost", "worst layer rel_l2", "worst layer", "saturated entries"],
               screen_rows, numeric=[False, True, True, True, True, True])])
+    def _said(x):
+        head = f"{x['statistic']} = {x['value']:.3g} (threshold {x['threshold']:g})"
+        if x["indicated"]:
+            return f"{head}: {x['why']} -> {x['what']}"
+        return f"no statistic reaches its threshold; the nearest is {head}, which points to {x['what']}"
+
     diag = [f"Layer {d['layer']}: `{d['first_candidate']}` alone costs KL {fmt_e(d['layer_kl'])} "
-            f"({100 * d['share']:.0f}% of the budget). {d['diagnosis']['statistic']} = {d['diagnosis']['value']:.3g} "
-            f"(threshold {d['diagnosis']['threshold']:g}): {d['diagnosis']['why']} -> {d['diagnosis']['what']}"
+            f"({100 * d['share']:.0f}% of the budget). {_said(d['diagnosis'])}"
             + ("; measured: " + ", ".join(f"`{x['candidate']}` rel_l2 {x['rel_l2']:.3g} ({x['gain']:.1f}x lower)"
                                            for x in d["remedy_measured"]) if d["remedy_measured"] else "")
             for d in f["diagnosis"]]
@@ -91,10 +97,21 @@ def recommend_document(ds) -> Document:
         Table(["candidate", "tensor", "saturated", "layers", "worst"], sat_rows) if sat_rows else
         Para("No calibrated scale saturates on the held-out text.")])
     dep = f["deploy"] or {}
-    dep_blocks = [Para(dep.get("how", "")) if dep.get("how") else Para("")]
+    dep_blocks = [Para(dep["how"])] if dep.get("how") else []
     if dep.get("layout"):
         dep_blocks = [Bullets([f"scales: {dep['layout']['scales']}", f"layers kept in BF16: "
                                f"{dep.get('keep_bf16_layers') or 'none'}; switch: {dep['layout']['skip_layers']}"])]
+    if dep.get("layers"):
+        def _scales(row):
+            got = [f"{t} {fmt_e(row[t + '_scale'][0])}" + ("..." if len(row[t + "_scale"]) > 1 else "")
+                   for t in ("q", "k", "v") if t + "_scale" in row]
+            return ", ".join(got) or "from each call's amax"
+
+        dep_blocks.append(Table(["layer", "recipe", "rotation", "K smoothing", "descales"],
+                                [[str(r["layer"]), r["recipe"], r.get("rotation", "none"),
+                                  "static mean" if "k_mean" in r else r.get("smoothing", "none"), _scales(r)]
+                                 for r in dep["layers"]], long=len(dep["layers"]) > 12,
+                                summary="per-layer deployment"))
     dep_blocks.append(Para("The per-layer values (rotation, K mean, q/k/v scales) are in recommend.json. " + f["decode"]
                            + "."))
     deploy = Section("What the target takes", dep_blocks)

@@ -54,6 +54,7 @@ from ..numerics.recipe import Recipe
 from .impact_analysis import layer_rel_l2, summarize
 from .impact_model import REF, SDPA_BF16, ModelRunner, recipe_attn, score
 from .recommend_targets import candidates as target_candidates
+from .recommend_targets import mix_pool
 
 RECOMMEND_FORMAT = "fa3-numerics-recommend/1"
 DEFAULT_TOKENS = 256
@@ -263,8 +264,12 @@ def recommend(*, model: str = "smollm2", text: str | Path | None = None, calib_t
         progress(f"verify {cands[c][0]}: KL mean {got['kl_mean']:.3g} (predicted {predicted[c]:.3g}), top-1 "
                  f"{100 * got['top1_agree']:.2f}%, dppl {got['ppl_delta']:+.4f}")
     mix_attempts = []
-    if mix_runs and C > 1:
-        def run_mix(choice):
+    # a mix deploys on one target: for --target any, that of the best verified candidate
+    pool = mix_pool(target, [lab for lab, _ in cands], min(verified, key=lambda v: v["kl_mean"])["label"]) \
+        if verified else list(range(C))
+    if mix_runs and len(pool) > 1:
+        def run_mix(sub):
+            choice = tuple(pool[c] for c in sub)
             same = next((v for v in verified if v["choice"] == list(choice)), None)
             if same is not None:  # a uniform candidate already measured: no second pass
                 return same["kl_mean"]
@@ -279,7 +284,9 @@ def recommend(*, model: str = "smollm2", text: str | Path | None = None, calib_t
             progress(f"verify mix {verified[-1]['label']}: KL mean {got['kl_mean']:.3g}")
             return got["kl_mean"]
 
-        mix_attempts = search(pred_layer, costs, kl_budget, run_mix, max_runs=mix_runs)
+        mix_attempts = search(pred_layer[pool], [costs[c] for c in pool], kl_budget, run_mix, max_runs=mix_runs)
+        for a in mix_attempts:
+            a["choice"] = [pool[c] for c in a["choice"]]
     progress(f"verify: {len(verified)} full passes ({time.perf_counter() - t0:.1f} s)")
     for v in verified:
         v["meets"] = budget.meets(v, kl_budget)

@@ -142,6 +142,7 @@ def _avoid(info, verified, choice) -> list[dict]:
                      "worst_layer": worst, "worst_layer_share": float(info["pred_layer"][c, worst] /
                                                                      max(1e-300, info["predicted"][c])),
                      "worst_layer_diagnosis": diagnose(st)[0]["remedy"],
+                     "worst_layer_indicated": diagnose(st)[0]["indicated"],
                      "saturation": [s for s in sat if s["candidate"] == lab]})
     return sorted(rows, key=lambda r: -r["kl_mean"] if math.isfinite(r["kl_mean"]) else -math.inf)
 
@@ -182,7 +183,7 @@ def assemble(info) -> tuple[xr.Dataset, dict]:
         "diagnosis": _diagnosis(info),
         "saturation": _saturation(info),
         "deploy": _deploy(info, choice_labels, choice_recipes) if chosen else None,
-        "decode": ("static scales and static K means make each decode step compute what its prefill row computes, "
+        "decode": ("Static scales and static K means make each decode step compute what its prefill row computes, "
                    "so the held-out pass is also its teacher-forced decode against the FP8 KV cache; recipes with "
                    "dynamic descales are evaluated as prefill calls"),
         "accumulator": ("acc=fp22 ran as acc=fp32 (emulator on a CPU)" if any(

@@ -83,6 +83,18 @@ def candidates(target: str, add=(), drop=()) -> list[tuple[str, Recipe]]:
     return out
 
 
+def mix_pool(target: str, labels: list[str], anchor: str) -> list[int]:
+    """Indices of ``labels`` a per-layer mix may combine: every candidate for one target; for ``any``
+    the candidates of the first target holding ``anchor`` (a mix must deploy on one kernel or engine),
+    with candidates added by --add kept in."""
+    if target != "any":
+        return list(range(len(labels)))
+    known = {n for t in TARGETS.values() for n in t.candidates}
+    home = next((t for t in TARGETS.values() if anchor in t.candidates), None)
+    keep = set(home.candidates) if home else known
+    return [i for i, lab in enumerate(labels) if lab in keep or lab not in known]
+
+
 def deploy_kind(target: str, recipe: Recipe) -> str:
     if target != "any":
         return TARGETS[target].deploy
@@ -138,5 +150,5 @@ def implements(name: str, recipe: Recipe) -> bool:
     return remedy(name).implements(recipe)
 
 
-__all__ = ["Target", "TARGETS", "target_names", "candidates", "deploy_kind", "Remedy", "REMEDIES", "diagnose",
+__all__ = ["Target", "TARGETS", "target_names", "candidates", "mix_pool", "deploy_kind", "Remedy", "REMEDIES", "diagnose",
            "implements", "remedy"]
