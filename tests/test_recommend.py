@@ -198,3 +198,57 @@ def test_budget_no_candidate_meets_exits_4_naming_the_closest(tiny, tmp_path, ca
     assert len(layers) == 2 and "layout" in art["deploy"]
     if "k_scale" in layers[0]:  # a calibrated closest: its per-layer scales in the engine's layout
         assert all(s > 0 for s in layers[0]["k_scale"])
+
+
+def test_static_k_mean_is_the_calibration_texts_mean():
+    """kmean=static subtracts the calibration text's mean: the same output as the plain recipe on K
+    minus that mean (computed here independently), and not the call's own mean."""
+    q, k, v = _qkv()
+    _, k2, _ = _qkv(seed=1)
+    cid = calib.register(calib.Calibration({0: (q, k2, v)}))
+    idx = torch.arange(128)
+    mu = k2.mean(dim=2, keepdim=True)
+    a = emulate(Recipe.from_str(f"fa3-fp8-kernel,acc=fp32,smooth=k,kmean=static,calib={cid}@0"), q, k, v, causal=True,
+                q_index=idx)
+    b = emulate(Recipe.from_str("fa3-fp8-kernel,acc=fp32"), q, k - mu, v, causal=True, q_index=idx)
+    c = emulate(Recipe.from_str("fa3-fp8-kernel,acc=fp32,smooth=k"), q, k, v, causal=True, q_index=idx)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_engine_deployment_holds_per_layer_scales_in_the_engines_shapes():
+    from fa3_numerics.studies.recommend_dataset import _deploy
+
+    q, k, v = _qkv()
+    cid = calib.register(calib.Calibration({0: (q, k, v), 1: (2 * q, 2 * k, 2 * v)}))
+    info = {"target": "vllm", "num_layers": 2, "cid": cid, "head_dim": 64, "seed": 0, "heads": 4, "kv_heads": 2}
+    head, calc = PRESETS["vllm-fp8-static-head"].recipe, PRESETS["vllm-fp8-calc"].recipe
+    dep = _deploy(info, ["vllm-fp8-static-head", "vllm-fp8-calc"], [head, calc])
+    l0, l1 = dep["layers"]
+    assert len(l0["q_scale"]) == 4 and len(l0["k_scale"]) == 2 and len(l0["v_scale"]) == 2
+    want = (k.abs().amax(dim=(2, 3))[0] / 448).tolist()          # llm-compressor's amax / 448, per kv-head
+    assert l0["k_scale"] == pytest.approx(want, rel=1e-6)
+    assert l1["k_scale"] == pytest.approx([float(2 * k.abs().max() / 200)], rel=1e-6)   # vLLM's K constant
+    assert l1["v_scale"] == pytest.approx([float(2 * v.abs().max() / 100)], rel=1e-6)   # and V's
+    assert dep["keep_bf16_layers"] == [] and "kv-cache-dtype-skip-layers" in dep["layout"]["skip_layers"]
+
+
+def test_fa3_deployment_stores_the_static_k_mean():
+    from fa3_numerics.studies.recommend_dataset import _deploy
+
+    q, k, v = _qkv()
+    cid = calib.register(calib.Calibration({0: (q, k, v)}))
+    info = {"target": "fa3", "num_layers": 1, "cid": cid, "head_dim": 64, "seed": 0, "heads": 4, "kv_heads": 2}
+    r = Recipe.from_str("fa3-fp8-kernel,smooth=k,kmean=static")
+    row = _deploy(info, ["fa3-fp8-kernel,smooth=k,kmean=static"], [r])["layers"][0]
+    assert torch.allclose(torch.tensor(row["k_mean"], dtype=torch.float64), k.mean(dim=2)[0])
+    assert row["descale"] == "per (batch, kv-head)" and row["rotation"] == "none"
+
+
+def test_a_mix_for_target_any_stays_on_one_target():
+    from fa3_numerics.studies.recommend_targets import mix_pool
+
+    labels = [lab for lab, _ in candidates("any")]
+    pool = {labels[i] for i in mix_pool("any", labels, "sage2-int8")}
+    assert pool == {"sage2-int8", "sage2-int8,smooth=k"}
+    assert "fa3-bf16" in {labels[i] for i in mix_pool("any", labels, "fa3-fp8-kernel")}
+    assert mix_pool("fa3", labels, "x") == list(range(len(labels)))
