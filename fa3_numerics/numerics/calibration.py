@@ -22,9 +22,9 @@ cache can deploy, since it cannot know the mean of tokens not yet generated.
 A ``Calibration`` holds the float64 Q, K, V of each calibrated layer, recorded on the
 calibration text, registered in this process under a hash of its contents; a recipe names one
 layer of it as ``calib=<id>@<layer>``; ``calib=none`` calibrates on the call's own tensors
-(optimistic: nothing saturates; what ``impact``'s static decode modes assume too). The static descales are computed from those tensors after
-the recipe's own pre-pass (rotation, K smoothing) at the recipe's granularity, so a rotated or
-smoothed recipe is calibrated on what its kernel sees.
+(optimistic: nothing saturates; what ``impact``'s static decode modes assume too). The static
+descales are computed from those tensors after the recipe's own pre-pass (rotation, K smoothing)
+at the recipe's granularity, so a rotated or smoothed recipe is calibrated on what its kernel sees.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ def _verdict(f: dict) -> list:
     if c:
         lines.append(f"**Use `{c['label']}`** on {f['target']}: {_m(c)}, measured end to end on held-out text.")
         if c["exceptions"]:
-            lines.append("Per-layer exceptions: " + ", ".join(f"layer {e['layer']}: `{e['recipe']}`"
-                                                            for e in c["exceptions"]) + f" (the rest `{c['majority']}`).")
+            lines.append("Per-layer exceptions: " + ", ".join(f"layer {e['layer']}: `{e['recipe']}`" for e in
+                                                            c["exceptions"]) + f" (the rest `{c['majority']}`).")
     else:
         cl = f["closest"]
         lines.append(f"**No verified candidate meets the budget.** Closest: `{cl['label']}`, {_m(cl)}.")

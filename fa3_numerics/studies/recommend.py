@@ -49,7 +49,6 @@ import torch
 
 from ..errors import UsageError, require
 from ..numerics import calibration as calib
-from ..numerics.metrics import per_sample
 from ..numerics.recipe import Recipe
 from .impact_analysis import layer_rel_l2, summarize
 from .impact_model import REF, SDPA_BF16, ModelRunner, recipe_attn, score

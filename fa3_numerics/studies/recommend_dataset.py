@@ -150,7 +150,7 @@ def _avoid(info, verified, choice) -> list[dict]:
 def assemble(info) -> tuple[xr.Dataset, dict]:
     from ..data.capture import token_ids_sha256
     from ..engine.provenance import provenance
-    from .recommend import RECOMMEND_FORMAT, resolve
+    from .recommend import RECOMMEND_FORMAT
 
     labels = [lab for lab, _ in info["cands"]]
     L, H = info["num_layers"], info["heads"]

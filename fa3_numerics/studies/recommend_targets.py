@@ -6,7 +6,9 @@ Exposed: ``Target``, ``TARGETS``, ``target_names``, ``candidates``, ``Remedy``, 
 
 The FA3 and engine targets also hold ``fa3-bf16``, the per-layer fallback: a layer the mix gives it
 runs the BF16 kernel (an engine keeps it out of its FP8 KV cache: vLLM's
-``--kv-cache-dtype-skip-layers``); it is verified alone only when nothing else is left. A target is data: its candidate presets or specs, what it deploys (``deploy``: the FA3 kernel's
+``--kv-cache-dtype-skip-layers``); it is verified alone only when nothing else is left.
+
+A target is data: its candidate presets or specs, what it deploys (``deploy``: the FA3 kernel's
 pre-pass and descales, an engine's checkpoint scales, or a kernel's own recipe), and why. ``any``
 is the union of all. The user edits a target's set with ``--add SPEC`` and ``--drop NAME``.
 
@@ -150,5 +152,6 @@ def implements(name: str, recipe: Recipe) -> bool:
     return remedy(name).implements(recipe)
 
 
-__all__ = ["Target", "TARGETS", "target_names", "candidates", "mix_pool", "deploy_kind", "Remedy", "REMEDIES", "diagnose",
+__all__ = ["Target", "TARGETS", "target_names", "candidates", "mix_pool", "deploy_kind", "Remedy", "REMEDIES",
+           "diagnose",
            "implements", "remedy"]
