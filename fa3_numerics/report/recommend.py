@@ -35,8 +35,10 @@ def _verdict(f: dict) -> list:
         cl = f["closest"]
         lines.append(f"**No verified candidate meets the budget.** Closest: `{cl['label']}`, {_m(cl)}.")
     for a in f["avoid"][:3]:
+        indicated = a.get("worst_layer_indicated")  # absent in datasets of the first version
         why = f"{a['worst_layer_share'] * 100:.0f}% of its predicted KL in layer {a['worst_layer']} " + (
-            f"({a['worst_layer_diagnosis']} indicated there)" if a["worst_layer_indicated"] else
+            f"(diagnosis there: {a['worst_layer_diagnosis']})" if indicated is None else
+            f"({a['worst_layer_diagnosis']} indicated there)" if indicated else
             f"(no statistic over its threshold there; nearest: {a['worst_layer_diagnosis']})")
         if a["saturation"]:
             s = a["saturation"][0]
