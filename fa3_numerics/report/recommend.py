@@ -88,8 +88,9 @@ def recommend_document(ds) -> Document:
 
     diag = [f"Layer {d['layer']}: `{d['first_candidate']}` alone costs KL {fmt_e(d['layer_kl'])} "
             f"({100 * d['share']:.0f}% of the budget). {_said(d['diagnosis'])}"
-            + ("; measured: " + ", ".join(f"`{x['candidate']}` rel_l2 {x['rel_l2']:.3g} ({x['gain']:.1f}x lower)"
-                                           for x in d["remedy_measured"]) if d["remedy_measured"] else "")
+            + ("; measured: " + ", ".join(f"`{x['candidate']}` rel_l2 {x['rel_l2']:.3g} (" + (
+                f"{x['gain']:.2f}x lower)" if x["gain"] >= 1 else f"{1 / x['gain']:.2f}x higher)")
+                for x in d["remedy_measured"]) if d["remedy_measured"] else "")
             for d in f["diagnosis"]]
     diagnosis = Section("Diagnosis per failing layer", [Bullets(diag) if diag else Para(
         "No layer spends more than its share of the budget under the first candidate.")])
