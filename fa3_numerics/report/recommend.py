@@ -88,6 +88,9 @@ def recommend_document(ds) -> Document:
 
     diag = [f"Layer {d['layer']}: `{d['first_candidate']}` alone costs KL {fmt_e(d['layer_kl'])} "
             f"({100 * d['share']:.0f}% of the budget). {_said(d['diagnosis'])}"
+            + (f"; of the remedies indicated, {d['measured_best']['remedy']} lowers this layer's rel_l2 most "
+               f"({d['measured_best']['gain']:.2f}x)" if d.get("measured_best") and
+               d["measured_best"]["remedy"] != d["diagnosis"]["remedy"] else "")
             + ("; measured: " + ", ".join(f"`{x['candidate']}` rel_l2 {x['rel_l2']:.3g} (" + (
                 f"{x['gain']:.2f}x lower)" if x["gain"] >= 1 else f"{1 / x['gain']:.2f}x higher)")
                 for x in d["remedy_measured"]) if d["remedy_measured"] else "")
@@ -108,6 +111,8 @@ def recommend_document(ds) -> Document:
         def _scales(row):
             got = [f"{t} {fmt_e(row[t + '_scale'][0])}" + ("..." if len(row[t + "_scale"]) > 1 else "")
                    for t in ("q", "k", "v") if t + "_scale" in row]
+            if row.get("fp8") is False:
+                return "none (16-bit kernel)"
             return ", ".join(got) or "from each call's amax"
 
         dep_blocks.append(Table(["layer", "recipe", "rotation", "K smoothing", "descales"],

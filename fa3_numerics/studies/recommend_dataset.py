@@ -105,8 +105,19 @@ def _diagnosis(info) -> list[dict]:
         fixes = [{"candidate": labels[c], "rel_l2": float(info["pooled"][c, i]),
                   "gain": float(info["pooled"][0, i] / info["pooled"][c, i]) if info["pooled"][c, i] > 0 else math.inf}
                  for c, (_, r) in enumerate(info["cands"]) if c and implements(top["remedy"], r)]
+        # Beside the statistic, the measurement: of the remedies whose statistic is over its threshold,
+        # the one whose best candidate lowers this layer's rel_l2 the most.
+        best = None
+        for rr in ranked:
+            if not rr["indicated"]:
+                continue
+            gains = [info["pooled"][0, i] / info["pooled"][c, i] for c, (_, r) in enumerate(info["cands"])
+                     if c and info["pooled"][c, i] > 0 and implements(rr["remedy"], r)]
+            if gains and (best is None or max(gains) > best["gain"]):
+                best = {"remedy": rr["remedy"], "gain": float(max(gains))}
         out.append({"layer": i, "layer_kl": float(info["layer_kl"][i]), "share": float(info["layer_kl"][i] / kl_budget),
-                    "first_candidate": labels[0], "diagnosis": top, "ranked": ranked, "remedy_measured": fixes})
+                    "first_candidate": labels[0], "diagnosis": top, "ranked": ranked, "remedy_measured": fixes,
+                    "measured_best": best})
     return out
 
 
