@@ -14,6 +14,8 @@ from typing import List, Optional
 
 import typer
 
+from .options import examples
+
 HELP = (
     "Screen every candidate of the target (the field's remedies included) per layer on the model's own Q, K, V, "
     "predict the model-level KL from per-layer gains, verify the best candidates and the cheapest per-layer mix "
@@ -24,11 +26,20 @@ HELP = (
     "3 when a result is non-finite, 2 on bad input."
 )
 
+EXAMPLES = examples(
+    "fa3-numerics recommend --model smollm2 --out results/recommend",
+    "fa3-numerics recommend --model smollm2 --target vllm --budget-kl 0.01 --out results/recommend-vllm",
+    "fa3-numerics recommend -m model.gguf --target any --add 'fa3-fp8-kernel,smooth=k' --drop fa3-bf16 --out r/",
+    "fa3-numerics recommend-report results/recommend/recommend.nc --out again/",
+)
+REPORT_EXAMPLES = examples("fa3-numerics recommend-report results/recommend/recommend.nc --out again/")
+
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:
     from ..studies.recommend_targets import target_names
 
-    @app.command("recommend", help=HELP, short_help="Pick, explain and verify the recipe for a model and a target.")
+    @app.command("recommend", help=HELP, short_help="Pick, explain and verify the recipe for a model and a target.",
+                 epilog=EXAMPLES)
     def recommend_cmd(
         model: str = typer.Option("smollm2", "--model", "-m", help="Local HF model folder, .gguf file, or `smollm2`."),
         target: str = typer.Option("fa3", "--target", "-t", help="What you deploy on: " + ", ".join(target_names())),
@@ -90,7 +101,8 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             typer.echo(f"error: {message}", err=True)
             sys.exit(code)
 
-    @app.command("recommend-report", short_help="Render the report of a saved recommend study.")
+    @app.command("recommend-report", short_help="Render the report of a saved recommend study.",
+                 epilog=REPORT_EXAMPLES)
     def recommend_report_cmd(
         dataset: Path = typer.Argument(..., help="recommend.nc written by `fa3-numerics recommend`."),
         out: Optional[Path] = typer.Option(None, help="Output folder (default: the dataset's folder)."),
