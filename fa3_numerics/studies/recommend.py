@@ -53,7 +53,7 @@ from ..numerics.recipe import Recipe
 from .impact_analysis import layer_rel_l2, summarize
 from .impact_model import REF, SDPA_BF16, ModelRunner, recipe_attn, score
 from .recommend_targets import candidates as target_candidates
-from .recommend_targets import mix_pool
+from .recommend_targets import FALLBACK, mix_pool
 
 RECOMMEND_FORMAT = "fa3-numerics-recommend/1"
 DEFAULT_TOKENS = 256
@@ -248,8 +248,8 @@ def recommend(*, model: str = "smollm2", text: str | Path | None = None, calib_t
     costs = [recipe_cost(r) for _, r in cands]
     order = sorted(range(C), key=lambda c: (predicted[c] if math.isfinite(predicted[c]) else math.inf, costs[c]))
     meeting = sorted((c for c in range(C) if predicted[c] <= kl_budget), key=lambda c: (costs[c], predicted[c]))
-    # 16-bit fallbacks serve the per-layer mix; verified alone only when nothing narrow is left
-    narrow = [c for c in order if cands[c][1].narrow] or order
+    # the targets' 16-bit fallback serves the per-layer mix; verified alone only when nothing else is left
+    narrow = [c for c in order if cands[c][0] != FALLBACK] or order
     meeting = [c for c in meeting if c in narrow]
     pick = ([meeting[0]] if meeting else []) + [c for c in narrow if not meeting or c != meeting[0]]
     pick = pick[:verify]

@@ -35,6 +35,7 @@ class Target:
     deploy: str  # "fa3": pre-pass + descales; "engine": q/k/v checkpoint scales; "kernel": the recipe itself
 
 
+FALLBACK = "fa3-bf16"
 _FA3 = ("fa3-fp8-kernel", "fa3-fp8-kernel,gran=tensor", "fa3-fp8-kernel-hadamard",
         "fa3-fp8-kernel,smooth=k,kmean=static", "fa3-fp8-kernel-hadamard,smooth=k,kmean=static", "fa3-bf16")
 TARGETS: dict[str, Target] = {t.name: t for t in [
@@ -152,6 +153,6 @@ def implements(name: str, recipe: Recipe) -> bool:
     return remedy(name).implements(recipe)
 
 
-__all__ = ["Target", "TARGETS", "target_names", "candidates", "mix_pool", "deploy_kind", "Remedy", "REMEDIES",
+__all__ = ["FALLBACK", "Target", "TARGETS", "target_names", "candidates", "mix_pool", "deploy_kind", "Remedy", "REMEDIES",
            "diagnose",
            "implements", "remedy"]
