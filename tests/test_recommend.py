@@ -230,6 +230,8 @@ def test_engine_deployment_holds_per_layer_scales_in_the_engines_shapes():
     assert l1["k_scale"] == pytest.approx([float(2 * k.abs().max() / 200)], rel=1e-6)   # vLLM's K constant
     assert l1["v_scale"] == pytest.approx([float(2 * v.abs().max() / 100)], rel=1e-6)   # and V's
     assert dep["keep_bf16_layers"] == [] and "kv-cache-dtype-skip-layers" in dep["layout"]["skip_layers"]
+    assert dep["checkpoint_tensors"]["model.layers.1.self_attn.k_scale"] == l1["k_scale"]
+    assert len(dep["checkpoint_tensors"]) == 6
 
 
 def test_fa3_deployment_stores_the_static_k_mean():

@@ -31,8 +31,10 @@ from .recommend_targets import TARGETS, deploy_kind, diagnose, implements
 MEASURED = ("kl_mean", "kl_p99", "kl_max", "top1_agree", "ppl", "ppl_delta")
 # Where each engine reads its scales and its per-layer switch, from the sources cited.
 ENGINE_LAYOUT = {
-    "vllm": {"scales": "model.layers.{i}.self_attn.q_scale / k_scale / v_scale: shape [1] per tensor, or q_scale "
-                       "[num_heads] and k_scale/v_scale [num_kv_heads] per attention head (vllm-project/vllm "
+    "vllm": {"scales": "model.layers.{i}.self_attn.q_scale / k_scale / v_scale (vLLM's loader maps "
+                       "'...self_attn.k_scale' onto the attention layer's k_scale: maybe_remap_kv_scale_name, "
+                       "vllm-project/vllm vllm/model_executor/model_loader/weight_utils.py): shape [1] per tensor, or "
+                       "q_scale [num_heads] and k_scale/v_scale [num_kv_heads] per attention head (vllm-project/vllm "
                        "docs/features/quantization/quantized_kvcache.md); each is the descale: x_fp8 = x / scale",
              "skip_layers": "--kv-cache-dtype-skip-layers (CacheConfig.kv_cache_dtype_skip_layers: layer indices or "
                             "'sliding_window'; vllm-project/vllm vllm/config/cache.py)"},
@@ -82,6 +84,9 @@ def _deploy(info, choice_labels: list[str], recipes: list) -> dict:
     out = {"target": target, "layers": layers}
     if target in ENGINE_LAYOUT:
         out["layout"] = ENGINE_LAYOUT[target]
+        # float32 tensors to add to the checkpoint, by the names the layout gives
+        out["checkpoint_tensors"] = {f"model.layers.{row['layer']}.self_attn.{t}_scale": row[f"{t}_scale"]
+                                     for row in layers for t in ("q", "k", "v") if f"{t}_scale" in row}
         out["keep_bf16_layers"] = [row["layer"] for row in layers if row.get("fp8") is False]
     if target in ("fa3", "torchao"):
         out["how"] = ("per layer: rotate Q and K by the seeded random Hadamard where rotation is hadamard, subtract "
