@@ -46,6 +46,16 @@ def _verdict(f: dict) -> list:
                    f"{s['worst_layer']}, head {s['worst_head']})"
         lines.append(f"Avoid `{a['candidate']}`: KL mean {fmt_e(a['kl_mean'])} ({a['bf16_multiple']:.0f}x BF16"
                      f"{'' if a['measured'] else ', predicted'}); {why}.")
+    ds_ = f.get("diagnosis_summary")
+    if ds_ and ds_["failing_layers"]:
+        stat = ", ".join(f"{k} in {v}" for k, v in sorted(ds_["by_statistic"].items(), key=lambda x: -x[1]))
+        meas = ", ".join(f"{k} in {v}" for k, v in sorted(ds_["by_measurement"].items(), key=lambda x: -x[1]))
+        first = f["diagnosis"][0]["first_candidate"]
+        n = ds_["failing_layers"]
+        lines.append(f"Diagnosis of the {n} layer{'s' if n != 1 else ''} where `{first}` alone spends more than its "
+                     "share of the budget: " + (f"the statistics point to {stat}" if stat else
+                                                "no statistic over its threshold")
+                     + (f"; measured, the largest rel_l2 reduction comes from {meas}" if meas else "") + ".")
     lines.append(f"Budget: {budget}.")
     return [Para(line, role="headline") for line in lines]
 
@@ -95,8 +105,18 @@ def recommend_document(ds) -> Document:
                 f"{x['gain']:.2f}x lower)" if x["gain"] >= 1 else f"{1 / x['gain']:.2f}x higher)")
                 for x in d["remedy_measured"]) if d["remedy_measured"] else "")
             for d in f["diagnosis"]]
-    diagnosis = Section("Diagnosis per failing layer", [Bullets(diag) if diag else Para(
-        "No layer spends more than its share of the budget under the first candidate.")])
+    order = sorted(range(len(f["diagnosis"])), key=lambda i: -f["diagnosis"][i]["share"])
+    table = Table(["layer", "KL share of budget", "statistic (value / threshold)", "indicated", "measured best"],
+                  [[str(d["layer"]), f"{100 * d['share']:.0f}%", f"{d['diagnosis']['statistic']} "
+                    f"({d['diagnosis']['value']:.3g} / {d['diagnosis']['threshold']:g})",
+                    ", ".join(r["remedy"] for r in d["ranked"] if r["indicated"]) or "none",
+                    (f"{d['measured_best']['remedy']} ({d['measured_best']['gain']:.2f}x)"
+                     if d.get("measured_best") else "")] for d in f["diagnosis"]],
+                  numeric=[True, True, False, False, False], long=len(f["diagnosis"]) > 12,
+                  summary="every failing layer")
+    diagnosis = Section("Diagnosis per failing layer", [
+        Para("The layers that cost most, worst first:"), Bullets([diag[i] for i in order[:8]]), table]
+        if diag else [Para("No layer spends more than its share of the budget under the first candidate.")])
     sat_rows = [[s["candidate"], s["tensor"].upper(), str(s["count"]), ",".join(map(str, s["layers"][:12])),
                  f"layer {s['worst_layer']}, head {s['worst_head']} ({s['worst_count']})"] for s in f["saturation"]]
     saturation = Section("Calibrated scales on held-out text", [

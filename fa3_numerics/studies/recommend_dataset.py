@@ -126,6 +126,19 @@ def _diagnosis(info) -> list[dict]:
     return out
 
 
+def _diagnosis_summary(diag: list[dict]) -> dict:
+    """How many failing layers each remedy explains: by the statistic, and by the measurement."""
+    by_stat: dict[str, int] = {}
+    by_measure: dict[str, int] = {}
+    for d in diag:
+        if d["diagnosis"]["indicated"]:
+            by_stat[d["diagnosis"]["remedy"]] = by_stat.get(d["diagnosis"]["remedy"], 0) + 1
+        if d.get("measured_best"):
+            name = d["measured_best"]["remedy"]
+            by_measure[name] = by_measure.get(name, 0) + 1
+    return {"failing_layers": len(diag), "by_statistic": by_stat, "by_measurement": by_measure}
+
+
 def _saturation(info) -> list[dict]:
     rows = []
     for c, (lab, r) in enumerate(info["cands"]):
@@ -196,7 +209,8 @@ def assemble(info) -> tuple[xr.Dataset, dict]:
         "closest": None if closest is None else strip(closest),
         "verified": [strip(v) for v in verified],
         "avoid": _avoid(info, verified, choice),
-        "diagnosis": _diagnosis(info),
+        "diagnosis": (diag := _diagnosis(info)),
+        "diagnosis_summary": _diagnosis_summary(diag),
         "saturation": _saturation(info),
         "deploy": _deploy(info, choice_labels, choice_recipes) if chosen else None,
         "decode": ("Static scales and static K means make each decode step compute what its prefill row computes, "
