@@ -56,6 +56,7 @@ from .quant import Quantized
 from .recipe import Recipe
 from .reference import causal_mask, expand_kv
 from .rotation import make_rotation
+from .calibration import static_for
 from .smoothing import qk_smoothing_bias, smooth_k, smooth_q
 from ..errors import UsageError
 
@@ -152,16 +153,20 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     rk = lambda: once("rot-k", lambda: rot.apply(k.to(torch.float64)))  # noqa: E731
     # Smoothing after the rotation: both are linear per row (mean(K M) = mean(K) M), so the order
     # does not matter in exact arithmetic.
-    if recipe.smooth != "none":
+    # One Q descale per (batch, kv-head) group: the shape the kernel's q_descale takes.
+    group = h // hkv if isinstance(g, PerHead) else 1
+    # Calibrated recipes (dscale=static/calc/unit, kmean=static) fix descales and the K mean.
+    static = static_for(recipe, rot, group=group, device=q.device, own=(q, k, v))
+    if recipe.smooth != "none" and static is not None and static.k_mean is not None:
+        rk0 = rk
+        rk = lambda: once("smooth-k", lambda: rk0() - static.k_mean)  # noqa: E731
+    elif recipe.smooth != "none":
         rk0 = rk
         rk = lambda: once("smooth-k", lambda: smooth_k(rk0())[0])  # noqa: E731
     if recipe.smooth == "qk":
         rq0 = rq
         sq = lambda: once("smooth-q", lambda: smooth_q(rq0(), bm))  # noqa: E731
         rq = lambda: sq()[0]  # noqa: E731
-    # One Q descale per (batch, kv-head) group: the shape the kernel's q_descale takes.
-    group = h // hkv if isinstance(g, PerHead) else 1
-
     def expand(t: Quantized) -> Quantized:
         # Values stay in their narrow storage dtype here (the cache holds a quarter of float32
         # for FP8); each algorithm widens them once per call.
@@ -173,12 +178,15 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     # tensors.
     rows_id = (q_index.numel(), int(q_index.sum()))
     qq = memo(("q", recipe.prepare_key("q"), rotation_seed, bm, bn, group, rows_id),
-              lambda: quantize_qk(rq(), recipe, "q", block_m=bm, block_n=bn, group=group, rows=q_index))
+              lambda: quantize_qk(rq(), recipe, "q", block_m=bm, block_n=bn, group=group, rows=q_index,
+                                  descale=static.q if static else None))
     if recipe.smooth != "qk":  # the smoothing bias is the only later use of the rotated Q
         local.pop("rot-q", None)
     kq = memo(("k", recipe.prepare_key("k"), rotation_seed, bm, bn),
-              lambda: expand(quantize_qk(rk(), recipe, "k", block_m=bm, block_n=bn)))
-    vq = memo(("v", recipe.prepare_key("v"), bn), lambda: expand(quantize_v(v, recipe, block_n=bn)))
+              lambda: expand(quantize_qk(rk(), recipe, "k", block_m=bm, block_n=bn,
+                                         descale=static.k if static else None)))
+    vq = memo(("v", recipe.prepare_key("v"), bn),
+              lambda: expand(quantize_v(v, recipe, block_n=bn, descale=static.v if static else None)))
     bias = None
     if recipe.smooth == "qk":
         # q_mean (K - mu)^T from the unquantized smoothed tensors, rounded once to ``sbias``

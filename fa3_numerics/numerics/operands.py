@@ -72,11 +72,12 @@ def _microscaled(x: torch.Tensor, name: str, recipe, axis: int) -> Quantized:
 
 
 def quantize_qk(x: torch.Tensor, recipe, which: str, *, block_m: int, block_n: int, group: int = 1,
-                rows: torch.Tensor | None = None) -> Quantized:
+                rows: torch.Tensor | None = None, descale: torch.Tensor | None = None) -> Quantized:
     """Q or K (float64 [B, H, N, D], already rotated and smoothed) as the kernel's operand.
 
     ``group``: query heads per KV head sharing Q's per-head descale (the FA3 kernel's shape);
-    ``rows`` (Q only): the query rows to keep (scales still see every row)."""
+    ``rows`` (Q only): the query rows to keep (scales still see every row); ``descale``: a static
+    descale (float formats only: ``dscale`` refuses the others)."""
     block_rows = block_m if which == "q" else block_n
     g = qk_granularity(recipe, which, block_m, block_n)
     fam = family(recipe.qk)
@@ -89,16 +90,17 @@ def quantize_qk(x: torch.Tensor, recipe, which: str, *, block_m: int, block_n: i
         if rows is not None:
             out = Quantized(out.values.index_select(2, rows), out.descale, out.fmt)
         return out
-    return quantize(x, recipe.qk, g, block_rows=block_rows, group=group, pow2=recipe.pow2, rows=rows)
+    return quantize(x, recipe.qk, g, block_rows=block_rows, group=group, pow2=recipe.pow2, rows=rows,
+                    descale=descale)
 
 
-def quantize_v(v: torch.Tensor, recipe, *, block_n: int) -> Quantized:
+def quantize_v(v: torch.Tensor, recipe, *, block_n: int, descale: torch.Tensor | None = None) -> Quantized:
     """V (float64 [B, Hkv, N, Dv]) as the kernel's operand (``vgran=channel``: one scale per
     channel over all tokens, a [B, Hkv, 1, Dv] descale that multiplies O at the end)."""
     if family(recipe.v) == "mx":
         return _microscaled(v, recipe.v, recipe, axis=2)
     g = PerChannel() if recipe.vgran == "channel" else recipe.gran
-    return quantize(v, recipe.v, g, block_rows=block_n, pow2=recipe.pow2)
+    return quantize(v, recipe.v, g, block_rows=block_n, pow2=recipe.pow2, descale=descale)
 
 
 def cast_p(p: torch.Tensor, recipe, *, materialised: bool = False) -> torch.Tensor:

@@ -57,9 +57,12 @@ def amax_to_scale(a: torch.Tensor, fmt: Format, *, pow2: bool = False) -> torch.
 
 
 def quantize(x: torch.Tensor, fmt: str | Format, gran: Granularity, *, block_rows: int | None = None,
-             group: int = 1, pow2: bool = False, rows: torch.Tensor | None = None) -> Quantized:
+             group: int = 1, pow2: bool = False, rows: torch.Tensor | None = None,
+             descale: torch.Tensor | None = None) -> Quantized:
     """Scale ``x`` (float64, [B, H, N, D]) into ``fmt`` at granularity ``gran``, saturating.
 
+    ``descale`` (float32, shaped as the amax at ``gran``) fixes the descale instead of taking it
+    from ``x``: static scales, calibrated on other text, where values of ``x`` may saturate.
     With ``rows`` (indices along N) the scales are computed from all of ``x`` but only
     those rows are quantized and returned: evaluating a sample of query rows then costs
     no more than the sample.
@@ -70,7 +73,10 @@ def quantize(x: torch.Tensor, fmt: str | Format, gran: Granularity, *, block_row
         # Wide formats (FP16/BF16/FP32) are used unscaled, as the kernels use them.
         one = torch.ones((1, 1, 1, 1), dtype=torch.float32, device=x.device)
         return Quantized(cast(pick(x), f) if f.dtype is not None else pick(x), one, f)
-    d = pick(amax_to_scale(amax(x, gran, block_rows=block_rows, group=group), f, pow2=pow2))
+    if descale is not None:
+        d = pick(descale.to(device=x.device, dtype=torch.float32))
+    else:
+        d = pick(amax_to_scale(amax(x, gran, block_rows=block_rows, group=group), f, pow2=pow2))
     return Quantized(_scaled_cast(pick(x), d, f), d, f)
 
 

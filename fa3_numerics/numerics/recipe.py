@@ -239,6 +239,39 @@ _BACKWARD = [
 ]
 BACKWARD_PRESETS = tuple(p.name for p in _BACKWARD)
 
+# Serving engines' FP8 attention with an FP8 KV cache: the FA3 kernel's arithmetic (Hopper MMA
+# model) with the q/k/v scales each engine fixes before it serves text (``numerics/calibration.py``).
+# ``dscale=static``/``calc`` read a calibration that ``fa3-numerics recommend`` fits on --calib-text.
+_ENGINE = Recipe(gran=PerTensor(), rot="none", acc="fp22")
+_VLLM_DOCS = ("vllm-project/vllm docs/features/quantization/quantized_kvcache.md: with the FA3 backend and an FP8 KV "
+              "cache Q is quantized to FP8 too; scales per tensor (q/k/v_scale [1]) or per attention head (q_scale "
+              "[num_heads], k/v_scale [num_kv_heads], FlashAttention backend, from llm-compressor)")
+_SERVING = [
+    Preset("vllm-fp8", dataclasses.replace(_ENGINE, dscale="unit"),
+           "vLLM --kv-cache-dtype fp8 without checkpoint scales: q/k/v scales 1.0 (the default: vllm-project/vllm "
+           "vllm/attention/layer.py, set_default_quant_scales when no quant weights load; Q quantized per tensor "
+           "with _q_scale before the FA3 call; issues #5493, #12076). " + _VLLM_DOCS),
+    Preset("vllm-fp8-calc", dataclasses.replace(_ENGINE, dscale="calc"),
+           "vLLM --calculate-kv-scales: the first batch's amax / Q_SCALE_CONSTANT 200, K_SCALE_CONSTANT 200, "
+           "V_SCALE_CONSTANT 100, per tensor, then fixed (vllm-project/vllm vllm/envs.py; calc_kv_scales in "
+           "vllm/attention/layer.py); here the first batch is the calibration text"),
+    Preset("vllm-fp8-static", dataclasses.replace(_ENGINE, dscale="static"),
+           "vLLM with calibrated per-tensor q/k/v scales from the checkpoint (llm-compressor: calibration amax / "
+           "448). " + _VLLM_DOCS),
+    Preset("vllm-fp8-static-head", dataclasses.replace(_ENGINE, gran=PerHead(), dscale="static"),
+           "vLLM with calibrated per-head scales (llm-compressor; q per query head is modelled per kv-head group, "
+           "the FA3 kernel's q_descale shape (batch, kv_heads)). " + _VLLM_DOCS),
+    Preset("sglang-fp8", dataclasses.replace(_ENGINE, dscale="unit"),
+           "SGLang --kv-cache-dtype fp8_e4m3 without scales in the checkpoint: k/v scales fall back to 1.0 "
+           "(sgl-project/sglang issue #6518); attention on the FA3 backend modelled as vLLM's"),
+    Preset("sglang-fp8-static", dataclasses.replace(_ENGINE, dscale="static"),
+           "SGLang with per-tensor k/v scales from the checkpoint (calibration amax / 448)"),
+    Preset("trtllm-fp8", dataclasses.replace(_ENGINE, dscale="static"),
+           "TensorRT-LLM FP8 attention and KV cache with NVIDIA ModelOpt's calibrated per-tensor scales "
+           "(calibration amax / 448; Qwen2.5 failures: NVIDIA/TensorRT-LLM #4218); its own kernels modelled "
+           "with the FA3 kernel's arithmetic"),
+]
+
 PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("baseline-fp16", _FP16_STD,
            "standard attention in FP16 (as PyTorch's math SDPA): S = QK^T and P = softmax(S) materialised in FP16", 3.2e-4),
@@ -264,10 +297,15 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            "what the public FA3 FP8 kernel computes: one descale per (batch, kv-head), no rotation, Hopper MMA model"),
     Preset("fa3-fp8-kernel-hadamard", Recipe(gran=PerHead(), rot="hadamard", acc="fp22"),
            "the public FA3 FP8 kernel with per-head descales after a random Hadamard on Q and K, Hopper MMA model"),
+    Preset("fa3-bf16", Recipe(qk="bf16", v="bf16", p="bf16", out="bf16", p_offset=0.0),
+           "FlashAttention-3 BF16: the kernel's tiles, online softmax in FP32, P cast to BF16 (a layer an engine "
+           "keeps out of its FP8 KV cache)"),
     Preset("exact", Recipe(qk="fp32", v="fp32", p="fp32", out="fp32", p_offset=0.0),
            "tile-by-tile FP32 attention without quantization: checks the emulator itself"),
     *_FIELD,
     *_BACKWARD,
+
+    *_SERVING,
 ]}
 
 TABLE3 = ("baseline-fp16", "fa2-fp16", "fa3-fp16", "baseline-fp8", "fa3-fp8", "fa3-fp8-no-block-quant",

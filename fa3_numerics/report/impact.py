@@ -459,6 +459,10 @@ def build_blocks(ds, figures: list[Figure]) -> list[Block]:
                              "number compares a full model pass with the reference, token by token: KL(reference || "
                              "variant) of the next-token distribution in nats, top-1 agreement, perplexity."))
     blocks += [Block("h2", "Findings"), Block("list", "\n".join(f"- {x}" for x in findings(ds)))]
+    blocks.append(Block("p", "These recipes are the ones asked for. For the recipe to deploy, with the field's remedies "
+                             "(K smoothing, SageAttention, engines' FP8 KV-cache scales) screened per layer, verified on "
+                             "held-out text and diagnosed, run `fa3-numerics recommend --model "
+                             f"{a.get('model', 'M')} --target fa3` (or vllm, sglang, trtllm, sage2, any)."))
     blocks += [Block("h2", "Every layer runs the recipe (prefill)"), Block("table", _prefill_table(ds)),
                Block("figure", figure=figs["kl_distribution"])]
     if "layer_sensitivity" in figs:
