@@ -22,8 +22,8 @@ Studies and datasets
         any dataset the package writes (run, ablation, audit, validation, impact)
     read_impact(path), load_capture(path)
         an impact dataset; a capture of a model's post-RoPE Q, K, V
-    recommend(...)
-        reserved: the cheapest recipe per layer under an error budget (not in this version)
+    recommend(model, target="fa3", ...) -> (xarray.Dataset, dict)
+        the recipe to deploy for a model on a target, verified end to end (``fa3-numerics recommend``)
 
 Recipes and errors
     Recipe, Preset, PRESETS, get_recipe: recipes by name or spec (``fa3-numerics variants``)
@@ -63,7 +63,7 @@ _PUBLIC = {
     "get_recipe": "fa3_numerics.numerics.recipe:get_recipe",
     "UsageError": "fa3_numerics.errors:UsageError",
     "NonFiniteError": "fa3_numerics.errors:NonFiniteError",
-    # "recommend": reserved; its module adds its line here when it lands.
+    "recommend": "fa3_numerics.api:recommend",
 }
 
 __all__ = sorted(_PUBLIC)
@@ -72,9 +72,6 @@ __all__ = sorted(_PUBLIC)
 def __getattr__(name: str):
     target = _PUBLIC.get(name)
     if target is None:
-        if name == "recommend":
-            raise AttributeError("fa3_numerics.recommend is not in this version yet; "
-                                 "`fa3-numerics audit CAPTURE --budget B` recommends a recipe per layer")
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module, attr = target.split(":")
     value = getattr(importlib.import_module(module), attr)

@@ -362,9 +362,17 @@ def open_dataset(path):
 
 
 # -- recommend -----------------------------------------------------------------------------------
-# ``recommend(model, ...)``, the cheapest recipe per layer of a model under an error budget, is
-# reserved for this API and lands on its own; it plugs into ``fa3_numerics._PUBLIC``. Until then
-# ``fa3-numerics audit CAPTURE --budget B`` recommends per layer.
+
+def recommend(model: str = "smollm2", **options):
+    """The recipe to deploy for ``model`` on a target, verified end to end: ``fa3-numerics
+    recommend`` from Python. Options as the command's (``target``, ``text``, ``calib_text``,
+    ``tokens``, ``budget_kl``, ``budget_ppl``, ``budget_top1``, ``add``, ``drop``, ...). Returns
+    ``(dataset, artifact)``, the artifact being what ``recommend.json`` holds; raises
+    ``studies.recommend.BudgetNotMet`` (carrying both) when no measured candidate meets the budget."""
+    from .studies.recommend import recommend as run
+
+    return run(model=model, **options)
 
 
-__all__ = ["LAYOUTS", "as_recipe", "emulate", "reference", "evaluate", "summary", "validate", "open_dataset"]
+__all__ = ["LAYOUTS", "as_recipe", "emulate", "reference", "evaluate", "summary", "validate", "open_dataset",
+           "recommend"]

@@ -282,8 +282,14 @@ def test_help_lists_the_api_and_import_stays_light():
     code = "import sys, fa3_numerics; print(json.dumps(sorted(m for m in ('torch', 'xarray', 'numpy') if m in sys.modules)))"
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []  # the names import their modules on first use
-    with pytest.raises(AttributeError, match="audit CAPTURE --budget"):
-        fa3n.recommend  # noqa: B018 - reserved for the recommendation API
+    from fa3_numerics.studies.recommend import recommend as study
+
+    assert fa3n.recommend.__module__ == "fa3_numerics.api" and callable(study)
+
+
+def test_recommend_from_python_refuses_bad_input_in_one_line():
+    with pytest.raises(fa3n.UsageError, match="unknown --target .no-such-engine.; choose one of fa3"):
+        fa3n.recommend("smollm2", target="no-such-engine")
 
 
 def test_the_example_notebook_runs_and_finds_what_it_says():

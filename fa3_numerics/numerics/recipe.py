@@ -304,7 +304,6 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            "tile-by-tile FP32 attention without quantization: checks the emulator itself"),
     *_FIELD,
     *_BACKWARD,
-
     *_SERVING,
 ]}
 
