@@ -153,7 +153,8 @@ _FIELD = [
            "leaves them open): 128x128 tiles, O float32 between tiles (flash-attn 1.x's o_tmp), exp2. "
            "Requires: sm75+ (FP16 tensor cores)"),
     Preset("sage1", Recipe(qk="int8", gran=PerBlock(), bm=128, bn=64, smooth="k", ties="away", p="fp16",
-                           p_offset=0.0, v="fp16", acc="fp16", order="forward", out="fp16"),
+                           p_offset=0.0, v="fp16", acc="fp16-hopper", order="forward", out="fp16", inp="fp16",
+                           iquant="triton", loop="triton", kpad="zero"),
            "SageAttention (arXiv 2410.02367, sec. 4; triton/attn_qk_int8_per_block.py): INT8 Q/K, one scale per "
            "128-query / 64-key block, K smoothed (sec. 4.2), P and V FP16, P V accumulated in FP16 per 64-key tile "
            "(tl.dot out_dtype fp16) and float32 across tiles, tiles first to last. Not modelled: sm_scale*log2(e) "

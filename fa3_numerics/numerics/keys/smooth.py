@@ -32,6 +32,8 @@ register_key(RecipeKey(
     "smoothing before quantization: none, k (K minus its token mean: SageAttention), qk (also Q minus its "
     "bm-row block mean, the q_mean K^T bias added back to S: SageAttention2/3)",
     choices=SMOOTHINGS, stages=("qk",), exact="none", tensors=("q", "k"), cost=lambda v: _COST[v],
+    # sageattn smooths K itself (smooth_k=True); the sage1 backend refuses smooth=qk
+    backends=("sage1",),
 ))
 register_factor(Factor("smooth", "none", "smoothing: none, k (K minus its token mean), qk (and Q minus its block "
                                          "mean, bias added back)"))
