@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .formats import round_to_format
+from .formats import quantize_dequantize
 from .granularity import Granularity, amax
 from .intformats import get_int_format
 from .quant import Quantized
@@ -41,8 +41,9 @@ LOG2E_SAGE = 1.44269504
 
 
 def input_round(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``x`` (float64) rounded to the input format ``fmt`` (``none``: unchanged)."""
-    return x if fmt == "none" else round_to_format(x.to(torch.float64), fmt)
+    """``x`` (float64) rounded once to the input format ``fmt`` (``none``: unchanged), through
+    ``formats.cast`` (round-to-odd float32, then the format: one rounding on every device)."""
+    return x if fmt == "none" else quantize_dequantize(x.to(torch.float64), fmt, torch.float64)
 
 
 def smooth_k_in(k: torch.Tensor, fmt: str) -> torch.Tensor:
