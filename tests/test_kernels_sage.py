@@ -84,6 +84,13 @@ def test_attention_refuses_on_the_cpu():
 def test_iquant_and_loop_go_together():
     with pytest.raises(UsageError, match="iquant=triton"):
         Recipe.from_str("sage1,loop=fa3,kpad=mask")
+    # the loop itself takes any quantizer (the attribution's float32 recipe keeps loop=triton)
+    q = torch.randn(1, 1, 100, 64, dtype=torch.float64)
+    exact = emulate(Recipe.from_str("qk=fp32,v=fp32,p=fp32,out=fp32,loop=triton,order=forward,bn=64,bm=128,poff=0"),
+                    q, q, q)
+    from fa3_numerics.numerics.reference import reference_attention
+
+    assert float((exact - reference_attention(q, q, q)).abs().max()) < 1e-5
 
 
 # -- an independent transcription of sageattn (NumPy) ---------------------------------------

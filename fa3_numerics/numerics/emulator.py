@@ -182,7 +182,8 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     # what the shapes decide here, so a newly registered key can never reuse another recipe's
     # tensors.
     rows_id = (q_index.numel(), int(q_index.sum()))
-    if recipe.iquant == "triton":
+    sage_quant_on = recipe.iquant == "triton" and family(recipe.qk) == "int"
+    if sage_quant_on:
         # SageAttention's Triton quantizer: float32, sm_scale * log2(e) folded into Q (sage_quant)
         sm = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
         gq = qk_granularity(recipe, "q", bm, bn)
@@ -197,7 +198,7 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                   lambda: quantize_qk(rq(), recipe, "q", block_m=bm, block_n=bn, group=group, rows=q_index))
     if recipe.smooth != "qk":  # the smoothing bias is the only later use of the rotated Q
         local.pop("rot-q", None)
-    if recipe.iquant != "triton":
+    if not sage_quant_on:
         kq = memo(("k", recipe.prepare_key("k"), rotation_seed, bm, bn),
                   lambda: expand(quantize_qk(rk(), recipe, "k", block_m=bm, block_n=bn)))
     vq = memo(("v", recipe.prepare_key("v"), bn),
@@ -249,7 +250,7 @@ def emulate(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     if recipe.loop == "triton":
         from .sage_loop import flash_triton
 
-        return flash_triton(recipe, pre, q_index, causal)
+        return flash_triton(recipe, pre, q_index, causal, scale)
     if recipe.algo == "flash":
         return _flash(recipe, pre, q_index, causal, scale)
     return _standard(recipe, pre, q_index, causal, scale)

@@ -37,17 +37,23 @@ import torch
 
 from .accumulators import get_accumulator
 from .emulator import PROGRESS, Prepared, _fma32, _quad_row_sum, _quad_total, exp2_rn, exp2_rz, flush_subnormals
-from .families import mma_format
+from .families import family, mma_format
 from .formats import quantize_dequantize
 from .reference import causal_mask
-from .sage_quant import recip32
+from .sage_quant import LOG2E_SAGE, recip32
 
 
-def flash_triton(recipe, pre: Prepared, q_index: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Output rows ``q_index`` ([B, H, R, Dv], float64 holding values of ``recipe.out``)."""
+def flash_triton(recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """Output rows ``q_index`` ([B, H, R, Dv], float64 holding values of ``recipe.out``).
+
+    With ``iquant=triton`` (integer Q/K) Q's descale already holds ``scale`` * log2(e); otherwise (any other
+    quantizer: the attribution's float32 recipes) the loop folds float32(scale * log2(e)) into
+    Q's descale itself, so that S is in log2 units either way."""
     dev = pre.q.values.device
     qv = pre.q.values.to(torch.float32)  # INT8 codes: their float32 GEMM is exact
     qd = pre.q.descale.to(torch.float32)
+    if not (recipe.iquant == "triton" and family(recipe.qk) == "int"):
+        qd = (qd * torch.tensor(scale * LOG2E_SAGE, dtype=torch.float32)).to(torch.float32)
     kn, kd = pre.k.values, pre.k.descale.to(torch.float32)
     vn = pre.v.values
     b, h, r, _ = qv.shape
@@ -96,7 +102,7 @@ def flash_triton(recipe, pre: Prepared, q_index: torch.Tensor, causal: bool) -> 
         alpha = flush_subnormals(exp2_rz((m - m_new).to(torch.float32)))
         row = _quad_total(_quad_row_sum(torch.zeros((b, h, r, 4), dtype=torch.float32, device=dev), p))
         l = _fma32(l, alpha, row)
-        p16 = p[..., :width].to(torch.float16).to(torch.float32)
+        p16 = quantize_dequantize(p[..., :width], recipe.p)  # cvt.rn.f16x2.f32 for p=fp16
         v_t = vn[:, :, s0:s1].to(torch.float32)
         d = accumulate(torch.zeros_like(acc), p16, v_t, fmts)
         acc = _fma32(acc, alpha, d)

@@ -10,7 +10,9 @@
   q_scale * k_scale comes out in log2 units --; scale = max|x| / 127; code =
   trunc(x / scale + 0.5 sign(x)) (``+= 0.5 * where(x >= 0, 1, -1)``, then ``.to(tl.int8)``,
   which truncates), each operation a float32 rounding (``numerics/sage_quant.py`` says how
-  Triton's division is modelled). It needs ``loop=triton``, the loop that takes S in log2 units.
+  Triton's division is modelled). It needs ``loop=triton``, the loop that takes S in log2 units
+  (that loop also runs other quantizers: it then folds the scale into Q's descale itself). No
+  effect on float or microscaling Q/K (as ``ties``).
 """
 
 from __future__ import annotations
@@ -27,9 +29,7 @@ register_key(RecipeKey(
 
 @register_check
 def _iquant(r) -> str | None:
-    if r.iquant == "triton" and not str(r.qk).startswith("int"):
-        return f"iquant=triton is SageAttention's integer quantizer; it needs qk=int8 or int4 (got qk={r.qk})"
-    if (r.iquant == "triton") != (r.loop == "triton"):
+    if r.iquant == "triton" and r.loop != "triton":
         return ("iquant=triton folds the softmax scale into Q, which only loop=triton expects (S in log2 units): "
-                "set both or neither")
+                "set loop=triton too")
     return None

@@ -4,7 +4,8 @@
   the exp2 FMA, P~ offset by ``poff``, four partial row sums per row kept across tiles, FTZ.
 - ``triton``: the loop of Triton's fused-attention tutorial as SageAttention 1 writes it
   (``sageattention/attn_qk_int8_per_block*.py``, ``_attn_fwd_inner``; ``numerics/sage_loop.py``):
-  S = float32(int32 dot) * q_scale * k_scale, already in log2 units (``iquant=triton``);
+  S = float32(int32 dot) * q_scale * k_scale, in log2 units (``iquant=triton`` folded the
+  softmax scale into q_scale; with another quantizer the loop folds it into Q's descale);
   m_new = max(m, rowmax S); P~ = exp2(S - m_new); the tile's row sum reduced at once and
   l = l alpha + rowsum with alpha = exp2(m - m_new); O = O alpha + P~ V; at the end O / l,
   rounded to the output format. Causal: tiles past a query block's diagonal are not visited,
@@ -17,7 +18,7 @@ from . import RecipeKey, register_check, register_key
 
 register_key(RecipeKey(
     "loop", "fa3", "online-softmax loop of the flash algorithm: fa3 (the FA3 kernel's) or triton (Triton's "
-    "tutorial loop as SageAttention 1 writes it; needs iquant=triton)",
+    "tutorial loop as SageAttention 1 writes it)",
     choices=("fa3", "triton"), backends=("sage1",), cost=lambda v: 0,
 ))
 

@@ -13,9 +13,10 @@
 
 The means are taken in float64 on the inputs after the rotation (rotation and smoothing
 commute: both are linear per row), so smoothing itself adds no rounding
-(``fa3_numerics.numerics.smoothing``). Emulator only: the FA3 kernel could take smoothed K
-(it is a change to its inputs), but the backend registry lists backends per key, not per value,
-and ``qk`` needs the bias inside the kernel.
+(``fa3_numerics.numerics.smoothing``); with an input format (``in=fp16``) they are taken in that
+format, as ``sageattn`` does (``numerics/sage_quant.py``). Backends: ``sage1`` (sageattn smooths
+K itself; it refuses ``qk``, which needs the bias inside the kernel). The FA3 kernel could take
+smoothed K, but the registry lists backends per key, not per value.
 """
 
 from __future__ import annotations
