@@ -344,7 +344,7 @@ def test_sage1_fp16_accumulation_is_visible_once_qk_is_exact():
     float32 (with INT8 Q/K on outliers the Q/K error hides it)."""
     q, k, v = generate("outliers", AttnShape(1, 2, 256, 64), 7, p=0.001, sigma=10.0)
     ref = reference_attention(q, k, v)
-    r = dataclasses.replace(PRESETS["sage1"].recipe, qk="fp16")
+    r = dataclasses.replace(PRESETS["sage1"].recipe, qk="fp16", inp="none")  # exact Q/K: no FP16 inputs either
     e16, e32 = (rmse(emulate(dataclasses.replace(r, acc=a), q, k, v), ref) for a in ("fp16", "fp32"))
     assert 1.05 * e32 < e16 < 3 * e32
 

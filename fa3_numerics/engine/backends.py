@@ -20,6 +20,9 @@ Registered:
   ``sdpa-math``: ``torch.nn.functional.scaled_dot_product_attention`` pinned to one of
   PyTorch's kernels, FP16/BF16 recipes only.
 
+- ``sage1``: SageAttention 1's Triton kernel (``sageattn`` of the ``sageattention`` 1.x wheel) on
+  an sm80+ GPU; FP16/BF16 inputs, head dims 64, 96, 128 (``fa3_numerics.kernels.sage``).
+
 - ``fa3-mock``: the ``fa3`` backend with a float32 stand-in for the kernel (CPU or CUDA), so the
   whole hardware path (``validate``, ``run --backend``) is testable anywhere. Never hardware.
 
@@ -110,6 +113,7 @@ BACKENDS: dict[str, tuple[str | None, str]] = {
     "sdpa-efficient": (None, "fa3_numerics.kernels.sdpa:SdpaEfficient"),
     "sdpa-math": (None, "fa3_numerics.kernels.sdpa:SdpaMath"),
     "fa3-mock": (None, "fa3_numerics.kernels.fa3:MockFa3Backend"),
+    "sage1": (None, "fa3_numerics.kernels.sage:SageBackend"),
     "triton": (None, "fa3_numerics.kernels.triton_.backend:TritonBackend"),
     "triton-two-level": (None, "fa3_numerics.kernels.triton_.backend:TritonTwoLevelBackend"),
     "triton-fused": (None, "fa3_numerics.kernels.triton_.backend:TritonFusedBackend"),

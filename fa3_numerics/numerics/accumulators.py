@@ -136,3 +136,36 @@ def fp16(acc, p, v, fmts):
     # pv_accum_dtype="fp16" mode (sageattention/core.py), which keeps O in FP16 across all
     # tiles, is not modelled.
     return acc + fp16_mma(p, v)
+
+
+def fp16_hopper_mma(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """P V for one KV tile on Hopper's FP16-accumulating wgmma (``m64nNk16.f16.f16.f16``, what
+    Triton 3.6 emits for SageAttention 1's ``tl.dot(p, v, out_dtype=tl.float16)``): p [.., R, n],
+    v [.., n, Dv] holding FP16 values -> float32 [.., R, Dv] holding FP16 values.
+
+    From a zero accumulator, every 16 keys: D = the 16-bit tensor-core step of ``mma.BF16_MMA``
+    on (C, 16 products) -- terms truncated at 2^(emax - 25), the sum truncated to 23 bits, as the
+    FP32-accumulating form computes it -- then rounded to FP16, nearest even (inf past 65504).
+    Fitted to sageattn on an H200 with probes whose P~ is known exactly (reports/h200/sage1/):
+    it reproduces 131,064 of 131,072 tile products with P~ powers of two and 131,058 of 131,072
+    with general P~ (one FP16 rounding of the exact sum per 16 keys, the ``fp16`` model: 14 and
+    21 misses; a float32 sum rounded once: 32% and 33% misses)."""
+    from .formats import get_format
+    from .mma import BF16_MMA
+
+    fp16 = get_format("fp16")
+    acc = None
+    for k0 in range(0, p.shape[-1], BF16_MMA.k_step):
+        d = hopper_mma(p[..., k0:k0 + BF16_MMA.k_step], v[..., k0:k0 + BF16_MMA.k_step, :], acc, a_fmt=fp16,
+                       b_fmt=fp16)
+        acc = d.to(torch.float16).to(torch.float32)  # IEEE: nearest even, inf past 65504
+    if acc is None:
+        return torch.zeros((*p.shape[:-1], v.shape[-1]), dtype=torch.float32, device=p.device)
+    return acc
+
+
+@register_accumulator("fp16-hopper", "SageAttention v1 on Hopper: P V of each KV tile on the FP16-accumulating "
+                                     "wgmma (16-bit MMA step, then FP16 rounding, every 16 keys), added into a "
+                                     "float32 accumulator across tiles")
+def fp16_hopper(acc, p, v, fmts):
+    return acc + fp16_hopper_mma(p, v)

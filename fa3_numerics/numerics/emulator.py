@@ -32,7 +32,10 @@ Recipes of the field (issue 11) run through the same loop:
   correction q_mean K'^T ([B, H, query blocks, N_k], held in ``sbias``'s format) is added to
   each tile's descaled S before the softmax scale, as SageAttention3 loads it into the S
   accumulator;
-- ``norm=tile``: FlashAttention's Algorithm 1, O kept normalised after every tile (``keys/norm.py``).
+- ``norm=tile``: FlashAttention's Algorithm 1, O kept normalised after every tile (``keys/norm.py``);
+- SageAttention 1 (``in``, ``iquant=triton``, ``loop=triton``, ``kpad``): the caller's 16-bit
+  tensors, K smoothed in them, the Triton quantizer in float32 with the softmax scale folded into
+  Q (``numerics/sage_quant.py``), and the Triton kernel's own loop (``numerics/sage_loop.py``).
 """
 
 from __future__ import annotations
@@ -51,12 +54,13 @@ from . import native
 from .intformats import float32_gemm_is_exact
 from .mma import hopper_mma
 from .granularity import PerHead
-from .operands import cast_p, check_tiles, quantize_qk, quantize_v
+from .operands import cast_p, check_tiles, qk_granularity, quantize_qk, quantize_v
 from .quant import Quantized
 from .recipe import Recipe
 from .reference import causal_mask, expand_kv
 from .rotation import make_rotation
 from .calibration import static_for
+from .sage_quant import LOG2E_SAGE, input_round, smooth_k_in, triton_quantize_int
 from .smoothing import qk_smoothing_bias, smooth_k, smooth_q
 from ..errors import UsageError
 
@@ -116,11 +120,14 @@ class Prepared:
 
 
 def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_index: torch.Tensor,
-            rotation_seed: int = 0, causal: bool = False, cache: dict | None = None) -> Prepared:
+            rotation_seed: int = 0, causal: bool = False, cache: dict | None = None,
+            softmax_scale: float | None = None) -> Prepared:
     """Rotate and quantize. Scales see every row of Q; only the rows in ``q_index`` are kept.
 
     ``cache`` (a dict the caller keeps for one set of inputs) shares rotated and quantized
     tensors between recipes that agree on them, e.g. V between all FP8 recipes.
+    ``softmax_scale`` (None = 1/sqrt(head_dim)) matters only where a quantizer folds it into Q
+    (``iquant=triton``).
     """
     cache = {} if cache is None else cache
     b, h, n, d = q.shape
@@ -149,10 +156,12 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
 
     check_tiles(recipe, bm, bn)
     rot = make_rotation(recipe.rot, d, rotation_seed)
-    rq = lambda: once("rot-q", lambda: rot.apply(q.to(torch.float64)))  # noqa: E731
-    rk = lambda: once("rot-k", lambda: rot.apply(k.to(torch.float64)))  # noqa: E731
+    # ``in``: the caller's tensors in the input format, after the caller's rotation (sage_quant).
+    fmt_in = recipe.inp
+    rq = lambda: once("rot-q", lambda: input_round(rot.apply(q.to(torch.float64)), fmt_in))  # noqa: E731
+    rk = lambda: once("rot-k", lambda: input_round(rot.apply(k.to(torch.float64)), fmt_in))  # noqa: E731
     # Smoothing after the rotation: both are linear per row (mean(K M) = mean(K) M), so the order
-    # does not matter in exact arithmetic.
+    # does not matter in exact arithmetic. With an input format it is computed in that format.
     # One Q descale per (batch, kv-head) group: the shape the kernel's q_descale takes.
     group = h // hkv if isinstance(g, PerHead) else 1
     # Calibrated recipes (dscale=static/calc/unit, kmean=static) fix descales and the K mean.
@@ -162,7 +171,8 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         rk = lambda: once("smooth-k", lambda: rk0() - static.k_mean)  # noqa: E731
     elif recipe.smooth != "none":
         rk0 = rk
-        rk = lambda: once("smooth-k", lambda: smooth_k(rk0())[0])  # noqa: E731
+        smooth = (lambda x: smooth_k(x)[0]) if fmt_in == "none" else (lambda x: smooth_k_in(x, fmt_in))
+        rk = lambda: once("smooth-k", lambda: smooth(rk0()))  # noqa: E731
     if recipe.smooth == "qk":
         rq0 = rq
         sq = lambda: once("smooth-q", lambda: smooth_q(rq0(), bm))  # noqa: E731
@@ -177,16 +187,33 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     # what the shapes decide here, so a newly registered key can never reuse another recipe's
     # tensors.
     rows_id = (q_index.numel(), int(q_index.sum()))
-    qq = memo(("q", recipe.prepare_key("q"), rotation_seed, bm, bn, group, rows_id),
-              lambda: quantize_qk(rq(), recipe, "q", block_m=bm, block_n=bn, group=group, rows=q_index,
-                                  descale=static.q if static else None))
+    sage_quant_on = recipe.iquant == "triton" and family(recipe.qk) == "int"
+    if sage_quant_on:
+        if static is not None:
+            raise UsageError(f"recipe {recipe.short_str()}: SageAttention's quantizer (iquant=triton) takes its "
+                             "scales from each block's amax; drop dscale/kmean/calib or use iquant=exact")
+        # SageAttention's Triton quantizer: float32, sm_scale * log2(e) folded into Q (sage_quant)
+        sm = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+        gq = qk_granularity(recipe, "q", bm, bn)
+        qq = memo(("q", recipe.prepare_key("q"), rotation_seed, bm, bn, group, rows_id, sm),
+                  lambda: triton_quantize_int(rq(), recipe.qk, gq, block_rows=bm, scale=sm * LOG2E_SAGE,
+                                              rows=q_index))
+        kq = memo(("k", recipe.prepare_key("k"), rotation_seed, bm, bn),
+                  lambda: expand(triton_quantize_int(rk(), recipe.qk, qk_granularity(recipe, "k", bm, bn),
+                                                     block_rows=bn, scale=1.0)))
+    else:
+        qq = memo(("q", recipe.prepare_key("q"), rotation_seed, bm, bn, group, rows_id),
+                  lambda: quantize_qk(rq(), recipe, "q", block_m=bm, block_n=bn, group=group, rows=q_index,
+                                      descale=static.q if static else None))
     if recipe.smooth != "qk":  # the smoothing bias is the only later use of the rotated Q
         local.pop("rot-q", None)
-    kq = memo(("k", recipe.prepare_key("k"), rotation_seed, bm, bn),
-              lambda: expand(quantize_qk(rk(), recipe, "k", block_m=bm, block_n=bn,
-                                         descale=static.k if static else None)))
+    if not sage_quant_on:
+        kq = memo(("k", recipe.prepare_key("k"), rotation_seed, bm, bn),
+                  lambda: expand(quantize_qk(rk(), recipe, "k", block_m=bm, block_n=bn,
+                                             descale=static.k if static else None)))
     vq = memo(("v", recipe.prepare_key("v"), bn),
-              lambda: expand(quantize_v(v, recipe, block_n=bn, descale=static.v if static else None)))
+              lambda: expand(quantize_v(input_round(v.to(torch.float64), fmt_in) if fmt_in != "none" else v, recipe,
+                                        block_n=bn, descale=static.v if static else None)))
     bias = None
     if recipe.smooth == "qk":
         # q_mean (K - mu)^T from the unquantized smoothed tensors, rounded once to ``sbias``
@@ -233,10 +260,15 @@ def emulate(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     if q_index is None:
         q_index = torch.arange(q.shape[2], device=q.device)
-    pre = prepare(recipe, q, k, v, q_index=q_index, rotation_seed=rotation_seed, causal=causal, cache=cache)
-    if stats is not None and (recipe.algo != "flash" or recipe.norm != "deferred"):
+    pre = prepare(recipe, q, k, v, q_index=q_index, rotation_seed=rotation_seed, causal=causal, cache=cache,
+                  softmax_scale=scale)
+    if stats is not None and (recipe.algo != "flash" or recipe.norm != "deferred" or recipe.loop == "triton"):
         raise UsageError(f"recipe {recipe.short_str()}: only the flash algorithm with deferred normalisation saves the "
-                         "log-sum-exp a backward reads (algo=flash, norm=deferred)")
+                         "log-sum-exp a backward reads (algo=flash, norm=deferred, loop=fa3)")
+    if recipe.loop == "triton":
+        from .sage_loop import flash_triton
+
+        return flash_triton(recipe, pre, q_index, causal, scale)
     if recipe.algo != "flash":
         return _standard(recipe, pre, q_index, causal, scale)
     out = _flash(recipe, pre, q_index, causal, scale, stats)

@@ -153,11 +153,29 @@ _FIELD = [
            "leaves them open): 128x128 tiles, O float32 between tiles (flash-attn 1.x's o_tmp), exp2. "
            "Requires: sm75+ (FP16 tensor cores)"),
     Preset("sage1", Recipe(qk="int8", gran=PerBlock(), bm=128, bn=64, smooth="k", ties="away", p="fp16",
-                           p_offset=0.0, v="fp16", acc="fp16", order="forward", out="fp16"),
-           "SageAttention (arXiv 2410.02367, sec. 4; triton/attn_qk_int8_per_block.py): INT8 Q/K, one scale per "
-           "128-query / 64-key block, K smoothed (sec. 4.2), P and V FP16, P V accumulated in FP16 per 64-key tile "
-           "(tl.dot out_dtype fp16) and float32 across tiles, tiles first to last. Not modelled: sm_scale*log2(e) "
-           "folded into Q before its quantization. Requires: sm80+ (INT8 mma)"),
+                           p_offset=0.0, v="fp16", acc="fp16-hopper", order="forward", out="fp16", inp="fp16",
+                           iquant="triton", loop="triton", kpad="zero"),
+           "SageAttention 1 (arXiv 2410.02367; sageattention 1.0.6 sageattn, Triton) as the kernel computes it on an "
+           "H200 (reports/h200/sage1/; validate --backend sage1: max F 0.0064 small grid, 0.0039 captured, stress 0.0013 "
+           "but one MQA case 0.091). Findings, each with its evidence: (1) FP16/BF16 inputs (in=), K smoothed in them: "
+           "mean rounded to FP16, k - mean rounded again (all 2,097,152 smoothed K values reproduced). (2) "
+           "sm_scale*1.44269504 folded into Q in float32 before its INT8 quantization, so S is in log2 units "
+           "(iquant=triton); scale = max|x|/127 and x/scale are Triton's div.full.f32 = x times the hardware "
+           "reciprocal (1,108,522 of 2^23 mantissas one ulp off the rounded one, measured; x/y = x*rcp(y) on 4M "
+           "pairs), code = trunc(x/scale + 0.5 sign) (cvt.rzi: ties away); Q per 128 rows, K per 64 keys: scales "
+           "exact on every block, all but <64 of 2M codes. (3) Tiles of 128 queries x 64 keys, first to last, for head "
+           "dims 64 (4 warps), 96 (padded to 128) and 128 (8 warps); causal stops at the diagonal 128-block (-1e6 "
+           "mask). (4) The non-causal kernel never masks the keys past seqlen_k in the last tile: they score 0 "
+           "(kpad=zero; masking them instead gives F 0.12 at seqlen 1000 and 0.71 at 333). (5) S = fp32(fp32(dot * "
+           "q_scale) * k_scale), P~ = exp2(fma(t, k_scale, -max)) (fused by the compiler; plain subtraction on the "
+           "causal diagonal), row sums per tile in the wgmma layout, l = fma(l, alpha, rowsum), O = fma(O, alpha, P V) "
+           "(PTX: 64 mul, 98 fma, 34 ex2.approx.ftz per thread). (6) P~ to FP16; P V on wgmma m64nNk16.f16.f16.f16: "
+           "per 16 keys the 16-bit MMA step (terms truncated at 2^(emax-25), sum to 23 bits) rounded to FP16, nearest "
+           "even, inf past 65504 (acc=fp16-hopper; probes: 131,064 of 131,072 tile products exact; one float32 sum "
+           "rounded once per tile: 67%), float32 across tiles. (7) O / l (div.full), written in the input dtype. Not "
+           "modelled: the float32 reduction order of the kernel's K mean (one channel in 1024 rounds the other way; "
+           "the likely cause of the MQA case, whose heads share one K head). Requires: sm80+ (INT8 mma); sageattn "
+           "takes head dims 64, 96, 128"),
     Preset("sage2-int8", _SAGE2,
            "SageAttention2 (arXiv 2411.10958, sec. 3-4) on Hopper (qk_int_sv_f8_cuda_sm90.cu): INT8 Q/K per thread "
            "(Q 16-row warp slices of 64-query tiles, K 128-key tiles), Q and K smoothed (sec. 3.2; the public kernels "

@@ -115,11 +115,16 @@ class Case:
         return "-".join(parts)
 
 
-def case_recipe(case: Case, acc: str | None = None):
-    """The recipe the kernel computes for ``case`` (``acc`` only changes the emulator)."""
+def case_recipe(case: Case, acc: str | None = None, backend=None):
+    """The recipe the kernel computes for ``case`` (``acc`` only changes the emulator): the FA3
+    kernel's, or the backend's own where it has a ``validation_recipe(case)`` (another kernel
+    maps the case's shape, data, rotation and 16-bit format onto its fixed recipe)."""
     from ..numerics.recipe import Recipe
 
-    if case.dtype == "fp8":
+    own = getattr(backend, "validation_recipe", None)
+    if own is not None:
+        r = own(case)
+    elif case.dtype == "fp8":
         r = Recipe(qk="e4m3", v="e4m3", p="e4m3", gran=case.gran, rot=case.rot, out="bf16")
     else:
         r = Recipe(qk="bf16", v="bf16", p="bf16", out="bf16", rot=case.rot, p_offset=0.0)
@@ -253,7 +258,25 @@ def captured_cases(path: str, *, layers: str | None = None, rows: int = 0) -> li
     return out
 
 
-def tasks(cases: list[Case], kernel: str, accs: list[str], device: str) -> list:
+def skips(cases: list[Case], backend=None) -> list[str]:
+    """Per case, why it is not run on ``backend`` ("" = it runs): a shape the kernel refuses (its
+    ``validation_skip(case)``), or the same recipe and inputs as an earlier case (another
+    kernel's recipe may ignore what tells two FA3 cases apart, e.g. the descale granularity)."""
+    own = getattr(backend, "validation_skip", None)
+    seen: dict = {}
+    out = []
+    for c in cases:
+        why = own(c) if own is not None else None
+        if why is None and own is not None:
+            key = (case_recipe(c, backend=backend), dataclasses.replace(c, gran="head", dtype="fp8"))
+            if key in seen:
+                why = f"same recipe and inputs as case {seen[key]} on this kernel"
+            seen.setdefault(key, c.name)
+        out.append(why or "")
+    return out
+
+
+def tasks(cases: list[Case], kernel: str, accs: list[str], device: str, backend=None) -> list:
     """One engine task per case: the kernel (slot 0), then the emulator per accumulator (slots
     1.., each compared against slot 0)."""
     from ..engine.inputs import DistInputs
@@ -263,8 +286,8 @@ def tasks(cases: list[Case], kernel: str, accs: list[str], device: str) -> list:
     for c in cases:
         dist, params = c.data()
         inputs = DistInputs(dist, tuple(params.items()), c.batch, c.heads, c.kv_heads, c.seqlen, c.head_dim, c.seed)
-        jobs = [Job(0, case_recipe(c), backend=kernel)]
-        jobs += [Job(1 + j, case_recipe(c, a), backend="emulate", against=0) for j, a in enumerate(accs)]
+        jobs = [Job(0, case_recipe(c, backend=backend), backend=kernel)]
+        jobs += [Job(1 + j, case_recipe(c, a, backend), backend="emulate", against=0) for j, a in enumerate(accs)]
         out.append(Task(inputs, c.causal, c.seed, c.rows, kernel, device, jobs, hist_key=None, where=c.name,
                         softmax_scale=c.scale or None))
     return out
@@ -284,22 +307,34 @@ def run_validation(cases: list[Case], *, device: str = "cuda", backend: str = "f
     from ..engine.provenance import provenance
     from ..engine.runner import run_tasks
     from ..engine.sampling import effective_rows
-    from ..numerics.accumulators import ACCUMULATORS
+    from ..numerics.accumulators import ACCUMULATORS, accumulator_names
     from ..numerics.recipe import Recipe
 
-    accs = list(accs or ACCUMULATORS)
-    for a in accs:
-        require(a in ACCUMULATORS, f"unknown accumulator {a!r}; choose from {', '.join(ACCUMULATORS)}")
     require(len(cases) > 0, "the validation grid is empty")
     name = getattr(kernel, "name", None) or backend
     kernel = kernel or get_backend(name)
+    # A kernel of its own recipe names the accumulator models worth running against it.
+    accs = list(accs or getattr(kernel, "validation_accs", None) or ACCUMULATORS)
+    for a in accs:
+        require(a in accumulator_names(), f"unknown accumulator {a!r}; choose from {', '.join(accumulator_names())}")
     why = kernel.check(device)
     require(why is None, f"backend {name!r} cannot run: {why}")
-    for c in cases:
-        why = refusal(kernel, case_recipe(c))
+    skipped = skips(cases, kernel)
+    for c, skip in zip(cases, skipped):
+        if skip:
+            progress(f"[validate] {c.name}: skipped on {name}: {skip}")
+            continue
+        why = refusal(kernel, case_recipe(c, backend=kernel))
         require(why is None, f"case {c.name} cannot run on backend {name!r}: {why}")
     t_start = time.perf_counter()
-    run = run_tasks(tasks(cases, name, accs, device), progress=progress, deadline=deadline)
+    todo = [c for c, skip in zip(cases, skipped) if not skip]
+    require(len(todo) > 0, f"every case of the grid is skipped on backend {name!r}: {skipped[0]}")
+    ran = run_tasks(tasks(todo, name, accs, device, kernel), progress=progress, deadline=deadline)
+    it = iter(ran.results)
+    results = [{} if skip else next(it) for skip in skipped]
+    it = iter(ran.seconds)
+    seconds = [math.nan if skip else next(it) for skip in skipped]
+    run = dataclasses.replace(ran, results=results, seconds=seconds)
     nc, na = len(cases), len(accs)
     ns = max(c.batch * c.heads for c in cases)
     nan = lambda *shape: np.full(shape, np.nan)  # noqa: E731
@@ -342,7 +377,12 @@ def run_validation(cases: list[Case], *, device: str = "cuda", backend: str = "f
     for f in dataclasses.fields(Case):
         vals = [getattr(c, f.name) for c in cases]
         coords[f.name] = ("case", [int(x) for x in vals] if isinstance(vals[0], bool) else vals)
-    coords["spec"] = ("case", [case_recipe(c).short_str() for c in cases])
+    coords["spec"] = ("case", [case_recipe(c, backend=kernel).short_str() for c in cases])
+    coords["skipped"] = ("case", skipped)
+    # The F bar applies to every FP8 case of the FA3 kernel, and to every case of a kernel that
+    # brings its own recipe (its 16-bit cases are its own arithmetic too).
+    own = getattr(kernel, "validation_recipe", None) is not None
+    coords["bar"] = ("case", [int(own or c.dtype == "fp8") for c in cases])
     desc = {
         "fidelity": "RMSE(emulator, kernel) / RMSE(kernel, float64), over outputs finite in both",
         "identical": "fraction of outputs bit-identical to the kernel's",
@@ -368,16 +408,21 @@ def run_validation(cases: list[Case], *, device: str = "cuda", backend: str = "f
                   "kernel_label": getattr(kernel, "label", name),
                   "recipe_default_acc": Recipe().acc, "f_limit": F_LIMIT, "f_aim": F_AIM,
                   "wall_seconds": round(time.perf_counter() - t_start, 3), "cases_not_run": run.not_run,
+                  "cases_skipped": sum(bool(x) for x in skipped),
                   "dist": ", ".join(sorted({c.data()[0] for c in cases})),
                   "rows": f"all query rows, or the case's `rows`: {ROWS_SAMPLING}",
                   "rotation_seed": "case seed", "data_seed": "case seed (torch.Generator on CPU, float64)"})
-    if name == "fa3":
-        try:
+    try:  # provenance only
+        if name == "fa3":
             from fa3_numerics.kernels.fa3 import load_kernel
 
             attrs["kernel_module"], attrs["kernel_version"] = load_kernel()[1:]
-        except Exception:  # noqa: BLE001 - provenance only
-            pass
+        elif name == "sage1":
+            from fa3_numerics.kernels.sage import load_kernel as load_sage
+
+            attrs["kernel_module"], attrs["kernel_version"] = "sageattention", load_sage()[1]
+    except Exception:  # noqa: BLE001
+        pass
     ds.attrs.update({k: (v if isinstance(v, (str, int, float)) else json.dumps(v)) for k, v in attrs.items()})
     return ds
 
@@ -411,7 +456,7 @@ def findings(ds) -> list[str]:
 def accumulator_ranking(ds) -> list[dict]:
     """Per accumulator over the FP8 cases run: max F, median F, mean bit-identical, non-finite
     outputs where the kernel's are finite; best first."""
-    fp8 = ds["dtype"].values == "fp8"
+    fp8 = ds["bar"].values.astype(bool) if "bar" in ds.coords else ds["dtype"].values == "fp8"
     out = []
     for a in ds["acc"].values:
         f = ds["fidelity"].sel(acc=a).values[fp8]
@@ -435,5 +480,5 @@ def markdown_validation(ds) -> str:
     return render(ds)
 
 
-__all__ = ["Case", "GRIDS", "grid", "case_recipe", "with_dist", "captured_cases", "tasks", "run_validation",
+__all__ = ["Case", "GRIDS", "grid", "case_recipe", "with_dist", "captured_cases", "skips", "tasks", "run_validation",
            "accumulator_ranking", "findings", "markdown_validation", "F_LIMIT", "F_AIM"]

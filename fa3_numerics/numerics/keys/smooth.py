@@ -13,9 +13,10 @@
 
 The means are taken in float64 on the inputs after the rotation (rotation and smoothing
 commute: both are linear per row), so smoothing itself adds no rounding
-(``fa3_numerics.numerics.smoothing``). Emulator only: the FA3 kernel could take smoothed K
-(it is a change to its inputs), but the backend registry lists backends per key, not per value,
-and ``qk`` needs the bias inside the kernel.
+(``fa3_numerics.numerics.smoothing``); with an input format (``in=fp16``) they are taken in that
+format, as ``sageattn`` does (``numerics/sage_quant.py``). Backends: ``sage1`` (sageattn smooths
+K itself; it refuses ``qk``, which needs the bias inside the kernel). The FA3 kernel could take
+smoothed K, but the registry lists backends per key, not per value.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ register_key(RecipeKey(
     "smoothing before quantization: none, k (K minus its token mean: SageAttention), qk (also Q minus its "
     "bm-row block mean, the q_mean K^T bias added back to S: SageAttention2/3)",
     choices=SMOOTHINGS, stages=("qk",), exact="none", tensors=("q", "k"), cost=lambda v: _COST[v],
+    # sageattn smooths K itself (smooth_k=True); the sage1 backend refuses smooth=qk
+    backends=("sage1",),
 ))
 register_factor(Factor("smooth", "none", "smoothing: none, k (K minus its token mean), qk (and Q minus its block "
                                          "mean, bias added back)"))

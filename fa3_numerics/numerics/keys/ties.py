@@ -14,5 +14,5 @@ from . import RecipeKey, register_key
 register_key(RecipeKey(
     "ties", "away", "tie rule of integer Q/K quantization: away (SageAttention's Triton quantizers), even (its "
     "CUDA quantizers, cvt.rni)",
-    choices=TIES, stages=("qk",), tensors=("q", "k"), cost=lambda v: 0,
+    choices=TIES, stages=("qk",), tensors=("q", "k"), cost=lambda v: 0, backends=("sage1",),
 ))
