@@ -499,3 +499,26 @@ def test_smollm2_exact_and_fp8(smol, tmp_path):
     assert 1e-4 < fp8 < 1.0  # FP8 attention visibly moves SmolLM2's predictions, but does not wreck them
     assert float(ds.base_kl_mean.sel(baseline="model-sdpa-bf16")) < fp8
     assert ds.attrs["model_sha256"] == cap.sha256_file(cap.smollm2_path())
+
+
+def test_an_explicit_plain_causal_mask_is_causal_and_others_are_refused():
+    """transformers before 5 hand layers the causal mask itself; only that exact mask passes."""
+    import torch
+
+    from fa3_numerics.studies.impact_model import _plain_causal
+
+    n = 6
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()
+    additive = torch.zeros(n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    assert _plain_causal(allowed[None, None], n, n) and _plain_causal(additive[None, None], n, n)
+    # decode: one query row against every key; prefix passes: the last rows of a longer sequence
+    assert _plain_causal(torch.ones(1, 1, 1, n, dtype=torch.bool), 1, n)
+    assert _plain_causal(torch.ones(n, n + 2, dtype=torch.bool).tril(2)[None, None], n, n + 2)
+    window = allowed & ~torch.ones(n, n, dtype=torch.bool).tril(-3)  # sliding window of 3
+    padded = allowed.clone()
+    padded[:, 0] = False  # a padding token
+    for bad in (window, padded, torch.ones(n, n, dtype=torch.bool), allowed.T):
+        assert not _plain_causal(bad[None, None], n, n)
+    assert not _plain_causal(torch.zeros(n, n).masked_fill(~window, torch.finfo(torch.float32).min)[None, None], n, n)
+    assert not _plain_causal(additive.masked_fill(~allowed, -1.0)[None, None], n, n)  # a bias, not a mask
+    assert not _plain_causal(torch.stack([allowed, allowed])[:, None], n, n)  # batch 2

@@ -42,6 +42,20 @@ _SCORE_ROWS = 64
 _REF_ROWS = 128
 
 
+def _plain_causal(mask: torch.Tensor, n_q: int, n_k: int) -> bool:
+    """Whether an explicit mask is the plain causal one (queries aligned to the last keys), which
+    transformers releases before 5 pass where later ones pass None: a boolean mask True exactly
+    on and below the diagonal, or an additive one that is 0 there and hugely negative above it."""
+    if mask.shape[-2:] != (n_q, n_k) or any(s != 1 for s in mask.shape[:-2]):
+        return False
+    allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=mask.device).tril(n_k - n_q)
+    m = mask.reshape(n_q, n_k)
+    if m.dtype == torch.bool:
+        return bool(torch.equal(m, allowed))
+    blocked = m <= torch.finfo(m.dtype).min / 2 if m.is_floating_point() else torch.zeros_like(allowed)
+    return bool(torch.equal(m == 0, allowed) and torch.equal(blocked, ~allowed))
+
+
 @dataclasses.dataclass(frozen=True)
 class Attn:
     """How one layer computes its attention."""
@@ -220,7 +234,7 @@ class ModelRunner:
     def _attend(self, module, query, key, value, attention_mask, *args, **kwargs):
         idx = int(module.layer_idx)
         rule = self.plan[idx]
-        if attention_mask is not None:
+        if attention_mask is not None and not _plain_causal(attention_mask, query.shape[-2], key.shape[-2]):
             raise UsageError(f"layer {idx} got an explicit attention mask (padding, sliding window or a "
                              "non-causal model); impact runs one unpadded causal sequence through plainly "
                              "causal layers only")
