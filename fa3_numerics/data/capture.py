@@ -51,7 +51,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -459,26 +458,18 @@ def _rope_info(config) -> dict:
 
 
 def save_capture(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
-    """Write ``tensors`` and ``meta`` atomically: a temp file in the same folder, then os.replace."""
+    """Write ``tensors`` and ``meta`` whole or not at all (a temp file in the same folder, then a
+    rename). The temp files a killed capture of the same name left beside it are removed first."""
     from safetensors.torch import save_file
+
+    from ..engine.files import atomic_path, clean_dead_temps
 
     path = Path(path)
     tensors = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
     meta = {str(k): str(v) for k, v in meta.items()}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    clean_dead_temps(path)
+    with atomic_path(path, hold=True) as tmp:
         save_file(tensors, tmp, metadata=meta)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file ordinary permissions
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 @dataclass
