@@ -129,3 +129,119 @@ def test_output_folder_removes_only_what_it_created_and_left_empty(tmp_path):
         (path / ".cells").mkdir()
         (path / ".cells" / "cell.npz").write_bytes(b"a finished cell")
     assert (tmp_path / "z" / ".cells" / "cell.npz").exists()  # a finished cell is a result: kept
+
+
+# -- negative --rows, everywhere -------------------------------------------------------------------
+
+def test_negative_rows_are_refused_by_every_command(tmp_path, cli):
+    pytest.importorskip("safetensors")
+    from fa3_numerics.testing import write_capture
+
+    cap = tmp_path / "cap.safetensors"
+    write_capture(cap, heads=2, kv_heads=1, tokens=16, layers=(0,))
+    out = tmp_path / "o"
+    for argv in (["run", "outliers", *TINY, "--rows", "-1"],
+                 ["audit", cap, "--rows", "-1"],
+                 ["validate", "--dist", f"captured:{cap}", "--rows", "-1", "--backend", "fa3-mock", "--device", "cpu"]):
+        code, _, err = cli(*argv, "--out", out)
+        one_line(code, err, "--rows must be an integer >= 0 (0 = every query row), got -1")
+        assert not out.exists()
+    # the grid's cases set their own rows: --rows without a capture is refused, not ignored
+    code, _, err = cli("validate", "--grid", "tiny", "--rows", "64", "--backend", "fa3-mock", "--device", "cpu",
+                       "--out", out)
+    one_line(code, err, "--rows is for --dist captured:FILE")
+    assert not out.exists()
+
+
+# -- every NaN of a stored metric is counted, located, and exits 3 ---------------------------------
+
+@pytest.fixture
+def zero_v(monkeypatch):
+    """The distribution ``zero-v``: N(0, 1) Q and K, V all zeros, so O and O_ref are finite zeros
+    and every error relative to O_ref (and the cosine) is undefined."""
+    import torch
+
+    from fa3_numerics.data import distributions
+
+    def draw(shape, seed):
+        g = distributions.generator(seed)
+        q, k = (torch.randn(s, generator=g, dtype=torch.float64) for s in (shape.q_shape, shape.kv_shape))
+        return q, k, torch.zeros(shape.kv_shape, dtype=torch.float64)
+
+    monkeypatch.setitem(distributions._REGISTRY, "zero-v", distributions.Entry("zero-v", draw, "V all zeros", {}))
+    return "zero-v"
+
+
+def test_undefined_metrics_are_nan_with_the_reason_never_zero_or_inf():
+    import math
+
+    import torch
+
+    from fa3_numerics.numerics.metrics import metrics, per_sample
+
+    o = torch.zeros(1, 3, 4, 8, dtype=torch.float64)
+    r = torch.zeros_like(o)
+    o[0, 1] = 1.0  # head 1: a nonzero output against a zero reference
+    o[0, 2], r[0, 2] = 1.0, 1.0  # head 2: exact, nonzero: every metric defined
+    m = per_sample(o, r)
+    for name in ("rel_l2", "rel_l1", "cosine", "sqnr_db"):
+        assert math.isnan(m[name][0, 0]) and math.isnan(m[name][0, 1]), name
+        assert metrics()[name].undefined, name
+    assert m["rel_l2"][0, 2] == 0 and m["cosine"][0, 2] == 1 and m["sqnr_db"][0, 2] == math.inf
+    assert m["rmse"][0, 1] == 1 and m["nonfinite"].sum() == 0
+
+
+def test_scan_counts_and_locates_nan_metrics_of_finite_samples():
+    import numpy as np
+    import xarray as xr
+
+    from fa3_numerics.engine.conventions import apply_conventions
+    from fa3_numerics.engine.nonfinite import scan, summary_line
+
+    dims = ("variant", "batch", "head")
+    zeros = np.zeros((2, 1, 4))
+    cos = np.ones_like(zeros)
+    cos[1, 0, 2:] = np.nan  # variant b, heads 2 and 3: undefined
+    nonfinite = zeros.copy()
+    nonfinite[0, 0, 0] = 5  # variant a, head 0: a NaN output (its NaN metrics are that finding, not another)
+    rmse = np.where(nonfinite > 0, np.nan, 0.1)
+    cos[0, 0, 0] = np.nan
+    ds = apply_conventions(xr.Dataset({"rmse": (dims, rmse), "cosine": (dims, cos), "nonfinite": (dims, nonfinite)},
+                                      coords={"variant": ["a", "b"]}, attrs={"seeds": [0]}))
+    found = scan(ds)
+    assert [(f.variant, f.metric, f.samples, f.of) for f in found] == [("a", "", 1, 4), ("b", "cosine", 2, 4)]
+    assert "cosine is NaN in 2 of 4 samples with finite outputs" in found[1].line()
+    assert "zero vector" in found[1].line() and ds["cosine"].attrs["nan_reason"] in found[1].line()
+    assert "NaN metrics (1 undefined on the data)" in summary_line(found)
+    # negative control: all defined, nothing found
+    ok = ds.assign(cosine=(dims, np.ones_like(zeros)), nonfinite=(dims, zeros), rmse=(dims, zeros + 0.1))
+    assert scan(ok) == []
+
+
+@pytest.mark.slow
+def test_a_run_with_undefined_metrics_exits_3(tmp_path, cli, zero_v):
+    from fa3_numerics.engine.dataset import read
+
+    out = tmp_path / "o"
+    code, _, err = cli("run", "outliers", *TINY, "--dist", zero_v, "--out", out)
+    assert code == 3, err
+    assert "undefined metric: variant 'fa3-fp8', single cell, seed 0: cosine is NaN in 1 of 1 samples" in err
+    assert err.strip().splitlines()[-1].startswith("error: ") and "NaN metrics" in err
+    ds = read(out / "outliers.nc")
+    assert "zero vector" in ds["cosine"].attrs["nan_reason"] and bool(ds["cosine"].isnull().all())
+    assert "undefined metric" in (out / "summary.md").read_text()
+
+
+@pytest.mark.slow
+def test_an_audit_of_an_all_zero_capture_exits_3(tmp_path, cli, write_audit_capture):
+    import torch
+
+    cap = tmp_path / "zero.safetensors"
+    tok = 16
+    zeros = {f"layers.{i}.{w}": torch.zeros(n, tok, 64) for i in (0, 1) for w, n in (("q", 4), ("k", 2), ("v", 2))}
+    write_audit_capture(cap, tokens=tok, tensor_over=zeros)
+    code, _, err = cli("audit", cap, "--variants", "fa3-fp8", "--rows", "8", "--out", tmp_path / "a")
+    assert code == 3, err
+    lines = [x for x in err.splitlines() if "undefined metric" in x]
+    # rel_l2, rel_l1, cosine, sqnr_db in each of the 2 layers: 8 located lines
+    assert len(lines) == 8 and all("4 of 4 samples" in x for x in lines), err

@@ -34,7 +34,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..engine.checks import check_backend
+from ..engine.checks import check_backend, check_rows
 from ..engine.inputs import CaptureInputs
 from ..engine.runner import Job, Task, run_tasks
 from ..engine.sampling import ROWS_SAMPLING, check_seed, effective_rows
@@ -130,12 +130,12 @@ def plan(capture, *, variants: str | list[str] | None = None, backend: str = "em
     """Every check of an audit before it computes: (capture, [(label, recipe)], layers)."""
     from ..data.capture import Capture, load_capture
 
+    check_rows(rows)
+    check_seed(seed, "--seed")
     cap: Capture = capture if isinstance(capture, Capture) else load_capture(capture)
     if variants is None:
         variants = list(DEFAULT_VARIANTS)
     recipes = parse_recipes(variants if isinstance(variants, str) else ";".join(variants))
-    require(isinstance(rows, int) and rows >= 0, f"--rows must be >= 0 (0 = every query row), got {rows}")
-    check_seed(seed, "--seed")
     check_head_dim(cap.head_dim)
     sel = _layers(cap, layers)
     check_backend(backend, device, recipes)
