@@ -245,3 +245,39 @@ def test_an_audit_of_an_all_zero_capture_exits_3(tmp_path, cli, write_audit_capt
     lines = [x for x in err.splitlines() if "undefined metric" in x]
     # rel_l2, rel_l1, cosine, sqnr_db in each of the 2 layers: 8 located lines
     assert len(lines) == 8 and all("4 of 4 samples" in x for x in lines), err
+
+
+# -- capture metadata is validated ----------------------------------------------------------------
+
+@pytest.mark.parametrize("meta,words", [
+    ({"causal": "maybe"}, "causal='maybe' is neither true nor false"),
+    ({"softmax_scale": "nan"}, "softmax_scale='nan' is not a finite positive number"),
+    ({"softmax_scale": "-0.125"}, "softmax_scale='-0.125' is not a finite positive number"),
+    ({"softmax_scale": "inf"}, "softmax_scale='inf' is not a finite positive number"),
+    ({"softmax_scale": "big"}, "softmax_scale='big' is not a finite positive number"),
+    ({"tokens": "-16"}, "tokens='-16' is not an integer >= 1"),
+    ({"heads": "2.5"}, "heads='2.5' is not an integer >= 1"),
+    ({"layers": "0,x"}, "is not a comma list of layer indices"),
+    ({"num_layers": "1"}, "lies outside num_layers=1"),
+    ({"rope": "[1, 2]"}, "rope is not a JSON object"),
+    ({"rope": '{"rope_theta": "abc"}'}, "rope_theta='abc' is not a finite positive number"),
+])
+def test_malformed_capture_metadata_is_refused_by_audit(tmp_path, cli, write_audit_capture, meta, words):
+    pytest.importorskip("safetensors")
+    cap = tmp_path / "cap.safetensors"
+    write_audit_capture(cap, tokens=16, meta_over=meta)
+    out = tmp_path / "a"
+    code, _, err = cli("audit", cap, "--out", out)
+    one_line(code, err, words)
+    assert f"{cap} has malformed metadata" in err and "recapture it" in err
+    assert not out.exists()
+
+
+def test_well_formed_capture_metadata_loads(tmp_path, write_audit_capture):
+    pytest.importorskip("safetensors")
+    from fa3_numerics.data.capture import load_capture
+
+    cap = tmp_path / "cap.safetensors"
+    write_audit_capture(cap, tokens=16, meta_over={"causal": "false"})
+    c = load_capture(cap)
+    assert c.causal is False and c.scale == 64 ** -0.5 and c.tokens == 16

@@ -48,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import platform
 import sys
@@ -531,6 +532,49 @@ def _not_capture(path) -> UsageError:
     return UsageError(f"{path} is not an fa3-numerics capture; make one with `fa3-numerics capture`")
 
 
+def _check_meta(path, meta: dict[str, str]) -> tuple[list[int], int, int, int, int]:
+    """The metadata a study reads, checked (a file edited by hand or written by another tool
+    must not audit as non-causal for ``causal="maybe"`` or give NaN outputs for a NaN scale):
+    (layers, heads, kv_heads, head_dim, tokens)."""
+    def bad(what: str) -> UsageError:
+        return UsageError(f"{path} has malformed metadata: {what}; recapture it with `fa3-numerics capture`")
+
+    def count(key: str, least: int = 1) -> int:
+        text = meta[key].strip()
+        if not text.isdigit() or int(text) < least:
+            raise bad(f"{key}={meta[key][:40]!r} is not an integer >= {least}")
+        return int(text)
+
+    items = [x.strip() for x in meta["layers"].split(",")]
+    if not all(x.isdigit() for x in items):
+        raise bad(f"layers={meta['layers'][:40]!r} is not a comma list of layer indices")
+    layers = [int(x) for x in items]
+    num_layers = count("num_layers")
+    if len(set(layers)) != len(layers) or max(layers) >= num_layers:
+        raise bad(f"layers={meta['layers'][:40]!r} repeats a layer or lies outside num_layers={num_layers}")
+    heads, kv_heads, head_dim, tokens = (count(k) for k in ("heads", "kv_heads", "head_dim", "tokens"))
+    if heads % kv_heads:
+        raise bad(f"heads {heads} is not a multiple of kv_heads {kv_heads}")
+    if meta["causal"] not in ("true", "false"):
+        raise bad(f"causal={meta['causal'][:40]!r} is neither true nor false")
+    try:
+        scale = float(meta["softmax_scale"])
+    except ValueError:
+        scale = math.nan
+    if not (math.isfinite(scale) and scale > 0):
+        raise bad(f"softmax_scale={meta['softmax_scale'][:40]!r} is not a finite positive number")
+    try:
+        rope = json.loads(meta.get("rope") or "{}")
+    except ValueError:
+        rope = None
+    if not isinstance(rope, dict):
+        raise bad("rope is not a JSON object")
+    theta = rope.get("rope_theta", 1.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
+        raise bad(f"rope_theta={str(theta)[:40]!r} is not a finite positive number")
+    return layers, heads, kv_heads, head_dim, tokens
+
+
 def load_capture(path: str | os.PathLike) -> Capture:
     """Read and validate a capture file; UsageError (one line, naming the fix) when it is bad."""
     p = Path(path)
@@ -557,17 +601,7 @@ def load_capture(path: str | os.PathLike) -> Capture:
     missing = [k for k in REQUIRED_META if k not in meta]
     require(not missing, f"{path} lacks metadata {', '.join(missing)}; recapture it with "
             "`fa3-numerics capture`")
-    try:
-        layers = [int(x) for x in meta["layers"].split(",") if x.strip() != ""]
-        heads, kv_heads = int(meta["heads"]), int(meta["kv_heads"])
-        head_dim, tokens = int(meta["head_dim"]), int(meta["tokens"])
-        float(meta["softmax_scale"])
-    except ValueError as exc:
-        raise UsageError(f"{path} has malformed metadata ({exc}); recapture it with "
-                         "`fa3-numerics capture`") from exc
-    require(len(layers) > 0, f"{path} lists no layers; recapture it with `fa3-numerics capture`")
-    require(heads > 0 and kv_heads > 0 and heads % kv_heads == 0,
-            f"{path}: heads {heads} is not a multiple of kv_heads {kv_heads}; recapture it")
+    layers, heads, kv_heads, head_dim, tokens = _check_meta(path, meta)
     expected = {f"layers.{i}.{w}" for i in layers for w in "qkv"}
     names = set(tensors)
     require(names == expected,
