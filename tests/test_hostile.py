@@ -281,3 +281,129 @@ def test_well_formed_capture_metadata_loads(tmp_path, write_audit_capture):
     write_audit_capture(cap, tokens=16, meta_over={"causal": "false"})
     c = load_capture(cap)
     assert c.causal is False and c.scale == 64 ** -0.5 and c.tokens == 16
+
+
+# -- no user string reaches a Markdown report as markup -------------------------------------------
+
+EVIL = "xo/a`<img src=x onerror=alert(1)>`b *b* [l](javascript:x)\n# h"
+
+
+def _no_raw_html(md: str) -> None:
+    """``md`` through a CommonMark renderer that passes raw HTML (as GitHub's does, before its
+    sanitiser): no tag a user string carried may come out as a tag."""
+    from markdown_it import MarkdownIt
+
+    import re
+
+    html = MarkdownIt("commonmark", {"html": True}).enable("table").render(md)
+    assert not re.search(r"<[^>]*onerror", html) and 'href="javascript' not in html, html
+    assert "\n# h" not in md  # a newline in a name cannot start a heading
+
+
+def test_md_code_and_md_text_hold_anything_literally():
+    import html
+
+    from markdown_it import MarkdownIt
+
+    from fa3_numerics.report.document import md_code, md_text
+
+    md = MarkdownIt("commonmark", {"html": True})
+    for s in ("plain", "a`b", "``", "`lead", "trail`", " both ", "<img src=x onerror=alert(1)>", "x|y", "a\\`b",
+              "x86_64 _em_ __init__"):
+        got = md.renderInline(md_code(s))
+        assert got.startswith("<code>") and got.endswith("</code>") and got.count("<code>") == 1, (s, got)
+        assert html.unescape(got[6:-7]) == s, (s, got)
+        text = md.renderInline(md_text(s))
+        assert "<img" not in text and "<code>" not in text and html.unescape(text) == s, (s, text)
+    # negative control: the same string raw does carry a tag
+    assert "<img" in md.renderInline("a`<b>`<img src=x onerror=alert(1)>")
+
+
+def test_run_report_and_summary_escape_every_user_string():
+    import numpy as np
+
+    from fa3_numerics.engine.dataset import read, summary_table
+    from fa3_numerics.report.document import render
+    from fa3_numerics.report.run import build_document
+    from fa3_numerics.report.summary import markdown_summary
+
+    ds = read(os.path.join(os.path.dirname(__file__), "data", "h200_table3_before_conventions.nc")).isel(variant=[0, 1])
+    names = [f"{EVIL}{i}" for i in range(ds.sizes["variant"])]
+    ds = ds.assign_coords(variant=names, spec=("variant", names))
+    ds.attrs.update(command=f"fa3-numerics run outliers --out '{EVIL}'", description=EVIL, experiment=EVIL,
+                    device_name=EVIL, dist=EVIL)
+    summary = markdown_summary(ds)
+    _no_raw_html(summary)
+    report = render(build_document(ds, [], summary_table(ds)), "md")  # figures: slow, and no names in them
+    _no_raw_html(report)
+    assert "onerror" in report and "onerror" in summary  # the names are there, as text
+    assert np.all(ds["variant"].values == names)
+
+
+def test_compare_markdown_escapes_variant_names_and_paths(tmp_path):
+    from fa3_numerics.engine.dataset import read
+    from fa3_numerics.report.compare import markdown_report, text_report
+    from fa3_numerics.studies.compare import compare
+
+    ds = read(os.path.join(os.path.dirname(__file__), "data", "h200_table3_before_conventions.nc"))
+    names = [f"{EVIL}{i}" for i in range(ds.sizes["variant"])]
+    ds = ds.assign_coords(variant=names)
+    ds.attrs.update(command=EVIL, device_name=EVIL)
+    res = compare(ds, ds)
+    _no_raw_html(markdown_report(res, ds, ds, EVIL, EVIL))
+    assert "<img" in text_report(res, ds, ds, EVIL, EVIL)  # plain text stays as given
+
+
+@pytest.mark.slow
+def test_audit_and_ablation_reports_escape_capture_metadata_and_toml_names(tmp_path, cli, write_audit_capture,
+                                                                          ablation_toml):
+    cap = tmp_path / "cap.safetensors"
+    write_audit_capture(cap, tokens=16, meta_over={"model": EVIL, "text_source": EVIL})
+    code, _, err = cli("audit", cap, "--variants", "fa3-fp8", "--rows", "8", "--out", tmp_path / "a")
+    assert code == 0, err
+    md = (tmp_path / "a" / "audit.md").read_text()
+    _no_raw_html(md)
+    assert "onerror" in md
+    evil = EVIL.replace("\n", " ").replace('"', "'")
+    toml = ablation_toml(description=evil, shape={"seqlen": [64], "heads": 1, "rows": 8},
+                         designs=[{"name": evil, "gran": ["tensor", "block"]}])
+    code, _, err = cli("run", "ablation", "--experiment", toml, "--out", tmp_path / "b")
+    assert code == 0, err
+    for f in (tmp_path / "b").rglob("*.md"):
+        _no_raw_html(f.read_text())
+
+
+# -- the dask dashboard listens on this machine only ------------------------------------------------
+
+def test_dashboard_address_is_loopback_unless_asked(monkeypatch):
+    from fa3_numerics.engine.distributed import dashboard_address
+
+    monkeypatch.delenv("FA3N_DASHBOARD", raising=False)
+    assert dashboard_address() == "127.0.0.1:0"
+    monkeypatch.setenv("FA3N_DASHBOARD", "0.0.0.0:8787")
+    assert dashboard_address() == "0.0.0.0:8787"
+
+
+_CLUSTER = """
+from fa3_numerics.engine.distributed import local_cluster
+if __name__ == "__main__":
+    c = local_cluster(1)
+    s = c.scheduler
+    print(s.address)
+    print(*[sock.getsockname()[0] for sock in s.http_server._sockets.values()])
+    print(*s.workers)
+    c.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_local_cluster_listens_on_loopback_only(tmp_path):
+    pytest.importorskip("distributed")
+    script = tmp_path / "cluster.py"
+    script.write_text(_CLUSTER)
+    env = {k: v for k, v in os.environ.items() if k != "FA3N_DASHBOARD"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    scheduler, http, workers = proc.stdout.strip().splitlines()
+    assert scheduler.startswith("tcp://127.0.0.1:") and http.split() == ["127.0.0.1"]
+    assert all(w.startswith("tcp://127.0.0.1:") for w in workers.split())

@@ -92,10 +92,10 @@ def render_combined(datasets: list[tuple[str, xr.Dataset]], out_dir: str | Path,
     import dataclasses
 
     formats = _check_formats(formats)
-    combined = Document(title or "Reports of " + ", ".join(name for name, _ in datasets))
+    combined = Document(md_text(title) if title else "Reports of " + ", ".join(md_text(name) for name, _ in datasets))
     for i, (name, ds) in enumerate(datasets, start=1):
         doc, _ = document_of(ds)
-        part = Section(f"{name}: {doc.title}", list(doc.lead))
+        part = Section(f"{md_text(name)}: {doc.title}", list(doc.lead))
         combined.sections.append(part)
         for s in doc.sections:
             blocks = [dataclasses.replace(b, figure=dataclasses.replace(b.figure, name=f"p{i}_{b.figure.name}"))
