@@ -407,3 +407,138 @@ def test_a_local_cluster_listens_on_loopback_only(tmp_path):
     scheduler, http, workers = proc.stdout.strip().splitlines()
     assert scheduler.startswith("tcp://127.0.0.1:") and http.split() == ["127.0.0.1"]
     assert all(w.startswith("tcp://127.0.0.1:") for w in workers.split())
+
+
+# -- a full disk: one line, no partial file ----------------------------------------------------------
+
+def _full_after(n_bytes: int):
+    """A writer that puts ``n_bytes`` into its file, then fails as a full device does."""
+    import errno
+
+    def write(path, *a, **k):
+        with open(path, "wb") as f:
+            f.write(b"\0" * n_bytes)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    return write
+
+
+def _no_partial(folder, *names):
+    left = [p for p in folder.rglob("*") if p.is_file() and (p.name in names or ".tmp" in p.name)]
+    assert not left, left
+
+
+def test_disk_full_writing_a_cache_cell_is_one_line(tmp_path, cli, monkeypatch):
+    import numpy as np
+
+    def savez(f, **arrays):
+        f.write(b"PK\3\4 half a cell")
+        _full_after(0)(os.devnull)
+
+    monkeypatch.setattr(np, "savez", savez)
+    out = tmp_path / "o"
+    code, _, err = cli("run", "outliers", *TINY, "--out", out)
+    one_line(code, err, "no space left on the device; free some space", after_start=True)
+    assert ".npz" in err.splitlines()[-1]
+    _no_partial(out, "outliers.nc", "summary.md")
+    assert not list(out.rglob("*.npz"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["dataset", "summary", "figure"])
+def test_disk_full_at_each_write_of_a_run_is_one_line(tmp_path, cli, monkeypatch, level):
+    import pathlib
+
+    import xarray as xr
+
+    if level == "dataset":
+        monkeypatch.setattr(xr.Dataset, "to_netcdf", lambda self, path, *a, **k: _full_after(100)(path))
+        name = "outliers.nc"
+    else:
+        real = pathlib.Path.write_bytes
+        name = "summary.md" if level == "summary" else ".png"
+
+        def write_bytes(self, data):
+            if name in self.name:
+                _full_after(len(data) // 2)(self)
+            return real(self, data)
+
+        monkeypatch.setattr(pathlib.Path, "write_bytes", write_bytes)
+    out = tmp_path / "o"
+    code, _, err = cli("run", "outliers", *TINY, "--out", out)
+    assert code == 2, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: cannot write ") and "no space left on the device" in last and name in last, err
+    assert "Traceback" not in err
+    assert not [p for p in out.rglob("*") if ".tmp" in p.name]
+    if level == "dataset":
+        assert not (out / "outliers.nc").exists()
+    assert list((out / ".cells").glob("*.npz"))  # finished cells are kept: a rerun resumes
+
+
+def test_disk_full_writing_a_capture_leaves_nothing(tmp_path, monkeypatch):
+    pytest.importorskip("safetensors")
+    import safetensors.torch
+
+    from fa3_numerics.errors import UsageError
+    from fa3_numerics.testing import write_capture
+
+    def full(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half a capture")
+        raise RuntimeError("I/O error: No space left on device (os error 28)")  # how safetensors says it
+
+    target = tmp_path / "cap.safetensors"
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(UsageError, match=r"cannot write .*cap.safetensors: no space left on the device"):
+        write_capture(target, heads=2, kv_heads=1, tokens=8, layers=(0,))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_in_the_way_of_a_file_or_a_file_in_the_way_of_a_folder(tmp_path, cli):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / ".cells").write_text("not a folder")
+    code, _, err = cli("run", "outliers", *TINY, "--out", out)
+    one_line(code, err, f"{out / '.cells'} is a file where this tool keeps a folder")
+    (out / ".cells").unlink()
+    (out / "outliers.nc").mkdir()
+    from fa3_numerics.engine.files import atomic_write
+    from fa3_numerics.errors import UsageError
+
+    with pytest.raises(UsageError, match="a folder of that name is in the way"):
+        atomic_write(out / "outliers.nc", "x")
+
+
+# -- a cache cell of another layout is recomputed ----------------------------------------------------
+
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_a_cache_cell_of_the_wrong_shape_or_dtype_is_recomputed(tmp_path, bad):
+    import numpy as np
+
+    from fa3_numerics.engine.inputs import DistInputs
+    from fa3_numerics.engine.runner import Job, Task, run_tasks
+    from fa3_numerics.numerics.recipe import PRESETS
+
+    def tasks():
+        return [Task(DistInputs("outliers", (("p", 0.001), ("sigma", 10.0)), 1, 2, 2, 64, 64, 0), False, 0, 8,
+                     "emulate", "cpu", [Job(0, PRESETS["fa3-fp8"].recipe, key="cellkey0")], "histkey0")]
+
+    notes = []
+    first = run_tasks(tasks(), cache_dir=tmp_path, progress=notes.append)
+    cell = tmp_path / "cellkey0.npz"
+    with np.load(cell) as z:
+        arrays = {k: z[k] for k in z.files}
+    if bad == "shape":
+        arrays = {k: np.zeros((3, 5)) for k in arrays}  # a valid .npz, another layout
+    else:
+        arrays = {k: v.astype(np.int64) for k, v in arrays.items()}
+    np.savez(cell, **arrays)
+    again = run_tasks(tasks(), cache_dir=tmp_path, progress=notes.append)
+    assert again.reused == 0
+    assert any("cellkey0.npz holds arrays of the wrong shape or dtype; recomputing it" in str(n) for n in notes), notes
+    for m, v in first.results[0][0].items():
+        np.testing.assert_array_equal(v, again.results[0][0][m])
+    with np.load(cell) as z:  # rewritten: the next run reuses it
+        assert z["rmse"].shape == (1, 2) and z["rmse"].dtype == np.float64
+    assert run_tasks(tasks(), cache_dir=tmp_path, progress=notes.append).reused == 1

@@ -1,6 +1,6 @@
 """Files written whole or not at all, and output folders that one process owns at a time.
 
-Exposed: ``atomic_path``, ``atomic_write``, ``temp_file``, ``is_own_temp``, ``OutputFolder``,
+Exposed: ``atomic_path``, ``atomic_write``, ``write_error``, ``temp_file``, ``is_own_temp``, ``OutputFolder``,
 ``output_folder``, ``output_file``, ``clean_stale_temps``, ``clean_dead_temps``, ``TEMP_GLOB``.
 
 Every file the toolkit writes goes through ``atomic_path``: the content goes to a hidden temp
@@ -23,6 +23,10 @@ the next writer of the same name removes those that no living process holds
 (``clean_dead_temps``), whatever the library writing inside left there. Files inside an owned
 folder need no hold: the folder's lock already says whose their temp files are.
 
+A device that refuses the bytes (full, over quota, read-only) ends the write with one line
+naming the file and the fix (``write_error``, a ``UsageError``), the temp file removed: never a
+traceback and never a partial file.
+
 A command that creates its output folder and then refuses its input removes the folder again
 when nothing was written into it, so a refused run leaves no empty folder behind.
 """
@@ -30,6 +34,7 @@ when nothing was written into it, so a refused run leaves no empty folder behind
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import os
 import re
@@ -80,26 +85,56 @@ def atomic_path(path: str | os.PathLike, hold: bool = False) -> Iterator[Path]:
     import fcntl
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if hold:
-        holder = Path(tempfile.mkdtemp(prefix=f".{path.name}.{TEMP_TAG}", suffix=".tmp", dir=path.parent))
-        fd = os.open(holder, os.O_RDONLY)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        tmp = holder / path.name
-    else:
-        fd, tmp = temp_file(path)
-        os.close(fd)
+    require(not path.is_dir(), f"cannot write {path}: a folder of that name is in the way; remove it (or pass "
+            "another output folder)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if hold:
+            holder = Path(tempfile.mkdtemp(prefix=f".{path.name}.{TEMP_TAG}", suffix=".tmp", dir=path.parent))
+            fd = os.open(holder, os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            tmp = holder / path.name
+        else:
+            fd, tmp = temp_file(path)
+            os.close(fd)
+    except OSError as exc:
+        raise (write_error(exc, path) or exc) from None
     try:
         yield tmp
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        err = write_error(exc, path)
+        if err is not None:
+            raise err from None
         raise
     finally:
         if hold:
             shutil.rmtree(holder, ignore_errors=True)
             os.close(fd)  # drops the flock
+
+
+# errno of a device that takes no more bytes, and the words libraries that wrap the error use
+# (h5py: "errno = 28", safetensors: "os error 28", matplotlib and numpy: a plain OSError)
+_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exhausted",
+         errno.EFBIG: "the file is too large for the device", errno.EROFS: "the file system is read-only"}
+_FULL_WORDS = {"no space left on device": errno.ENOSPC, "errno = 28": errno.ENOSPC, "os error 28": errno.ENOSPC,
+               "disk quota exceeded": errno.EDQUOT, "errno = 122": errno.EDQUOT, "os error 122": errno.EDQUOT,
+               "read-only file system": errno.EROFS}
+
+
+def write_error(exc: BaseException, path: str | os.PathLike) -> UsageError | None:
+    """The one-line error for ``exc`` raised while writing ``path`` when the device refused the
+    bytes (full, over quota, read-only), else None. The fix is the user's: space or another place."""
+    code = getattr(exc, "errno", None)
+    if code not in _FULL:
+        text = " ".join(str(e).lower() for e in (exc, exc.__cause__, exc.__context__) if e is not None)
+        code = next((c for words, c in _FULL_WORDS.items() if words in text), None)
+    if code is None:
+        return None
+    return UsageError(f"cannot write {path}: {_FULL[code]}; free some space (or write elsewhere) and run again - "
+                      "nothing partial was left, finished results are kept")
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
@@ -201,6 +236,12 @@ class OutputFolder:
             os.close(fd)
             raise UsageError(f"another fa3-numerics process is writing into {self.path}; wait for it to finish or "
                              f"pass another {self.option}") from None
+        for sub in _OWNED_SUBDIRS:
+            if (self.path / sub).exists() and not (self.path / sub).is_dir():
+                os.close(fd)
+                raise UsageError(f"{self.path / sub} is a file where this tool keeps a folder "
+                                 f"({'the cache of finished results' if sub == '.cells' else 'report figures'}); "
+                                 f"move it away or pass another {self.option}")
         self._fd = fd
         self._created = created
         self.cleaned = clean_stale_temps(self.path)
@@ -240,5 +281,5 @@ def output_folder(text: str | os.PathLike | None, option: str = "--out") -> Outp
     return OutputFolder(text, option)
 
 
-__all__ = ["atomic_path", "atomic_write", "OutputFolder", "output_folder", "output_file", "clean_stale_temps",
-           "TEMP_GLOB"]
+__all__ = ["atomic_path", "atomic_write", "write_error", "temp_file", "is_own_temp", "OutputFolder", "output_folder",
+           "output_file", "clean_stale_temps", "clean_dead_temps", "TEMP_GLOB"]
