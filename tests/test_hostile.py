@@ -542,3 +542,53 @@ def test_a_cache_cell_of_the_wrong_shape_or_dtype_is_recomputed(tmp_path, bad):
     with np.load(cell) as z:  # rewritten: the next run reuses it
         assert z["rmse"].shape == (1, 2) and z["rmse"].dtype == np.float64
     assert run_tasks(tasks(), cache_dir=tmp_path, progress=notes.append).reused == 1
+
+
+# -- malformed FA3N_* environment variables --------------------------------------------------------
+
+@pytest.mark.parametrize("name,value,words", [
+    ("FA3N_PROGRESS_INTERVAL", "soon", "FA3N_PROGRESS_INTERVAL='soon' is not a number >= 0"),
+    ("FA3N_PROGRESS_INTERVAL", "nan", "FA3N_PROGRESS_INTERVAL='nan' is not a number >= 0"),
+    ("FA3N_PROGRESS", "loud", "FA3N_PROGRESS='loud' is not one of auto, live, plain, off"),
+])
+def test_a_malformed_environment_variable_is_one_line(tmp_path, cli, monkeypatch, name, value, words):
+    monkeypatch.setenv(name, value)
+    if name == "FA3N_PROGRESS_INTERVAL":
+        monkeypatch.setenv("FA3N_PROGRESS", "plain")
+    out = tmp_path / "o"
+    code, _, err = cli("run", "outliers", *TINY, "--out", out)
+    one_line(code, err, words, after_start=True)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name,value", [("FA3N_P_KEEP_MB", "lots"), ("FA3N_P_KEEP_MB", "-1"),
+                                        ("FA3N_PREP_CACHE_MB", "1.5"), ("FA3N_PREP_CACHE_MB", "1e999")])
+def test_malformed_memory_budgets_are_refused_where_they_are_read(monkeypatch, name, value):
+    import torch
+
+    from fa3_numerics.errors import UsageError
+    from fa3_numerics.numerics import emulator as em
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(UsageError, match=f"environment variable {name}="):
+        if name == "FA3N_P_KEEP_MB":
+            em._p_keep_bytes(torch.device("cpu"))
+        else:
+            em._trim({}, None)
+    monkeypatch.setenv(name, "64")  # negative control: a good value is read
+    if name == "FA3N_P_KEEP_MB":
+        assert em._p_keep_bytes(torch.device("cpu")) == 64 << 20
+
+
+def test_a_file_as_the_build_cache_names_it_not_the_compiler(tmp_path, monkeypatch):
+    from fa3_numerics.numerics import native
+
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    monkeypatch.setenv("FA3N_CACHE", str(f))
+    monkeypatch.setattr(native, "_STATE", {})
+    with pytest.warns(RuntimeWarning) as rec:
+        assert native._lib() is None
+    text = str(rec[0].message)
+    assert "(FA3N_CACHE) is a file" in text and "Point FA3N_CACHE at a writable folder" in text
+    assert "gcc" not in text
