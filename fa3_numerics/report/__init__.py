@@ -28,7 +28,7 @@ from pathlib import Path
 import xarray as xr
 
 from ..errors import UsageError
-from .document import FORMATS, Document, Section, write_document
+from .document import FORMATS, Document, Section, md_text, write_document
 from .figures import figure_plan, make_figures
 
 
