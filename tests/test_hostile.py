@@ -592,3 +592,34 @@ def test_a_file_as_the_build_cache_names_it_not_the_compiler(tmp_path, monkeypat
     text = str(rec[0].message)
     assert "(FA3N_CACHE) is a file" in text and "Point FA3N_CACHE at a writable folder" in text
     assert "gcc" not in text
+
+
+# -- reports of degenerate datasets ----------------------------------------------------------------
+
+def _table3():
+    from fa3_numerics.engine.dataset import read
+
+    return read(os.path.join(os.path.dirname(__file__), "data", "h200_table3_before_conventions.nc"))
+
+
+def test_an_all_zero_dataset_draws_every_figure():
+    """Exact results (every error 0) and an input histogram with no entry in the drawn bins left
+    a log axis with nothing positive: matplotlib raised and no report was written."""
+    from fa3_numerics.engine.dataset import summary_table
+    from fa3_numerics.report.figures import figure_plan, make_figures
+
+    ds = _table3().isel(variant=[0, 1])
+    for m in ("rmse", "max_abs", "abs_hist"):
+        ds[m] = ds[m] * 0.0
+    figs = make_figures(ds, summary_table(ds), "rmse")
+    assert [f.name for f in figs] == figure_plan(ds) == ["variants", "inputs_hist"] and all(f.png for f in figs)
+    assert "0 of 0 entries have" in figs[1].caption
+
+
+def test_a_dataset_with_no_variants_is_one_line(tmp_path, cli):
+    from fa3_numerics.engine.dataset import write
+
+    nc = write(_table3().isel(variant=slice(0, 0)), tmp_path / "empty.nc")
+    code, _, err = cli("report", nc, "--out", tmp_path / "r")
+    one_line(code, err, "the dataset holds no variants: there is nothing to report")
+    assert not (tmp_path / "r").exists()

@@ -40,12 +40,20 @@ def _check_formats(formats) -> tuple[str, ...]:
     return formats
 
 
+def _require_results(ds: xr.Dataset, dim: str) -> None:
+    """A dataset with no variants (no cases) has nothing to draw or tabulate."""
+    if ds.sizes.get(dim, 0) == 0:
+        raise UsageError(f"the dataset holds no {dim}s: there is nothing to report; pass one from a run that "
+                         f"computed at least one")
+
+
 def document_of(ds: xr.Dataset, metric: str = "rmse") -> tuple[Document, dict]:
     """The report of ``ds`` as a Document, and how ``write_document`` lays it out
     (stem, figure folder, extra files)."""
     from ..engine.dataset import dataset_kind
 
     kind = dataset_kind(ds)
+    _require_results(ds, "case" if kind == "validation" else "variant")
     if kind == "ablation":
         from .ablation import ablation_document
 
@@ -68,6 +76,7 @@ def run_document(ds: xr.Dataset, metric: str = "rmse") -> Document:
 
     if metric not in ds:
         raise UsageError(f"the dataset has no metric {metric!r}")
+    _require_results(ds, "variant")
     rows = summary_table(ds, metric)
     return build_document(ds, make_figures(ds, rows, metric), rows, metric)
 
