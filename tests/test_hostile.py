@@ -623,3 +623,47 @@ def test_a_dataset_with_no_variants_is_one_line(tmp_path, cli):
     code, _, err = cli("report", nc, "--out", tmp_path / "r")
     one_line(code, err, "the dataset holds no variants: there is nothing to report")
     assert not (tmp_path / "r").exists()
+
+
+# -- malformed experiment TOMLs ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw,words", [
+    ({"shape": {"seqlen": ["abc"]}}, "seqlen = 'abc' is not an integer"),
+    ({"shape": {"seqlen": []}}, "--seqlen got an empty list"),
+    ({"shape": {"heads": "two"}}, "heads = 'two' is not an integer"),
+    ({"shape": {"causal": ["false"]}}, "causal = 'false' is not true or false"),  # a string is not False
+    ({"shape": {"seqlen": [10 ** 400]}}, "--seqlen must lie in [1, 16777216], got 10000000... (401 digits)"),
+    ({"data": (("outliers", {"p": ["x"], "sigma": [10.0]}),)}, "params.p = 'x' is not a finite number"),
+    ({"data": (("outliers", {"p": [], "sigma": [10.0]}),)}, "params.p of outliers is an empty list"),
+    ({"run": {"seeds": []}}, "--seeds got an empty list"),
+    ({"designs": [{"name": "core", "gran": ["tensor", "block"]}, {"name": "core", "rot": ["none", "hadamard"]}]},
+     "design name 'core' is used twice"),
+    ({"designs": [{"name": "core", "gran": ["tensor", "tensor"]}]}, "lists tensor twice"),
+    ({"designs": [{"name": "core", "gran": []}]}, "design 'core' lists no level of gran"),
+])
+def test_a_malformed_ablation_toml_is_one_line(tmp_path, cli, ablation_toml, kw, words):
+    toml = ablation_toml(**kw)
+    out = tmp_path / "o"
+    code, _, err = cli("run", "ablation", "--experiment", toml, "--out", out)
+    one_line(code, err, words)
+    assert not out.exists()
+
+
+def test_toml_numbers_that_overflow_or_are_not_text(tmp_path, cli, ablation_toml):
+    toml = ablation_toml()
+    toml.write_text(toml.read_text().replace("sigma = [10.0]", "sigma = [1e400]"))
+    code, _, err = cli("run", "ablation", "--experiment", toml, "--out", tmp_path / "o")
+    one_line(code, err, "params.sigma = 'inf' is not a finite number")
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(bytes(range(256)) * 4)
+    code, _, err = cli("run", "ablation", "--experiment", binary, "--out", tmp_path / "o")
+    one_line(code, err, "binary.toml is not a UTF-8 text file")
+    assert not (tmp_path / "o").exists()
+    # the run's own TOML reader types its values the same way
+    from fa3_numerics.errors import UsageError
+    from fa3_numerics.studies.outliers import load_experiment
+
+    outliers = tmp_path / "outliers.toml"
+    outliers.write_text('[shape]\nseqlen = ["big"]\n')
+    with pytest.raises(UsageError, match="outliers.toml: seqlen = 'big' is not an integer"):
+        load_experiment(str(outliers))

@@ -58,7 +58,8 @@ def check_shape(seqlen, head_dim, batch, heads, kv_heads, rows, seeds, device) -
     for d in head_dim:
         check_head_dim(d)
     for n in seqlen:
-        require(isinstance(n, int) and 1 <= n <= _SEQLEN_MAX, f"--seqlen must lie in [1, {_SEQLEN_MAX}], got {n}")
+        shown = str(n) if len(str(n)) <= 20 else f"{str(n)[:8]}... ({len(str(n))} digits)"
+        require(isinstance(n, int) and 1 <= n <= _SEQLEN_MAX, f"--seqlen must lie in [1, {_SEQLEN_MAX}], got {shown}")
     require(batch >= 1 and heads >= 1, "--batch and --heads must be >= 1")
     require(kv_heads >= 0, f"--kv-heads must be >= 0 (0 = as many as --heads), got {kv_heads}")
     require(kv_heads == 0 or heads % kv_heads == 0, f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
