@@ -667,3 +667,22 @@ def test_toml_numbers_that_overflow_or_are_not_text(tmp_path, cli, ablation_toml
     outliers.write_text('[shape]\nseqlen = ["big"]\n')
     with pytest.raises(UsageError, match="outliers.toml: seqlen = 'big' is not an integer"):
         load_experiment(str(outliers))
+
+
+# -- pickled weights are refused by design -----------------------------------------------------------
+
+def test_a_model_folder_of_pickled_weights_is_refused_by_design(tmp_path, cli):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "pytorch_model.bin").write_bytes(b"\\x80\\x04 a pickle that would run code")
+    out = tmp_path / "c.safetensors"
+    code, _, err = cli("capture", "--model", model, "--tokens", "8", "--out", out)
+    one_line(code, err, "holds pickled weights (pytorch_model.bin) and no .safetensors: fa3-numerics never loads "
+                        "pickles, by design")
+    assert "weights_only" not in err and not out.exists()
+    # negative control: beside safetensors weights a stray .bin is not what gets refused
+    from fa3_numerics.data.capture import resolve_model
+
+    (model / "model.safetensors").write_bytes(b"")
+    assert resolve_model(str(model)).folder == str(model.resolve())

@@ -140,6 +140,21 @@ def smollm2_path() -> Path | None:
     return None
 
 
+# Weight files that are Python pickles: loading one can run any code it carries.
+_PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+def _refuse_pickled_weights(folder: Path, model: str) -> None:
+    """A model folder whose weights are only pickles is refused by design, before transformers
+    sees it (whose own error would suggest ``weights_only=False``, i.e. running the pickle)."""
+    if any(folder.glob("*.safetensors")):
+        return
+    pickles = sorted(x.name for pat in _PICKLED for x in folder.glob(pat))
+    require(not pickles, f"model folder {model} holds pickled weights ({', '.join(pickles[:3])}) and no "
+            ".safetensors: fa3-numerics never loads pickles, by design (one can run any code); convert the "
+            "weights to safetensors where you trust them (save_pretrained(..., safe_serialization=True))")
+
+
 def resolve_model(model: str) -> ModelSource:
     """Turn ``--model`` into a folder (+ GGUF file name); UsageError naming the fix otherwise."""
     require(bool(model and model.strip()), "--model is empty; pass a local model folder, "
@@ -163,6 +178,7 @@ def resolve_model(model: str) -> ModelSource:
                 "model folder (with config.json)")
         return ModelSource(model, str(p.resolve().parent), p.name, "local")
     if (p / "config.json").is_file():
+        _refuse_pickled_weights(p, model)
         return ModelSource(model, str(p.resolve()), None, "local")
     ggufs = sorted(x.name for x in p.glob("*.gguf"))
     require(len(ggufs) == 1,
@@ -251,7 +267,7 @@ def load_model(model: str | ModelSource, log: Callable[[str], None] | None = Non
         tok = AutoTokenizer.from_pretrained(src.folder, local_files_only=True, **extra)
         m = AutoModelForCausalLM.from_pretrained(  # ``dtype=``: transformers >= 4.56
             src.folder, dtype=torch.float32, attn_implementation=ATTN_NAME,
-            local_files_only=True, **extra)
+            local_files_only=True, **({} if src.gguf_file else {"use_safetensors": True}), **extra)
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"could not load model {src.label} with transformers ({first}); pass a "
