@@ -686,3 +686,73 @@ def test_a_model_folder_of_pickled_weights_is_refused_by_design(tmp_path, cli):
 
     (model / "model.safetensors").write_bytes(b"")
     assert resolve_model(str(model)).folder == str(model.resolve())
+
+
+# -- repeats and empty items in lists are refused, not silently dropped or doubled ------------------
+
+@pytest.mark.parametrize("args,words", [
+    (["--seqlen", "64,,128"], "--seqlen '64,,128' has an empty item; remove the extra comma"),
+    (["--variants", "fa3-fp8;;fa3-fp16"], "hold an empty spec between ';'"),
+    (["--variants", "fa3-fp8,,fa3-fp16"], "hold an empty name between ','"),
+    (["--variants", "fa3-fp8;fa3-fp8,rot=hadamard"], "are the same recipe"),
+    (["--kv-heads", "-1"], "--kv-heads must be >= 0 (0 = as many as --heads), got -1"),
+])
+def test_list_and_value_mistakes_are_one_line(tmp_path, cli, args, words):
+    out = tmp_path / "o"
+    argv = ["run", "outliers", "--seqlen", "64", "--heads", "1", "--batch", "1", "--rows", "8",
+            "--variants", "fa3-fp8", *args, "--out", out]
+    code, _, err = cli(*argv)
+    one_line(code, err, words)
+    assert not out.exists()
+
+
+def test_layers_formats_and_accumulators_listed_twice(tmp_path, cli):
+    from fa3_numerics.cli.report import parse_formats
+    from fa3_numerics.data.capture import parse_layers
+    from fa3_numerics.errors import UsageError
+
+    with pytest.raises(UsageError, match="--layers 0,0 lists layer 0 twice"):
+        parse_layers("0,0")
+    with pytest.raises(UsageError, match="--layers 0-3,2 lists layer 2 twice"):
+        parse_layers("0-3,2")
+    assert parse_layers("0-2,5") == [0, 1, 2, 5]
+    with pytest.raises(UsageError, match="--format lists html twice"):
+        parse_formats("html,html")
+    assert parse_formats("md,html") == ("md", "html")
+    code, _, err = cli("validate", "--grid", "tiny", "--backend", "fa3-mock", "--device", "cpu", "--acc", "fp32,fp32",
+                       "--out", tmp_path / "v")
+    one_line(code, err, "--acc lists fp32 twice")
+    assert not (tmp_path / "v").exists()
+
+
+def test_the_dist_example_of_the_help_runs(tmp_path, cli):
+    """`--dist outliers:p=0.01,sigma=30` sets p over the TOML's default; only --p beside it conflicts."""
+    from fa3_numerics.studies.outliers import load_experiment
+
+    exp = load_experiment("outliers", {"dist": "outliers:p=0.01,sigma=30"})
+    assert exp.params["p"] == [0.01] and exp.params["sigma"] == [30.0]
+    code, _, err = cli("run", "outliers", *TINY, "--dist", "outliers:p=0.01", "--p", "0.02", "--out", tmp_path / "o")
+    one_line(code, err, "parameter p is given both in --dist and as --p")
+
+
+def test_a_folder_where_a_dataset_is_expected_says_so(tmp_path, cli):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "outliers.nc").write_bytes(b"")
+    code, _, err = cli("report", tmp_path / "run")
+    one_line(code, err, f"{tmp_path / 'run'} is a folder; pass a dataset file inside it, e.g. "
+                        f"{tmp_path / 'run' / 'outliers.nc'}")
+
+
+def test_a_folder_as_capture_and_sinks_beyond_the_sequence(tmp_path, cli):
+    pytest.importorskip("safetensors")
+    from fa3_numerics.testing import write_capture
+
+    code, _, err = cli("run", "outliers", *TINY, "--dist", f"captured:{tmp_path}", "--out", tmp_path / "o")
+    one_line(code, err, f"capture file {tmp_path} is a folder; pass a .safetensors file", after_start=True)
+    assert "capture --out" not in err and not (tmp_path / "o").exists()
+    cap = tmp_path / "cap.safetensors"
+    write_capture(cap, heads=1, kv_heads=1, tokens=32, layers=(0,))
+    for sinks, words in ((100, "sinks=100 exceeds seqlen 64"), (40, "sinks=40 exceeds the capture's 32 tokens")):
+        code, _, err = cli("run", "outliers", *TINY, "--dist", f"captured:{cap}@layer=0,sinks={sinks}",
+                           "--out", tmp_path / "o")
+        one_line(code, err, words, after_start=True)

@@ -33,7 +33,10 @@ def parse_formats(text: str) -> tuple[str, ...]:
     bad = [p for p in parts if p not in FORMATS]
     if bad:
         raise UsageError(f"--format {', '.join(bad)} is not supported; choose from {', '.join(FORMATS)}")
-    return tuple(dict.fromkeys(parts))
+    twice = sorted({p for p in parts if parts.count(p) > 1})
+    if twice:
+        raise UsageError(f"--format lists {twice[0]} twice; give each format once")
+    return tuple(parts)
 
 
 def _metric_help() -> str:
@@ -93,6 +96,9 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         from ..engine.files import atomic_write, output_file
         from ..errors import require
         from ..report.compare import html_report, markdown_report, text_report
+
+        if a.exists() and b.exists() and a.resolve() == b.resolve():
+            typer.echo(f"warning: A and B are the same file ({a}): every ratio is 1 by construction", err=True)
         from ..studies.compare import compare, findings, gate
 
         if fail_above is not None:

@@ -337,10 +337,13 @@ def parse_layers(spec: str | None, num_layers: int | None = None) -> list[int] |
             require(a.strip().isdigit() and b.strip().isdigit(), bad)
             lo, hi = int(a), int(b)
             require(lo <= hi, f"--layers range {part} runs backwards; write {hi}-{lo}")
-            out.update(range(lo, hi + 1))
+            new = set(range(lo, hi + 1))
         else:
             require(part.isdigit(), bad)
-            out.add(int(part))
+            new = {int(part)}
+        twice = sorted(out & new)
+        require(not twice, f"--layers {spec} lists layer {twice[0] if twice else ''} twice; give each layer once")
+        out |= new
     layers = sorted(out)
     if num_layers is not None:
         require(layers[-1] < num_layers,
@@ -594,6 +597,7 @@ def _check_meta(path, meta: dict[str, str]) -> tuple[list[int], int, int, int, i
 def load_capture(path: str | os.PathLike) -> Capture:
     """Read and validate a capture file; UsageError (one line, naming the fix) when it is bad."""
     p = Path(path)
+    require(not p.is_dir(), f"capture file {path} is a folder; pass a .safetensors file from `fa3-numerics capture`")
     require(p.is_file(), f"capture file {path} not found; make one with "
             f"`fa3-numerics capture --out {path}`")
     require_capture_deps_for_loading()

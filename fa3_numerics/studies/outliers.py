@@ -174,6 +174,10 @@ def load_experiment(name: str, overrides: dict | None = None) -> Experiment:
     if family.name != parse_dist(kw["dist"]).entry.name:
         # --dist picks another family: the TOML's parameters belong to its own family.
         kw["params"] = {k: v for k, v in kw["params"].items() if k in family.params}
+    if "dist" in overrides:
+        # NAME:k=v on the command line sets k over the TOML's default; only --k as well is a conflict.
+        for k in parse_dist(overrides["dist"]).params:
+            kw["params"].pop(k, None)
     fields = {f.name for f in dataclasses.fields(Experiment)}
     for k, v in overrides.items():
         if k in family.params:
