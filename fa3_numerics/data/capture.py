@@ -245,6 +245,114 @@ _MODEL_CACHE: dict[tuple, tuple] = {}
 _MODEL_CACHE_SIZE = 3
 
 
+def _load_error(src: ModelSource, exc: BaseException) -> UsageError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return UsageError(f"could not load model {src.label} with transformers ({first}); pass a causal LM whose "
+                      "attention uses transformers' AttentionInterface (e.g. Llama, Mistral, Qwen2)")
+
+
+# GGUF value types (gguf spec v2/v3): struct format of the scalars; 8 is a string, 9 an array
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def gguf_metadata(path: str | os.PathLike, wanted: tuple[str, ...]) -> dict:
+    """The ``wanted`` keys of a GGUF file's metadata, read from its header only: a reader that parses
+    the whole file (gguf's, transformers') takes 10-20 s on a 2-core CPU, this one milliseconds,
+    because it stops once it has them (layer count and context come before the vocabulary)."""
+    import struct
+
+    def read(f, fmt):
+        size = struct.calcsize("<" + fmt)
+        raw = f.read(size)
+        if len(raw) != size:
+            raise ValueError("the file ends inside its header")
+        return struct.unpack("<" + fmt, raw)[0]
+
+    def string(f):
+        return f.read(read(f, "Q")).decode("utf-8", "replace")
+
+    def value(f, kind):
+        if kind in _GGUF_SCALARS:
+            return read(f, _GGUF_SCALARS[kind])
+        if kind == 8:
+            return string(f)
+        if kind == 9:
+            inner, n = read(f, "I"), read(f, "Q")
+            return [value(f, inner) for _ in range(n)]
+        raise ValueError(f"unknown GGUF value type {kind}")
+
+    out: dict = {}
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError("not a GGUF file (no GGUF magic)")
+        version = read(f, "I")
+        count = "I" if version == 1 else "Q"
+        read(f, count)  # tensors
+        for _ in range(read(f, count)):
+            key = string(f)
+            got = value(f, read(f, "I"))
+            if key in wanted:
+                out[key] = got
+            elif key == "general.architecture":
+                out[key] = got
+                wanted = tuple(w.replace("{arch}", got) for w in wanted)
+            if all(w in out for w in wanted):
+                break
+    return {k.replace(f"{out.get('general.architecture', '')}.", "{arch}.", 1): v for k, v in out.items()}
+
+
+def model_config(src: ModelSource):
+    """The model's layer count and context without its weights (config.json, or a GGUF header), so
+    that --layers and --tokens are checked before the weights load: an object with
+    ``num_hidden_layers`` and ``max_position_embeddings`` (None when the model does not say)."""
+    from types import SimpleNamespace
+
+    if src.gguf_file:
+        try:
+            meta = gguf_metadata(Path(src.folder) / src.gguf_file, ("{arch}.block_count", "{arch}.context_length"))
+            layers = meta["{arch}.block_count"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise _load_error(src, exc) from exc
+        return SimpleNamespace(num_hidden_layers=int(layers), max_position_embeddings=meta.get("{arch}.context_length"))
+    try:
+        cfg = json.loads((Path(src.folder) / "config.json").read_text())
+        layers = int(cfg.get("num_hidden_layers", cfg.get("n_layer")))
+    except (OSError, ValueError, TypeError) as exc:
+        raise _load_error(src, exc) from exc
+    return SimpleNamespace(num_hidden_layers=layers, max_position_embeddings=cfg.get("max_position_embeddings"))
+
+
+_TOKENIZERS: dict[tuple, object] = {}
+
+
+def load_tokenizer(src: ModelSource):
+    """The model's tokenizer alone (a short text is refused before the weights load); kept, so that
+    ``load_model`` does not read it a second time."""
+    from transformers import AutoTokenizer
+
+    key = (src.folder, src.gguf_file)
+    if key not in _TOKENIZERS:
+        extra = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+        try:
+            _TOKENIZERS[key] = AutoTokenizer.from_pretrained(src.folder, local_files_only=True, **extra)
+        except (OSError, ValueError, KeyError) as exc:
+            raise _load_error(src, exc) from exc
+        while len(_TOKENIZERS) > _MODEL_CACHE_SIZE:
+            _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
+    return _TOKENIZERS[key]
+
+
+def preflight(src: ModelSource, layers: str | None, tokens: int, text: str, source: str) -> tuple[int, list[int]]:
+    """Every check of a model run that needs the model's config or tokenizer but not its weights:
+    (num_layers, the layers of ``layers`` (all when None)); the token ids are the caller's to make."""
+    cfg = model_config(src)
+    num_layers = int(cfg.num_hidden_layers)
+    sel = parse_layers(layers, num_layers)
+    check_context(cfg, tokens)
+    tokenize(load_tokenizer(src), text, tokens, source)
+    return num_layers, sel
+
+
 def load_model(model: str | ModelSource, log: Callable[[str], None] | None = None, device: str = "cpu"):
     """Load ``(model, tokenizer, source)``: float32, eval, ``attn_implementation="fa3n_capture"``,
     on ``device`` (``capture`` uses the CPU; a study may put the model on a GPU).
@@ -258,21 +366,18 @@ def load_model(model: str | ModelSource, log: Callable[[str], None] | None = Non
     if key in _MODEL_CACHE:
         _MODEL_CACHE[key] = _MODEL_CACHE.pop(key)  # most recently used last
         return (*_MODEL_CACHE[key], src)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     register_attention()
     extra = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     t0 = time.perf_counter()
     try:
-        tok = AutoTokenizer.from_pretrained(src.folder, local_files_only=True, **extra)
+        tok = load_tokenizer(src)
         m = AutoModelForCausalLM.from_pretrained(  # ``dtype=``: transformers >= 4.56
             src.folder, dtype=torch.float32, attn_implementation=ATTN_NAME,
             local_files_only=True, **({} if src.gguf_file else {"use_safetensors": True}), **extra)
     except (OSError, ValueError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"could not load model {src.label} with transformers ({first}); pass a "
-                         "causal LM whose attention uses transformers' AttentionInterface "
-                         "(e.g. Llama, Mistral, Qwen2)") from exc
+        raise _load_error(src, exc) from exc
     m = m.to(dtype=torch.float32, device=device).eval()
     if log:
         log(f"loaded {src.label} ({type(m).__name__}) in {time.perf_counter() - t0:.1f} s")
@@ -685,6 +790,8 @@ def capture(model: str = DEFAULT_MODEL, out: str | os.PathLike = "capture.safete
     src_text, text_source = read_text(text) if text is not None else default_text()
     src = resolve_model(model)
     require_capture_deps(gguf=src.gguf_file is not None)
+    if isinstance(layers, (str, type(None))):
+        preflight(src, layers, tokens, src_text, text_source)
 
     say(f"model {src.label}: loading (float32, CPU)")
     m, tok, src = load_model(src, log=say)
@@ -711,8 +818,8 @@ def capture(model: str = DEFAULT_MODEL, out: str | os.PathLike = "capture.safete
 
 
 def check_context(model, tokens: int) -> None:
-    """UsageError when ``tokens`` exceeds the model's context (``max_position_embeddings``)."""
-    max_pos = getattr(model.config, "max_position_embeddings", None)
+    """UsageError when ``tokens`` exceeds the context (``max_position_embeddings``) of a model or its config."""
+    max_pos = getattr(getattr(model, "config", model), "max_position_embeddings", None)
     if max_pos:
         require(tokens <= int(max_pos), f"--tokens {tokens} exceeds the model's context of "
                 f"{max_pos} positions; use --tokens {max_pos} or less")

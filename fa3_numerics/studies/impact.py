@@ -154,6 +154,7 @@ def impact(*, model: str = "smollm2", text: str | Path | None = None, tokens: in
            progress: Callable[[str], None] = _stderr):
     """Run the study (module docstring) and return its xarray Dataset; ``out`` keeps finished passes."""
     from ..data import capture as cap
+    from ..engine.sampling import check_seed
     from .impact_budget import check_map_layers, parse_recipe_map
     from .impact_store import CellStore, code_version
 
@@ -188,6 +189,10 @@ def impact(*, model: str = "smollm2", text: str | Path | None = None, tokens: in
     src_text, text_source = cap.read_text(text) if text is not None else cap.default_text()
     src = cap.resolve_model(model)
     cap.require_capture_deps(gguf=src.gguf_file is not None)
+    check_seed(seed, "--seed")
+    num_layers, _ = cap.preflight(src, layer_spec, tokens, src_text, text_source)  # before the weights load
+    for name, parsed in maps:
+        check_map_layers(name, parsed, num_layers)
     out_dir = Path(out) if out is not None else None
     if out_dir is not None:
         require(not out_dir.exists() or out_dir.is_dir(), f"--out {out_dir} is a file; pass a folder")
