@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fa3_numerics.engine.files import OutputFolder, atomic_path, clean_dead_temps, clean_stale_temps, is_own_temp
+from fa3_numerics.engine.files import OutputFolder, atomic_path, clean_dead_temps, is_own_temp
 
 TINY = ["--seqlen", "64", "--heads", "1", "--batch", "1", "--rows", "8", "--variants", "fa3-fp8"]
 
@@ -796,3 +796,45 @@ def test_impact_refuses_before_the_model_loads(tmp_path, cli, args, words):
     code, _, err = cli("impact", *args, "--out", tmp_path / "i")
     one_line(code, err, words)
     assert "loading" not in err and not (tmp_path / "i").exists()  # refused before the weights load
+
+
+# -- audit resumes ------------------------------------------------------------------------------------
+
+def test_an_audit_into_the_same_folder_resumes_from_its_cells(tmp_path, write_audit_capture):
+    pytest.importorskip("safetensors")
+    import numpy as np
+
+    from fa3_numerics.studies.audit import audit
+
+    cap = tmp_path / "cap.safetensors"
+    write_audit_capture(cap, tokens=16)
+    cells = tmp_path / ".cells"
+    said = []
+    first = audit(cap, variants="fa3-fp8;baseline-fp8", rows=8, cache_dir=cells, progress=said.append)
+    kept = {p: p.stat().st_mtime_ns for p in cells.glob("*.npz")}
+    assert len(kept) == 4  # 2 layers x 2 variants
+    said.clear()
+    again = audit(cap, variants="fa3-fp8;baseline-fp8", rows=8, cache_dir=cells, progress=said.append)
+    assert {p: p.stat().st_mtime_ns for p in cells.glob("*.npz")} == kept  # read, not rewritten
+    for m in ("rmse", "rel_l2", "cosine"):
+        np.testing.assert_array_equal(first[m].values, again[m].values)
+    for name in first.data_vars:  # the statistics (recomputed by the probe) agree too
+        np.testing.assert_array_equal(first[name].values, again[name].values)
+    # negative control: another seed is another result, not a cached one
+    other = audit(cap, variants="fa3-fp8;baseline-fp8", rows=8, seed=1, cache_dir=cells, progress=said.append)
+    assert len(list(cells.glob("*.npz"))) == 8 and not np.array_equal(other["rmse"].values, first["rmse"].values)
+
+
+def test_ctrl_c_says_resume_only_where_a_rerun_resumes(tmp_path, cli, monkeypatch):
+    import fa3_numerics.studies.validate as validate
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(validate, "run_validation", interrupted)
+    code, _, err = cli("validate", "--grid", "tiny", "--backend", "fa3-mock", "--device", "cpu", "--out", tmp_path / "v")
+    assert code == 130 and "interrupted; no file was written half (a rerun starts over)" in err
+    assert "resumes" not in err
+    from fa3_numerics.cli import RESUMING
+
+    assert {"outliers", "ablation", "impact", "audit"} == RESUMING

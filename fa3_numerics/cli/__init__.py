@@ -24,17 +24,22 @@ import typer
 from ..errors import NonFiniteError, UsageError
 
 INTERRUPTED = "interrupted; finished results are kept (a rerun into the same --out resumes from them)"
+# What a command that keeps no finished results says instead: its files are whole or absent.
+INTERRUPTED_NO_RESUME = "interrupted; no file was written half (a rerun starts over)"
+# Commands whose finished results are cached in --out/.cells, so that a rerun resumes.
+RESUMING = {"outliers", "ablation", "impact", "audit"}
 
 
-def _interruptible(fn):
-    """typer turns KeyboardInterrupt into a silent exit 130 before ``main`` sees it: say so first."""
+def _interruptible(fn, resumes: bool = True):
+    """typer turns KeyboardInterrupt into a silent exit 130 before ``main`` sees it: say so first
+    (that a rerun resumes only for a command that caches what it finished)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except KeyboardInterrupt:
-            typer.echo(INTERRUPTED, err=True)
+            typer.echo(INTERRUPTED if resumes else INTERRUPTED_NO_RESUME, err=True)
             raise typer.Exit(130) from None
 
     return wrapper
@@ -59,7 +64,8 @@ def build_app() -> typer.Typer:
             mod.register(app, run_app)
     for typer_app in (app, run_app):
         for cmd in typer_app.registered_commands:
-            cmd.callback = _interruptible(cmd.callback)
+            name = cmd.name or cmd.callback.__name__
+            cmd.callback = _interruptible(cmd.callback, resumes=name in RESUMING)
     return app
 
 

@@ -306,8 +306,9 @@ def run_tasks(tasks: list[Task], *, cache_dir: Path | None = None, workers: int 
         hist_missing = task.hist_key is not None and h is None
         if missing or hist_missing or task.probe:
             # A missing histogram alone recomputes one job to regenerate the inputs; a cached
-            # histogram is not rewritten (hist_key "" tells the task not to save it).
-            todo.append((ti, dataclasses.replace(task, jobs=missing or task.jobs[:1],
+            # histogram is not rewritten (hist_key "" tells the task not to save it). A probe
+            # alone (every job cached) runs no job: it draws the inputs itself.
+            todo.append((ti, dataclasses.replace(task, jobs=missing or ([] if task.probe else task.jobs[:1]),
                                                  hist_key=(task.hist_key if hist_missing else
                                                            (None if task.hist_key is None else "")))))
     total = len(tasks)
