@@ -143,7 +143,7 @@ def test_negative_rows_are_refused_by_every_command(tmp_path, cli):
                  ["audit", cap, "--rows", "-1"],
                  ["validate", "--dist", f"captured:{cap}", "--rows", "-1", "--backend", "fa3-mock", "--device", "cpu"]):
         code, _, err = cli(*argv, "--out", out)
-        one_line(code, err, "--rows must be an integer >= 0 (0 = every query row), got -1")
+        one_line(code, err, "--rows must be >= 0 (0 = every query row), got -1")
         assert not out.exists()
     # the grid's cases set their own rows: --rows without a capture is refused, not ignored
     code, _, err = cli("validate", "--grid", "tiny", "--rows", "64", "--backend", "fa3-mock", "--device", "cpu",
@@ -838,3 +838,21 @@ def test_ctrl_c_says_resume_only_where_a_rerun_resumes(tmp_path, cli, monkeypatc
     from fa3_numerics.cli import RESUMING
 
     assert {"outliers", "ablation", "impact", "audit"} == RESUMING
+
+
+@pytest.mark.parametrize("args,words", [
+    (["run", "outliers", "--batch", "1e308"], "Invalid value for '--batch'"),
+    (["run", "outliers", "--nope"], "No such option: --nope"),
+    (["audit"], "Missing argument 'file'; see `"),
+])
+def test_an_option_typer_cannot_parse_is_one_line_not_a_box(cli, args, words):
+    code, out, err = cli(*args)
+    one_line(code, err, words)
+    assert "╭" not in err and "Usage:" not in err
+
+
+def test_help_and_no_arguments_still_show_the_help(cli):
+    code, out, err = cli("--help")
+    assert code == 0 and "run" in out and "audit" in out
+    code, out, err = cli("run")
+    assert code == 2 and "outliers" in out + err

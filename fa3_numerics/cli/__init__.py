@@ -130,9 +130,34 @@ def guarded(fn) -> int:
         return _exit_code(exc)
 
 
+def _option_error(exc) -> int:
+    """An option typer could not parse (``--batch 1e308``, an unknown option) as one line with the
+    command's help to read, where typer would draw a box of six; a missing command shows the help."""
+    from typer._click.exceptions import NoArgsIsHelpError
+
+    if isinstance(exc, NoArgsIsHelpError):
+        exc.show()
+        return exc.exit_code
+    ctx = getattr(exc, "ctx", None)
+    where = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    typer.echo(f"error: {message}{where}", err=True)
+    return exc.exit_code
+
+
 def main(argv: list[str] | None = None, application: typer.Typer | None = None) -> None:
+    from typer._click.exceptions import ClickException
+    from typer.exceptions import Abort
+
     try:
-        (application or _app())(args=argv, standalone_mode=True)
+        # Not standalone: typer's own handling of a bad option is a rich box; ours is one line.
+        code = (application or _app())(args=argv, standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else 0)
+    except ClickException as exc:
+        sys.exit(_option_error(exc))
+    except Abort:
+        typer.echo(INTERRUPTED_NO_RESUME, err=True)
+        sys.exit(130)
     except (UsageError, NonFiniteError) as exc:
         typer.echo(_error_line(exc), err=True)
         sys.exit(exc.exit_code)

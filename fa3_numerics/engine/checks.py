@@ -49,7 +49,7 @@ def check_rows(rows, option: str = "--rows") -> None:
     """Query rows per head: a non-negative integer (0 = every row). A negative count would
     index rows from the end and give shares of a negative total."""
     require(isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0,
-            f"{option} must be an integer >= 0 (0 = every query row), got {rows}")
+            f"{option} must be >= 0 (0 = every query row), got {rows}")
 
 
 def check_shape(seqlen, head_dim, batch, heads, kv_heads, rows, seeds, device) -> None:
