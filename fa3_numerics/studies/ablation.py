@@ -334,19 +334,19 @@ def load_ablation(name: str = "ablation", overrides: dict | None = None) -> Abla
         unknown = [k for k in d if k not in reg and k not in DESIGN_KEYS]
         require(not unknown, f"{path.name}: design {d.get('name', i)!r} sets {', '.join(unknown)}, which is no "
                 f"factor; factors: {', '.join(reg)} (and {', '.join(DESIGN_KEYS)})")
-        name = d.get("name", f"design{i}")
-        require(isinstance(name, str) and name.strip(), f"{path.name}: design {i} needs name = \"...\"")
-        require(name not in [x.name for x in designs], f"{path.name}: design name {name!r} is used twice; "
+        dname = d.get("name", f"design{i}")
+        require(isinstance(dname, str) and dname.strip(), f"{path.name}: design {i} needs name = \"...\"")
+        require(dname not in [x.name for x in designs], f"{path.name}: design name {dname!r} is used twice; "
                 "give each design its own")
         levels = {}
         for f, fac in reg.items():
             given = _as_list(d.get(f, [fac.default]))
             if f in ov and len(given) > 1:
                 given = _as_list(ov[f])
-            require(len(given) > 0, f"{path.name}: design {name!r} lists no level of {f}; give at least one")
+            require(len(given) > 0, f"{path.name}: design {dname!r} lists no level of {f}; give at least one")
             levels[f] = [str(x) for x in given]
-            check_distinct(f"{f} (design {name})", levels[f])
-        designs.append(Design(name, levels, d.get("data"),
+            check_distinct(f"{f} (design {dname})", levels[f])
+        designs.append(Design(dname, levels, d.get("data"),
                               *[_design_shape(d, k, run[k], k in ov) for k in ("seqlen", "head_dim", "causal")]))
     if "designs" in ov:
         keep = _as_list(ov.pop("designs"))
