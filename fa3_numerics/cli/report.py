@@ -96,9 +96,6 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         from ..engine.files import atomic_write, output_file
         from ..errors import require
         from ..report.compare import html_report, markdown_report, text_report
-
-        if a.exists() and b.exists() and a.resolve() == b.resolve():
-            typer.echo(f"warning: A and B are the same file ({a}): every ratio is 1 by construction", err=True)
         from ..studies.compare import compare, findings, gate
 
         if fail_above is not None:
@@ -106,6 +103,8 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         dest = output_file(out) if out is not None else None
         da, db = read(a, ("run", "ablation", "audit")), read(b, ("run", "ablation", "audit"))
         res = compare(da, db, metric)
+        if a.resolve() == b.resolve():
+            typer.echo(f"warning: A and B are the same file ({a}): every ratio is 1 by construction", err=True)
         failed = gate(res, fail_above=fail_above, fail_if_not_covered=fail_if_not_covered)
         typer.echo(text_report(res, da, db, str(a), str(b)))
         if dest is not None:
