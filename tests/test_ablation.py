@@ -138,8 +138,8 @@ def test_capture_file_as_data(tiny, tmp_path):
     g = torch.Generator().manual_seed(0)
     tensors = {"layers.0.q": torch.randn(4, 160, 64, generator=g), "layers.0.k": torch.randn(2, 160, 64, generator=g),
                "layers.0.v": torch.randn(2, 160, 64, generator=g)}
-    meta = {k: "x" for k in REQUIRED_META} | {"format": FORMAT, "layers": "0", "heads": "4", "kv_heads": "2",
-                                             "head_dim": "64", "tokens": "160", "causal": "true",
+    meta = {k: "x" for k in REQUIRED_META} | {"format": FORMAT, "layers": "0", "num_layers": "1", "heads": "4",
+                                             "kv_heads": "2", "head_dim": "64", "tokens": "160", "causal": "true",
                                              "softmax_scale": repr(0.125)}
     path = tmp_path / "cap.safetensors"
     save_capture(path, tensors, meta)

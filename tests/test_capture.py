@@ -157,7 +157,7 @@ def test_write_is_atomic(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("spec, want", [
-    ("0,3,5", [0, 3, 5]), ("0-4", [0, 1, 2, 3, 4]), ("5,0-2,2", [0, 1, 2, 5]), (None, None), ("all", None),
+    ("0,3,5", [0, 3, 5]), ("0-4", [0, 1, 2, 3, 4]), ("5,0-2,3", [0, 1, 2, 3, 5]), (None, None), ("all", None),
 ])
 def test_parse_layers(spec, want):
     assert cap.parse_layers(spec) == want
@@ -165,7 +165,7 @@ def test_parse_layers(spec, want):
 
 @pytest.mark.parametrize("spec, words", [
     ("a", "is not a layer list"), ("3-1", "runs backwards"), ("0,,2", "is not a layer list"),
-    ("-1", "is not a layer list"), ("30", "has 30 layers; use indices 0-29"),
+    ("-1", "is not a layer list"), ("30", "has 30 layers; use indices 0-29"), ("5,0-2,2", "lists layer 2 twice"),
 ])
 def test_parse_layers_errors(spec, words):
     with pytest.raises(UsageError, match=words):

@@ -72,7 +72,8 @@ def test_concurrent_run_into_the_same_out_is_refused_before_writing(tmp_path, cl
 def test_temp_files_of_a_killed_writer_are_removed(tmp_path, cli):
     out = tmp_path / "o"
     (out / ".cells").mkdir(parents=True)
-    stale = [out / ".outliers.nc.k3j2h1.tmp", out / ".cells" / ".0123abcd.npz.x9y8.tmp", out / ".summary.md.abc.tmp"]
+    stale = [out / ".outliers.nc.fa3n-k3j2h1ab.tmp", out / ".cells" / ".0123abcd.npz.fa3n-x9y8_zzz.tmp",
+             out / ".summary.md.fa3n-abcdefgh.tmp"]
     for f in stale:
         f.write_bytes(b"")  # what SIGKILL during a write leaves
     keep = out / "notes.txt"
@@ -86,11 +87,13 @@ def test_temp_files_of_a_killed_writer_are_removed(tmp_path, cli):
 
 def test_clean_stale_temps_touches_only_temp_files(tmp_path):
     (tmp_path / "figures").mkdir()
-    (tmp_path / "figures" / ".a.png.1.tmp").write_bytes(b"")
+    (tmp_path / "figures" / ".a.png.fa3n-1abc2def.tmp").write_bytes(b"")
     (tmp_path / "figures" / "a.png").write_bytes(b"png")
     (tmp_path / ".hidden").write_text("not a temp file")
-    assert [p.name for p in clean_stale_temps(tmp_path)] == [".a.png.1.tmp"]
+    (tmp_path / ".a.png.1.tmp").write_text("a user's temp file, not this tool's")
+    assert [p.name for p in clean_stale_temps(tmp_path)] == [".a.png.fa3n-1abc2def.tmp"]
     assert (tmp_path / "figures" / "a.png").exists() and (tmp_path / ".hidden").exists()
+    assert (tmp_path / ".a.png.1.tmp").exists()
 
 
 # -- the cache: a broken file is recomputed, with a warning ------------------------------------

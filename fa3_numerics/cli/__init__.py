@@ -24,17 +24,22 @@ import typer
 from ..errors import NonFiniteError, UsageError
 
 INTERRUPTED = "interrupted; finished results are kept (a rerun into the same --out resumes from them)"
+# What a command that keeps no finished results says instead: its files are whole or absent.
+INTERRUPTED_NO_RESUME = "interrupted; no file was written half (a rerun starts over)"
+# Commands whose finished results are cached in --out/.cells, so that a rerun resumes.
+RESUMING = {"outliers", "ablation", "impact", "audit"}
 
 
-def _interruptible(fn):
-    """typer turns KeyboardInterrupt into a silent exit 130 before ``main`` sees it: say so first."""
+def _interruptible(fn, resumes: bool = True):
+    """typer turns KeyboardInterrupt into a silent exit 130 before ``main`` sees it: say so first
+    (that a rerun resumes only for a command that caches what it finished)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except KeyboardInterrupt:
-            typer.echo(INTERRUPTED, err=True)
+            typer.echo(INTERRUPTED if resumes else INTERRUPTED_NO_RESUME, err=True)
             raise typer.Exit(130) from None
 
     return wrapper
@@ -60,7 +65,8 @@ def build_app() -> typer.Typer:
             mod.register(app, run_app)
     for typer_app in (app, run_app):
         for cmd in typer_app.registered_commands:
-            cmd.callback = _interruptible(cmd.callback)
+            name = cmd.name or cmd.callback.__name__
+            cmd.callback = _interruptible(cmd.callback, resumes=name in RESUMING)
     return app
 
 
@@ -141,9 +147,34 @@ def guarded(fn) -> int:
         return _exit_code(exc)
 
 
+def _option_error(exc) -> int:
+    """An option typer could not parse (``--batch 1e308``, an unknown option) as one line with the
+    command's help to read, where typer would draw a box of six; a missing command shows the help."""
+    from typer._click.exceptions import NoArgsIsHelpError
+
+    if isinstance(exc, NoArgsIsHelpError):
+        exc.show()
+        return exc.exit_code
+    ctx = getattr(exc, "ctx", None)
+    where = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    typer.echo(f"error: {message}{where}", err=True)
+    return exc.exit_code
+
+
 def main(argv: list[str] | None = None, application: typer.Typer | None = None) -> None:
+    from typer._click.exceptions import ClickException
+    from typer.exceptions import Abort
+
     try:
-        (application or _app())(args=argv, standalone_mode=True)
+        # Not standalone: typer's own handling of a bad option is a rich box; ours is one line.
+        code = (application or _app())(args=argv, standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else 0)
+    except ClickException as exc:
+        sys.exit(_option_error(exc))
+    except Abort:
+        typer.echo(INTERRUPTED_NO_RESUME, err=True)
+        sys.exit(130)
     except (UsageError, NonFiniteError) as exc:
         typer.echo(_error_line(exc), err=True)
         sys.exit(exc.exit_code)

@@ -89,7 +89,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                 f"worst or one of {', '.join(labels)}")
         with folder as path:
             ds = audit(cap, variants=variants, backend=backend, rows=rows, layers=layers, seed=seed, device=device,
-                       progress=make_progress())
+                       progress=make_progress(), cache_dir=path / ".cells")
             ds.attrs.update({"budget": "" if budget is None else budget, "budget_metric": budget_metric,
                              "rank_by": rank_by, "rank_metric": rank_metric})
             findings = scan(ds, sample_dims=("head",))

@@ -29,9 +29,11 @@ def parse_list(text: Optional[str], kind: type, name: str) -> Optional[list]:
     """``"1,2,3"`` -> [1, 2, 3] of ``kind``; one-line errors naming ``--name``."""
     if text is None:
         return None
-    parts = [t.strip() for t in str(text).split(",") if t.strip()]
-    if not parts:
+    parts = [t.strip() for t in str(text).split(",")]
+    if not any(parts):
         raise UsageError(f"--{name.replace('_', '-')} got an empty list; give at least one value")
+    if not all(parts):
+        raise UsageError(f"--{name.replace('_', '-')} {text!r} has an empty item; remove the extra comma")
     try:
         if kind is bool:
             vals = []

@@ -36,7 +36,10 @@ def parse_formats(text: str) -> tuple[str, ...]:
     bad = [p for p in parts if p not in FORMATS]
     if bad:
         raise UsageError(f"--format {', '.join(bad)} is not supported; choose from {', '.join(FORMATS)}")
-    return tuple(dict.fromkeys(parts))
+    twice = sorted({p for p in parts if parts.count(p) > 1})
+    if twice:
+        raise UsageError(f"--format lists {twice[0]} twice; give each format once")
+    return tuple(parts)
 
 
 def _metric_help() -> str:
@@ -115,6 +118,8 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         dest = output_file(out) if out is not None else None
         da, db = read(a, ("run", "ablation", "audit")), read(b, ("run", "ablation", "audit"))
         res = compare(da, db, metric, allow_different=allow_different)
+        if a.resolve() == b.resolve():
+            typer.echo(f"warning: A and B are the same file ({a}): every ratio is 1 by construction", err=True)
         failed = gate(res, fail_above=fail_above, fail_if_not_covered=fail_if_not_covered, rule=gate_rule)
         if dest is not None:
             render = html_report if dest.suffix.lower() in (".html", ".htm") else markdown_report

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from .options import ALLOW_NONFINITE_HELP, examples, finish, wrote
+from .options import ALLOW_NONFINITE_HELP, examples, finish, parse_list, wrote
 
 EXAMPLES = examples(
     "fa3-numerics validate --grid small --out validation/          # on a Hopper GPU with the fa3 kernel",
@@ -49,22 +49,27 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         from ..errors import require
         from ..report.document import write_document
         from ..report.validation import markdown_validation, validation_document
-        from ..studies.validate import accumulator_ranking, captured_cases, findings, run_validation, with_dist
+        from ..engine.checks import check_rows
+        from ..studies.validate import accumulator_ranking, captured_cases, check_accs, findings, run_validation
         from ..studies.validate import grid as make_grid
+        from ..studies.validate import with_dist
 
         check_device(device)
+        check_rows(rows)
+        accs = parse_list(acc, str, "acc")
+        accs = check_accs(accs) if accs else None  # None: the backend's own models (run_validation)
         folder = OutputFolder(out, "--out")
         if dist and dist.strip().startswith("captured:"):
             cases = captured_cases(dist.strip()[len("captured:"):], layers=layers, rows=rows)
         else:
             require(layers is None, "--layers is for --dist captured:FILE")
+            require(rows == 0, "--rows is for --dist captured:FILE (the grid's cases set their own rows)")
             cases = make_grid(grid)
             if dist:
                 cases = with_dist(cases, dist)
         kernel = get_backend(backend)
         why = kernel.check(device)
         require(why is None, f"backend {backend!r} cannot run on {device}: {why}")
-        accs = [a.strip() for a in acc.split(",") if a.strip()] if acc else None
         with folder as path:
             typer.echo(f"validate: {len(cases)} case(s), backend {backend} on {device}; writing to {path}", err=True)
             ds = run_validation(cases, device=device, backend=backend, accs=accs, kernel=kernel,

@@ -48,10 +48,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import platform
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -140,6 +140,21 @@ def smollm2_path() -> Path | None:
     return None
 
 
+# Weight files that are Python pickles: loading one can run any code it carries.
+_PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+def _refuse_pickled_weights(folder: Path, model: str) -> None:
+    """A model folder whose weights are only pickles is refused by design, before transformers
+    sees it (whose own error would suggest ``weights_only=False``, i.e. running the pickle)."""
+    if any(folder.glob("*.safetensors")):
+        return
+    pickles = sorted(x.name for pat in _PICKLED for x in folder.glob(pat))
+    require(not pickles, f"model folder {model} holds pickled weights ({', '.join(pickles[:3])}) and no "
+            ".safetensors: fa3-numerics never loads pickles, by design (one can run any code); convert the "
+            "weights to safetensors where you trust them (save_pretrained(..., safe_serialization=True))")
+
+
 def resolve_model(model: str) -> ModelSource:
     """Turn ``--model`` into a folder (+ GGUF file name); UsageError naming the fix otherwise."""
     require(bool(model and model.strip()), "--model is empty; pass a local model folder, "
@@ -163,6 +178,7 @@ def resolve_model(model: str) -> ModelSource:
                 "model folder (with config.json)")
         return ModelSource(model, str(p.resolve().parent), p.name, "local")
     if (p / "config.json").is_file():
+        _refuse_pickled_weights(p, model)
         return ModelSource(model, str(p.resolve()), None, "local")
     ggufs = sorted(x.name for x in p.glob("*.gguf"))
     require(len(ggufs) == 1,
@@ -229,6 +245,114 @@ _MODEL_CACHE: dict[tuple, tuple] = {}
 _MODEL_CACHE_SIZE = 3
 
 
+def _load_error(src: ModelSource, exc: BaseException) -> UsageError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return UsageError(f"could not load model {src.label} with transformers ({first}); pass a causal LM whose "
+                      "attention uses transformers' AttentionInterface (e.g. Llama, Mistral, Qwen2)")
+
+
+# GGUF value types (gguf spec v2/v3): struct format of the scalars; 8 is a string, 9 an array
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def gguf_metadata(path: str | os.PathLike, wanted: tuple[str, ...]) -> dict:
+    """The ``wanted`` keys of a GGUF file's metadata, read from its header only: a reader that parses
+    the whole file (gguf's, transformers') takes 10-20 s on a 2-core CPU, this one milliseconds,
+    because it stops once it has them (layer count and context come before the vocabulary)."""
+    import struct
+
+    def read(f, fmt):
+        size = struct.calcsize("<" + fmt)
+        raw = f.read(size)
+        if len(raw) != size:
+            raise ValueError("the file ends inside its header")
+        return struct.unpack("<" + fmt, raw)[0]
+
+    def string(f):
+        return f.read(read(f, "Q")).decode("utf-8", "replace")
+
+    def value(f, kind):
+        if kind in _GGUF_SCALARS:
+            return read(f, _GGUF_SCALARS[kind])
+        if kind == 8:
+            return string(f)
+        if kind == 9:
+            inner, n = read(f, "I"), read(f, "Q")
+            return [value(f, inner) for _ in range(n)]
+        raise ValueError(f"unknown GGUF value type {kind}")
+
+    out: dict = {}
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError("not a GGUF file (no GGUF magic)")
+        version = read(f, "I")
+        count = "I" if version == 1 else "Q"
+        read(f, count)  # tensors
+        for _ in range(read(f, count)):
+            key = string(f)
+            got = value(f, read(f, "I"))
+            if key in wanted:
+                out[key] = got
+            elif key == "general.architecture":
+                out[key] = got
+                wanted = tuple(w.replace("{arch}", got) for w in wanted)
+            if all(w in out for w in wanted):
+                break
+    return {k.replace(f"{out.get('general.architecture', '')}.", "{arch}.", 1): v for k, v in out.items()}
+
+
+def model_config(src: ModelSource):
+    """The model's layer count and context without its weights (config.json, or a GGUF header), so
+    that --layers and --tokens are checked before the weights load: an object with
+    ``num_hidden_layers`` and ``max_position_embeddings`` (None when the model does not say)."""
+    from types import SimpleNamespace
+
+    if src.gguf_file:
+        try:
+            meta = gguf_metadata(Path(src.folder) / src.gguf_file, ("{arch}.block_count", "{arch}.context_length"))
+            layers = meta["{arch}.block_count"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise _load_error(src, exc) from exc
+        return SimpleNamespace(num_hidden_layers=int(layers), max_position_embeddings=meta.get("{arch}.context_length"))
+    try:
+        cfg = json.loads((Path(src.folder) / "config.json").read_text())
+        layers = int(cfg.get("num_hidden_layers", cfg.get("n_layer")))
+    except (OSError, ValueError, TypeError) as exc:
+        raise _load_error(src, exc) from exc
+    return SimpleNamespace(num_hidden_layers=layers, max_position_embeddings=cfg.get("max_position_embeddings"))
+
+
+_TOKENIZERS: dict[tuple, object] = {}
+
+
+def load_tokenizer(src: ModelSource):
+    """The model's tokenizer alone (a short text is refused before the weights load); kept, so that
+    ``load_model`` does not read it a second time."""
+    from transformers import AutoTokenizer
+
+    key = (src.folder, src.gguf_file)
+    if key not in _TOKENIZERS:
+        extra = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+        try:
+            _TOKENIZERS[key] = AutoTokenizer.from_pretrained(src.folder, local_files_only=True, **extra)
+        except (OSError, ValueError, KeyError) as exc:
+            raise _load_error(src, exc) from exc
+        while len(_TOKENIZERS) > _MODEL_CACHE_SIZE:
+            _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
+    return _TOKENIZERS[key]
+
+
+def preflight(src: ModelSource, layers: str | None, tokens: int, text: str, source: str) -> tuple[int, list[int]]:
+    """Every check of a model run that needs the model's config or tokenizer but not its weights:
+    (num_layers, the layers of ``layers`` (all when None)); the token ids are the caller's to make."""
+    cfg = model_config(src)
+    num_layers = int(cfg.num_hidden_layers)
+    sel = parse_layers(layers, num_layers)
+    check_context(cfg, tokens)
+    tokenize(load_tokenizer(src), text, tokens, source)
+    return num_layers, sel
+
+
 def load_model(model: str | ModelSource, log: Callable[[str], None] | None = None, device: str = "cpu"):
     """Load ``(model, tokenizer, source)``: float32, eval, ``attn_implementation="fa3n_capture"``,
     on ``device`` (``capture`` uses the CPU; a study may put the model on a GPU).
@@ -242,21 +366,18 @@ def load_model(model: str | ModelSource, log: Callable[[str], None] | None = Non
     if key in _MODEL_CACHE:
         _MODEL_CACHE[key] = _MODEL_CACHE.pop(key)  # most recently used last
         return (*_MODEL_CACHE[key], src)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     register_attention()
     extra = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     t0 = time.perf_counter()
     try:
-        tok = AutoTokenizer.from_pretrained(src.folder, local_files_only=True, **extra)
+        tok = load_tokenizer(src)
         m = AutoModelForCausalLM.from_pretrained(  # ``dtype=``: transformers >= 4.56
             src.folder, dtype=torch.float32, attn_implementation=ATTN_NAME,
-            local_files_only=True, **extra)
+            local_files_only=True, **({} if src.gguf_file else {"use_safetensors": True}), **extra)
     except (OSError, ValueError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"could not load model {src.label} with transformers ({first}); pass a "
-                         "causal LM whose attention uses transformers' AttentionInterface "
-                         "(e.g. Llama, Mistral, Qwen2)") from exc
+        raise _load_error(src, exc) from exc
     m = m.to(dtype=torch.float32, device=device).eval()
     if log:
         log(f"loaded {src.label} ({type(m).__name__}) in {time.perf_counter() - t0:.1f} s")
@@ -321,10 +442,13 @@ def parse_layers(spec: str | None, num_layers: int | None = None) -> list[int] |
             require(a.strip().isdigit() and b.strip().isdigit(), bad)
             lo, hi = int(a), int(b)
             require(lo <= hi, f"--layers range {part} runs backwards; write {hi}-{lo}")
-            out.update(range(lo, hi + 1))
+            new = set(range(lo, hi + 1))
         else:
             require(part.isdigit(), bad)
-            out.add(int(part))
+            new = {int(part)}
+        twice = sorted(out & new)
+        require(not twice, f"--layers {spec} lists layer {twice[0] if twice else ''} twice; give each layer once")
+        out |= new
     layers = sorted(out)
     if num_layers is not None:
         require(layers[-1] < num_layers,
@@ -459,26 +583,18 @@ def _rope_info(config) -> dict:
 
 
 def save_capture(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
-    """Write ``tensors`` and ``meta`` atomically: a temp file in the same folder, then os.replace."""
+    """Write ``tensors`` and ``meta`` whole or not at all (a temp file in the same folder, then a
+    rename). The temp files a killed capture of the same name left beside it are removed first."""
     from safetensors.torch import save_file
+
+    from ..engine.files import atomic_path, clean_dead_temps
 
     path = Path(path)
     tensors = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
     meta = {str(k): str(v) for k, v in meta.items()}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    clean_dead_temps(path)
+    with atomic_path(path, hold=True) as tmp:
         save_file(tensors, tmp, metadata=meta)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file ordinary permissions
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 @dataclass
@@ -540,9 +656,53 @@ def _not_capture(path) -> UsageError:
     return UsageError(f"{path} is not an fa3-numerics capture; make one with `fa3-numerics capture`")
 
 
+def _check_meta(path, meta: dict[str, str]) -> tuple[list[int], int, int, int, int]:
+    """The metadata a study reads, checked (a file edited by hand or written by another tool
+    must not audit as non-causal for ``causal="maybe"`` or give NaN outputs for a NaN scale):
+    (layers, heads, kv_heads, head_dim, tokens)."""
+    def bad(what: str) -> UsageError:
+        return UsageError(f"{path} has malformed metadata: {what}; recapture it with `fa3-numerics capture`")
+
+    def count(key: str, least: int = 1) -> int:
+        text = meta[key].strip()
+        if not text.isdigit() or int(text) < least:
+            raise bad(f"{key}={meta[key][:40]!r} is not an integer >= {least}")
+        return int(text)
+
+    items = [x.strip() for x in meta["layers"].split(",")]
+    if not all(x.isdigit() for x in items):
+        raise bad(f"layers={meta['layers'][:40]!r} is not a comma list of layer indices")
+    layers = [int(x) for x in items]
+    num_layers = count("num_layers")
+    if len(set(layers)) != len(layers) or max(layers) >= num_layers:
+        raise bad(f"layers={meta['layers'][:40]!r} repeats a layer or lies outside num_layers={num_layers}")
+    heads, kv_heads, head_dim, tokens = (count(k) for k in ("heads", "kv_heads", "head_dim", "tokens"))
+    if heads % kv_heads:
+        raise bad(f"heads {heads} is not a multiple of kv_heads {kv_heads}")
+    if meta["causal"] not in ("true", "false"):
+        raise bad(f"causal={meta['causal'][:40]!r} is neither true nor false")
+    try:
+        scale = float(meta["softmax_scale"])
+    except ValueError:
+        scale = math.nan
+    if not (math.isfinite(scale) and scale > 0):
+        raise bad(f"softmax_scale={meta['softmax_scale'][:40]!r} is not a finite positive number")
+    try:
+        rope = json.loads(meta.get("rope") or "{}")
+    except ValueError:
+        rope = None
+    if not isinstance(rope, dict):
+        raise bad("rope is not a JSON object")
+    theta = rope.get("rope_theta", 1.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
+        raise bad(f"rope_theta={str(theta)[:40]!r} is not a finite positive number")
+    return layers, heads, kv_heads, head_dim, tokens
+
+
 def load_capture(path: str | os.PathLike) -> Capture:
     """Read and validate a capture file; UsageError (one line, naming the fix) when it is bad."""
     p = Path(path)
+    require(not p.is_dir(), f"capture file {path} is a folder; pass a .safetensors file from `fa3-numerics capture`")
     require(p.is_file(), f"capture file {path} not found; make one with "
             f"`fa3-numerics capture --out {path}`")
     require_capture_deps_for_loading()
@@ -566,17 +726,7 @@ def load_capture(path: str | os.PathLike) -> Capture:
     missing = [k for k in REQUIRED_META if k not in meta]
     require(not missing, f"{path} lacks metadata {', '.join(missing)}; recapture it with "
             "`fa3-numerics capture`")
-    try:
-        layers = [int(x) for x in meta["layers"].split(",") if x.strip() != ""]
-        heads, kv_heads = int(meta["heads"]), int(meta["kv_heads"])
-        head_dim, tokens = int(meta["head_dim"]), int(meta["tokens"])
-        float(meta["softmax_scale"])
-    except ValueError as exc:
-        raise UsageError(f"{path} has malformed metadata ({exc}); recapture it with "
-                         "`fa3-numerics capture`") from exc
-    require(len(layers) > 0, f"{path} lists no layers; recapture it with `fa3-numerics capture`")
-    require(heads > 0 and kv_heads > 0 and heads % kv_heads == 0,
-            f"{path}: heads {heads} is not a multiple of kv_heads {kv_heads}; recapture it")
+    layers, heads, kv_heads, head_dim, tokens = _check_meta(path, meta)
     expected = {f"layers.{i}.{w}" for i in layers for w in "qkv"}
     names = set(tensors)
     require(names == expected,
@@ -640,6 +790,8 @@ def capture(model: str = DEFAULT_MODEL, out: str | os.PathLike = "capture.safete
     src_text, text_source = read_text(text) if text is not None else default_text()
     src = resolve_model(model)
     require_capture_deps(gguf=src.gguf_file is not None)
+    if isinstance(layers, (str, type(None))):
+        preflight(src, layers, tokens, src_text, text_source)
 
     say(f"model {src.label}: loading (float32, CPU)")
     m, tok, src = load_model(src, log=say)
@@ -666,8 +818,8 @@ def capture(model: str = DEFAULT_MODEL, out: str | os.PathLike = "capture.safete
 
 
 def check_context(model, tokens: int) -> None:
-    """UsageError when ``tokens`` exceeds the model's context (``max_position_embeddings``)."""
-    max_pos = getattr(model.config, "max_position_embeddings", None)
+    """UsageError when ``tokens`` exceeds the context (``max_position_embeddings``) of a model or its config."""
+    max_pos = getattr(getattr(model, "config", model), "max_position_embeddings", None)
     if max_pos:
         require(tokens <= int(max_pos), f"--tokens {tokens} exceeds the model's context of "
                 f"{max_pos} positions; use --tokens {max_pos} or less")

@@ -1,6 +1,6 @@
 """Checks every study makes before it computes anything, each a one-line error naming the fix.
 
-Exposed: ``check_shape``, ``check_backend``, ``check_distinct``, ``check_memory``.
+Exposed: ``check_shape``, ``check_rows``, ``check_backend``, ``check_distinct``, ``check_memory``.
 """
 
 from __future__ import annotations
@@ -45,17 +45,25 @@ def check_distinct(name: str, values: list) -> None:
         seen.append(v)
 
 
+def check_rows(rows, option: str = "--rows") -> None:
+    """Query rows per head: a non-negative integer (0 = every row). A negative count would
+    index rows from the end and give shares of a negative total."""
+    require(isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0,
+            f"{option} must be >= 0 (0 = every query row), got {rows}")
+
+
 def check_shape(seqlen, head_dim, batch, heads, kv_heads, rows, seeds, device) -> None:
     """Refuse shapes and seeds no study can run, with the option to fix in the message."""
     require(len(seqlen) > 0, "--seqlen got an empty list; give at least one value")
     for d in head_dim:
         check_head_dim(d)
     for n in seqlen:
-        require(isinstance(n, int) and 1 <= n <= _SEQLEN_MAX, f"--seqlen must lie in [1, {_SEQLEN_MAX}], got {n}")
+        shown = str(n) if len(str(n)) <= 20 else f"{str(n)[:8]}... ({len(str(n))} digits)"
+        require(isinstance(n, int) and 1 <= n <= _SEQLEN_MAX, f"--seqlen must lie in [1, {_SEQLEN_MAX}], got {shown}")
     require(batch >= 1 and heads >= 1, "--batch and --heads must be >= 1")
-    require(kv_heads >= 0 and (kv_heads == 0 or heads % kv_heads == 0),
-            f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
-    require(rows >= 0, "--rows must be >= 0 (0 = every query row)")
+    require(kv_heads >= 0, f"--kv-heads must be >= 0 (0 = as many as --heads), got {kv_heads}")
+    require(kv_heads == 0 or heads % kv_heads == 0, f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
+    check_rows(rows)
     require(len(seeds) > 0, "--seeds got an empty list; give at least one value")
     for s in seeds:
         check_seed(s)
@@ -77,4 +85,4 @@ def check_backend(name: str, device: str, recipes: list[tuple[str, Recipe]]) -> 
         require(why is None, f"variant {label!r} cannot run on backend {name!r}: {why}")
 
 
-__all__ = ["check_shape", "check_backend", "check_distinct", "check_memory"]
+__all__ = ["check_shape", "check_rows", "check_backend", "check_distinct", "check_memory"]

@@ -9,6 +9,8 @@ labels itself "RMSE against the float64 reference [output units]"):
   registry (units as registered: "output units", "dB", "count"; dimensionless ones "1"),
   distribution parameters from the distribution registry, ablation factors from the factor
   registry, the rest from ``_META`` below;
+- ``nan_reason`` on a metric that can be undefined on finite data (the metric's ``undefined``:
+  "NaN where O_ref is all zeros ..."), so that a NaN read back says why it is there;
 - ``Conventions``, ``title``, ``history``, ``source`` and ``references`` attributes;
 - lists stored as arrays, not JSON strings (``seeds``, ``factors``, ``tiles_fp8``);
 - an index coordinate on every dimension (``abs_bin``: the lower edge of each |x| bin);
@@ -209,6 +211,13 @@ def _counts(ds: xr.Dataset, name: str) -> None:
         da.encoding = enc | {"dtype": "int32", "_FillValue": np.int32(-1)}
 
 
+def _undefined(name: str) -> str:
+    from ..numerics.metrics import metrics
+
+    m = metrics().get(name)
+    return m.undefined if m is not None else ""
+
+
 def apply_conventions(ds: xr.Dataset) -> xr.Dataset:
     """``ds`` with the conventions of the module docstring (a new Dataset; data shared)."""
     ds = ds.copy()
@@ -224,6 +233,9 @@ def apply_conventions(ds: xr.Dataset) -> xr.Dataset:
         if units == "count" and name in ds.data_vars:
             _counts(ds, name)
         _set(ds[name].attrs, long, units)
+        why = _undefined(str(name)) if name in ds.data_vars else ""
+        if why:
+            ds[name].attrs.setdefault("nan_reason", why)
     a = ds.attrs
     for key in LIST_ATTRS:
         if key in a:

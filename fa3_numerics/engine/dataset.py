@@ -72,6 +72,10 @@ def open_netcdf(path: str | Path, hint: str) -> xr.Dataset:
     """Load the netCDF file ``path`` whole; a one-line ``UsageError`` ending in ``hint`` (what to
     give instead) when it is missing or not netCDF. Every reader of the project's datasets starts here."""
     path = Path(path)
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.nc"))
+        inside = f", e.g. {path / found[0]}" if found else ""
+        raise UsageError(f"{path} is a folder; pass a dataset file inside it{inside}")
     if not path.is_file():
         raise UsageError(f"no such file: {path}; {hint}")
     try:

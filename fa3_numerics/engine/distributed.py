@@ -64,6 +64,29 @@ def check_scheduler(address: str | None) -> None:
                          "(e.g. tcp://10.0.0.5:8786)")
 
 
+# Where a LocalCluster listens: this machine only. dask's ":0" binds every interface, which would
+# put the dashboard (and its task graph, worker logs, profiles) on the network. A user who wants
+# it elsewhere says so: FA3N_DASHBOARD=0.0.0.0:8787.
+LOOPBACK = "127.0.0.1"
+
+
+def dashboard_address() -> str:
+    """The dashboard's address: FA3N_DASHBOARD, else a free port on the loopback interface
+    (a free port so that two runs never collide)."""
+    return os.environ.get("FA3N_DASHBOARD", "").strip() or f"{LOOPBACK}:0"
+
+
+def local_cluster(workers: int):
+    """A LocalCluster of ``workers`` single-threaded worker processes, scheduler, workers and
+    dashboard listening on the loopback interface (the dashboard where FA3N_DASHBOARD says)."""
+    from dask.distributed import LocalCluster
+
+    # Without bokeh the scheduler still serves a few HTTP routes at this address: keep it local too.
+    return LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host=LOOPBACK,
+                        dashboard_address=dashboard_address(), worker_dashboard_address=None,
+                        silence_logs=logging.ERROR)
+
+
 def _has_bokeh() -> bool:
     import importlib.util
 
@@ -89,7 +112,7 @@ def run_dask(todo: list, compute: Callable, *, cache_dir: Path | None, workers: 
     """Compute ``todo`` ([(index, task)]) with ``compute(task, cache_dir, threads)`` on dask;
     call ``finish(index, task, result)`` on the driver as each task completes."""
     try:
-        from distributed import Client, LocalCluster, as_completed
+        from distributed import Client, as_completed
     except ImportError:
         raise UsageError("parallel runs need dask.distributed: pip install 'dask[distributed]' "
                          "(or run with --workers 0)") from None
@@ -116,10 +139,7 @@ def run_dask(todo: list, compute: Callable, *, cache_dir: Path | None, workers: 
         # time against 2.5 s of user time per task). Workers get the thread caps only.
         with dask.config.set({"distributed.nanny.pre-spawn-environ": {
                 "OMP_NUM_THREADS": 1, "MKL_NUM_THREADS": 1, "OPENBLAS_NUM_THREADS": 1}}):
-            # The dashboard needs bokeh; on a free port (":0") so that two runs never collide.
-            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                                   dashboard_address=":0" if _has_bokeh() else None,
-                                   worker_dashboard_address=None, silence_logs=logging.ERROR)
+            cluster = local_cluster(workers)
         client = Client(cluster)
         threads = 1
         progress(f"dask: LocalCluster with {workers} single-threaded worker process(es); "

@@ -8,6 +8,11 @@ computed (``scan``), prints one warning per (variant, cell, seed) naming the cou
 (``warn``), flags it in its summary and report, and ends with exit code 3 after writing its
 files (``enforce``), unless the user passed ``--allow-nonfinite``. Cells a study never ran are
 NaN in ``nonfinite`` and are not findings.
+
+A finite output can still give a NaN metric: one undefined on the data (the cosine of an
+all-zero output, an error relative to an all-zero reference; the metric registry's
+``undefined``). Every NaN of a stored metric in a sample that ran and is finite is a finding
+too, with the metric, where, how many samples and why, and ends the command with exit 3 the same way.
 """
 
 from __future__ import annotations
@@ -25,13 +30,19 @@ from ..errors import NonFiniteError
 class Finding:
     variant: str
     where: dict  # the cell: dim -> value (seed included when the data has seeds)
-    count: int  # non-finite positions
+    count: int  # non-finite positions (for an undefined metric: its NaN samples)
     samples: int  # samples holding at least one
     of: int  # samples in the cell
+    metric: str = ""  # set for a metric that is NaN on finite outputs
+    reason: str = ""  # why that metric is NaN there
 
     def line(self) -> str:
         cell = ", ".join(f"{k}={_fmt(v)}" for k, v in self.where.items() if k != "seed") or "single cell"
         seed = f", seed {_fmt(self.where['seed'])}" if "seed" in self.where else ""
+        if self.metric:
+            why = f" ({self.reason})" if self.reason else ""
+            return (f"undefined metric: variant {self.variant!r}, {cell}{seed}: {self.metric} is NaN in "
+                    f"{self.samples} of {self.of} samples with finite outputs{why}")
         return (f"non-finite results: variant {self.variant!r}, {cell}{seed}: {self.count} non-finite value(s) in "
                 f"{self.samples} of {self.of} samples")
 
@@ -62,8 +73,9 @@ def scan_counts(counts: xr.DataArray, sample_dims, *, variant_dim: str = "varian
 
 
 def scan(ds: xr.Dataset, sample_dims=("batch", "head")) -> list[Finding]:
-    """Findings of a results dataset (run, ablation, audit): its ``nonfinite`` counts, and any
-    NaN error metric of a sample that ran (a NaN ``rmse`` with no count is reported too)."""
+    """Findings of a results dataset (run, ablation, audit): its ``nonfinite`` counts (a NaN
+    ``rmse`` of a sample that ran with no count counts once), then every other stored metric
+    that is NaN in a sample that ran with finite outputs (``Finding.metric`` set)."""
     if "nonfinite" not in ds:
         return []
     counts = ds["nonfinite"]
@@ -78,7 +90,26 @@ def scan(ds: xr.Dataset, sample_dims=("batch", "head")) -> list[Finding]:
         seeds = attr_list(ds, "seeds")
         if len(seeds) == 1:
             fixed["seed"] = seeds[0]
-    return scan_counts(counts, sample_dims, fixed=fixed)
+    found = scan_counts(counts, sample_dims, fixed=fixed)
+    finite = counts.notnull() & (counts == 0)
+    for name, why in _stored_metrics(ds):
+        nan = ds[name].isnull() & finite
+        if not bool(nan.any()):
+            continue
+        # Counted like non-finite positions: 1 per NaN sample, the rest of the samples that ran 0.
+        undefined = xr.where(nan, 1.0, xr.where(counts.notnull(), 0.0, np.nan))
+        found += [dataclasses.replace(f, metric=name, reason=why)
+                  for f in scan_counts(undefined, sample_dims, fixed=fixed)]
+    return found
+
+
+def _stored_metrics(ds: xr.Dataset) -> list[tuple[str, str]]:
+    """(name, why it can be NaN) of every registered metric the dataset stores, but ``nonfinite``
+    and ``rmse`` (scanned with the counts)."""
+    from ..numerics.metrics import metrics
+
+    return [(n, str(ds[n].attrs.get("nan_reason", m.undefined))) for n, m in metrics().items()
+            if n in ds.data_vars and n not in ("nonfinite", "rmse")]
 
 
 def warn(findings: list, echo: Callable[[str], None]) -> None:
@@ -90,7 +121,11 @@ def warn(findings: list, echo: Callable[[str], None]) -> None:
 def summary_line(findings: list) -> str:
     variants = sorted({f.variant for f in findings if isinstance(f, Finding)})
     which = f" of {len(variants)} variant(s) ({', '.join(variants)})" if variants else ""
-    return f"{len(findings)} result(s){which} hold non-finite values (NaN or Inf outputs or reference)"
+    undefined = sum(1 for f in findings if isinstance(f, Finding) and f.metric)
+    what = "non-finite values (NaN or Inf outputs or reference)" if undefined < len(findings) else ""
+    if undefined:
+        what += (" or " if what else "") + f"NaN metrics ({undefined} undefined on the data)"
+    return f"{len(findings)} result(s){which} hold {what}"
 
 
 def enforce(findings: list, allow: bool) -> None:

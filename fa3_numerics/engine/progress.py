@@ -358,17 +358,18 @@ def _left(sec: float | None) -> str:
 
 
 def _interval() -> float:
-    try:
-        return float(os.environ.get("FA3N_PROGRESS_INTERVAL", DEFAULT_INTERVAL))
-    except ValueError:
-        return DEFAULT_INTERVAL
+    from ..env import env_number
+
+    return env_number("FA3N_PROGRESS_INTERVAL", DEFAULT_INTERVAL)
 
 
 def make_progress(stream: TextIO | None = None, mode: str | None = None) -> Progress:
     """The display for ``stream`` (stderr): live on a terminal, plain lines otherwise.
     ``mode`` (or ``FA3N_PROGRESS``): ``live``, ``plain``, ``off`` (messages only) or ``auto``."""
     stream = stream or sys.stderr
-    mode = (mode or os.environ.get("FA3N_PROGRESS", "auto")).lower()
+    from ..env import env_choice
+
+    mode = (mode or env_choice("FA3N_PROGRESS", "auto", ("auto", "live", "plain", "off"))).lower()
     echo = lambda m: print(m, file=stream, flush=True)  # noqa: E731
     if mode == "off":
         return Progress(echo)

@@ -42,7 +42,7 @@ from ..numerics.recipe import Recipe
 from . import cache as _cache
 from .heap import release_free_memory
 from .backends import get_backend
-from .inputs import CaptureInputs, DistInputs, TensorInputs, check_inputs, default_scale, input_histogram
+from .inputs import HIST_EDGES, CaptureInputs, DistInputs, TensorInputs, check_inputs, default_scale, input_histogram
 from .progress import PhaseClock, Progress, as_progress, short_name
 from .sampling import deterministic_matmuls, query_rows
 
@@ -110,6 +110,25 @@ class RunResult:
 
 def _names(job: Job) -> list[str]:
     return list(METRICS) + (list(compare_outputs.NAMES) if job.against is not None else [])
+
+
+def _sample_shape(task: Task) -> tuple[int, int] | None:
+    """(batch, heads) of every per-sample array of ``task`` where the task says it without drawing."""
+    inp = task.inputs
+    if isinstance(inp, DistInputs):
+        return (inp.batch, inp.heads)
+    if isinstance(inp, TensorInputs):
+        return tuple(inp.q.shape[:2])
+    return None
+
+
+def _fits(arrays: dict[str, np.ndarray], shape: tuple | None) -> bool:
+    """Whether a cache file's arrays are what this code writes: real floats, one shape (``shape``
+    where known). A file of another layout (edited, or by other code under the same key) is
+    recomputed, never read as results."""
+    shapes = {a.shape for a in arrays.values()}
+    return (all(a.dtype.kind == "f" for a in arrays.values()) and len(shapes) == 1
+            and (shape is None or shapes == {tuple(shape)}) and len(next(iter(shapes))) == 2)
 
 
 def _probe(path: str) -> Callable:
@@ -263,6 +282,9 @@ def run_tasks(tasks: list[Task], *, cache_dir: Path | None = None, workers: int 
         missing = []
         for job in task.jobs:
             got = _cache.load(cache_dir / f"{job.key}.npz", _names(job), warn) if cache_dir and job.key else None
+            if got is not None and not _fits(got, _sample_shape(task)):
+                warn(f"cached result {job.key}.npz holds arrays of the wrong shape or dtype; recomputing it")
+                got = None
             if got is None:
                 missing.append(job)
             else:
@@ -276,13 +298,17 @@ def run_tasks(tasks: list[Task], *, cache_dir: Path | None = None, workers: int 
         h = None
         if task.hist_key and cache_dir is not None:
             h = _cache.load(cache_dir / f"{task.hist_key}.npz", ["hist"], warn)
+            if h is not None and not _fits(h, (3, len(HIST_EDGES))):
+                warn(f"cached result {task.hist_key}.npz holds arrays of the wrong shape or dtype; recomputing it")
+                h = None
             if h is not None:
                 hists[ti] = h["hist"]
         hist_missing = task.hist_key is not None and h is None
         if missing or hist_missing or task.probe:
             # A missing histogram alone recomputes one job to regenerate the inputs; a cached
-            # histogram is not rewritten (hist_key "" tells the task not to save it).
-            todo.append((ti, dataclasses.replace(task, jobs=missing or task.jobs[:1],
+            # histogram is not rewritten (hist_key "" tells the task not to save it). A probe
+            # alone (every job cached) runs no job: it draws the inputs itself.
+            todo.append((ti, dataclasses.replace(task, jobs=missing or ([] if task.probe else task.jobs[:1]),
                                                  hist_key=(task.hist_key if hist_missing else
                                                            (None if task.hist_key is None else "")))))
     total = len(tasks)

@@ -72,7 +72,7 @@ _STD_CHUNK_ELEMS = 1 << 22
 # scale's amax pass and its P V pass (see _standard); FA3N_P_KEEP_MB overrides. On a GPU the
 # cap is a quarter of the device's free memory instead (4.3 GB are needed at the paper's shape
 # with every query row).
-_P_KEEP_BYTES = int(float(os.environ.get("FA3N_P_KEEP_MB", "128")) * 2 ** 20)
+_P_KEEP_BYTES: int | None = None  # None: FA3N_P_KEEP_MB (default 128), read when first needed
 # On a GPU a chunk of S is as large as this many elements (512 MB of float32): the CPU's
 # cache-sized chunks would make the paper's Table 3 with every row thousands of small launches.
 _STD_CHUNK_ELEMS_GPU = 1 << 27
@@ -83,10 +83,13 @@ def _std_chunk_elems(dev: torch.device) -> int:
 
 
 def _p_keep_bytes(dev: torch.device) -> int:
-    if dev.type != "cuda" or "FA3N_P_KEEP_MB" in os.environ or _P_KEEP_BYTES <= 0:
-        return _P_KEEP_BYTES
+    from ..env import env_number
+
+    keep = _P_KEEP_BYTES if _P_KEEP_BYTES is not None else int(env_number("FA3N_P_KEEP_MB", 128.0) * 2 ** 20)
+    if dev.type != "cuda" or os.environ.get("FA3N_P_KEEP_MB", "").strip() or keep <= 0:
+        return keep
     free, _ = torch.cuda.mem_get_info(dev)
-    return max(_P_KEEP_BYTES, free // 4)
+    return max(keep, free // 4)
 
 # -- progress hook (issue 14; read by fa3_numerics.engine.progress) ---------------------------
 # A caller that shows progress within one emulation sets PROGRESS to f(done, total, unit); it is
@@ -236,7 +239,9 @@ def _trim(cache: dict, keep) -> None:
     """Evict least recently used prepared tensors past the byte budget (``FA3N_PREP_CACHE_MB``,
     default 128): a sweep of many recipes on paper-shape inputs would otherwise keep every
     rotation and quantization alive (4.4 GB for the seven Table 3 rows)."""
-    budget = int(os.environ.get("FA3N_PREP_CACHE_MB", "128")) << 20
+    from ..env import env_number
+
+    budget = env_number("FA3N_PREP_CACHE_MB", 128, integer=True) << 20
     total = sum(_nbytes(v) for v in cache.values())
     for key in list(cache):
         if total <= budget:

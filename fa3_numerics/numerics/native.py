@@ -89,6 +89,8 @@ def build() -> Path:
     lib = _cache_dir() / f"fa3n-native-{key}.so"
     if lib.is_file():
         return lib
+    if lib.parent.exists() and not lib.parent.is_dir():
+        raise RuntimeError(f"the build folder {lib.parent} (FA3N_CACHE) is a file")
     lib.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".fa3n-native.", suffix=".so", dir=lib.parent)
     os.close(fd)
@@ -114,8 +116,10 @@ def _lib():
         lib = ctypes.CDLL(str(build()))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         _STATE["why"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        fix = ("Install gcc to get them." if "compiler" in _STATE["why"] or "failed" in _STATE["why"] else
+               "Point FA3N_CACHE at a writable folder to get them.")
         warnings.warn(f"fa3-numerics: compiled fast paths unavailable ({_STATE['why']}); using the PyTorch "
-                      f"reference (same numbers, slower). Install gcc to get them.", RuntimeWarning, stacklevel=3)
+                      f"reference (same numbers, slower). {fix}", RuntimeWarning, stacklevel=3)
         return None
     i64, i32, p, f32, f64 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_double
     lib.fa3n_mma_fp22_f32.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, p, i32, i32, i32, i32]

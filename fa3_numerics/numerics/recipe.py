@@ -342,14 +342,19 @@ def parse_recipes(text: str) -> list[tuple[str, Recipe]]:
     separated by semicolons.
     """
     items: list[str] = []
-    for chunk in text.split(";"):
-        chunk = chunk.strip()
+    chunks = [c.strip() for c in text.split(";")]
+    if any(chunks) and not all(chunks):
+        raise UsageError(f"variants {text!r} hold an empty spec between ';'; remove the extra ';'")
+    for chunk in chunks:
         if not chunk:
             continue
         if "=" in chunk:
             items.append(chunk)
         else:
-            items.extend(c.strip() for c in chunk.split(",") if c.strip())
+            names = [c.strip() for c in chunk.split(",")]
+            if not all(names):
+                raise UsageError(f"variants {chunk!r} hold an empty name between ','; remove the extra ','")
+            items.extend(names)
     if not items:
         raise UsageError("no variants given; name presets (see `fa3-numerics variants`) or key=value specs")
     out = []
@@ -359,4 +364,11 @@ def parse_recipes(text: str) -> list[tuple[str, Recipe]]:
     labels = [l for l, _ in out]
     if len(set(labels)) != len(labels):
         raise UsageError(f"variants repeat: {', '.join(labels)}")
+    # Two labels for one recipe would compute it twice and show one result as two.
+    seen: dict[str, str] = {}
+    for label, r in out:
+        spec = r.spec()
+        if spec in seen:
+            raise UsageError(f"variants {seen[spec]!r} and {label!r} are the same recipe ({spec}); keep one")
+        seen[spec] = label
     return out

@@ -28,7 +28,7 @@ from pathlib import Path
 import xarray as xr
 
 from ..errors import UsageError
-from .document import FORMATS, Document, Section, write_document
+from .document import FORMATS, Document, Section, md_text, write_document
 from .figures import figure_plan, make_figures
 
 
@@ -40,12 +40,20 @@ def _check_formats(formats) -> tuple[str, ...]:
     return formats
 
 
+def _require_results(ds: xr.Dataset, dim: str) -> None:
+    """A dataset with no variants (no cases) has nothing to draw or tabulate."""
+    if ds.sizes.get(dim, 0) == 0:
+        raise UsageError(f"the dataset holds no {dim}s: there is nothing to report; pass one from a run that "
+                         f"computed at least one")
+
+
 def document_of(ds: xr.Dataset, metric: str = "rmse") -> tuple[Document, dict]:
     """The report of ``ds`` as a Document, and how ``write_document`` lays it out
     (stem, figure folder, extra files)."""
     from ..engine.dataset import dataset_kind
 
     kind = dataset_kind(ds)
+    _require_results(ds, "case" if kind == "validation" else "variant")
     if kind == "ablation":
         from .ablation import ablation_document
 
@@ -68,6 +76,7 @@ def run_document(ds: xr.Dataset, metric: str = "rmse") -> Document:
 
     if metric not in ds:
         raise UsageError(f"the dataset has no metric {metric!r}")
+    _require_results(ds, "variant")
     rows = summary_table(ds, metric)
     return build_document(ds, make_figures(ds, rows, metric), rows, metric)
 
@@ -92,10 +101,10 @@ def render_combined(datasets: list[tuple[str, xr.Dataset]], out_dir: str | Path,
     import dataclasses
 
     formats = _check_formats(formats)
-    combined = Document(title or "Reports of " + ", ".join(name for name, _ in datasets))
+    combined = Document(md_text(title) if title else "Reports of " + ", ".join(md_text(name) for name, _ in datasets))
     for i, (name, ds) in enumerate(datasets, start=1):
         doc, _ = document_of(ds)
-        part = Section(f"{name}: {doc.title}", list(doc.lead))
+        part = Section(f"{md_text(name)}: {doc.title}", list(doc.lead))
         combined.sections.append(part)
         for s in doc.sections:
             blocks = [dataclasses.replace(b, figure=dataclasses.replace(b.figure, name=f"p{i}_{b.figure.name}"))

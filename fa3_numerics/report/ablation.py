@@ -22,7 +22,7 @@ from ..engine.conventions import attr_list
 from ..studies.effects import (Frame, base_shape, block_quant_effect, cell_frame, growth, interaction_means,
                                interactions, main_effects, named_variants, paper_finding, per_data_effects,
                                seqlen_table)
-from .document import Bullets, Document, Fig, Para, Section, Table
+from .document import Bullets, Document, Fig, Para, Section, Table, md_code, md_text
 
 # -- summary --------------------------------------------------------------------------------
 
@@ -55,7 +55,7 @@ def summary_lines(ds: xr.Dataset, fr: Frame, me, per_data, blk, att) -> list[str
         if len(gains) > 1 and gains[-1] > gains[0]:
             per_s += (f". Rotation's gain grows with seqlen (x{gains[0]:.2f} to x{gains[-1]:.2f}), towards the "
                       f"paper's x2.64 at its (inferred) seqlen 8192")
-        what = (f"- **Paper finding {'reproduced' if ok else 'not reproduced'}** on `{d}` (FA3 paper data, "
+        what = (f"- **Paper finding {'reproduced' if ok else 'not reproduced'}** on {md_code(d)} (FA3 paper data, "
                 f"{sc} scales{' as in the paper' if sc == 'pow2' else ''})" if first else
                 f"- The same contrasts with {sc} scales (paper finding {'holds' if ok else 'does not hold'})")
         lines.append(
@@ -73,11 +73,11 @@ def summary_lines(ds: xr.Dataset, fr: Frame, me, per_data, blk, att) -> list[str
             where = (f"largest {_pct((w['ratio'], w['lo'], w['hi']))} at seqlen {w['seqlen']}, rot={w['rot']}, "
                      f"p={w['p']}, scale={w.get('scale', 'amax')}")
             if beyond(sub).any():
-                clear.append(f"`{d}` ({int(beyond(sub).sum())} of {len(sub)} settings; {where})")
+                clear.append(f"{md_code(d)} ({int(beyond(sub).sum())} of {len(sub)} settings; {where})")
             elif point(sub).any():
-                maybe.append(f"`{d}` ({int(point(sub).sum())} of {len(sub)}; {where})")
+                maybe.append(f"{md_code(d)} ({int(point(sub).sum())} of {len(sub)}; {where})")
             else:
-                calm.append(f"`{d}` (ratios within [{sub['ratio'].min():.2f}, {sub['ratio'].max():.2f}])")
+                calm.append(f"{md_code(d)} (ratios within [{sub['ratio'].min():.2f}, {sub['ratio'].max():.2f}])")
         head = ("- **Block quantization** (kernel tiles vs one scale per tensor; every data x seqlen x rotation x "
                 "P handling x scale rounding in the grid) changes the RMSE by more than 10%, with the whole 95% interval "
                 "beyond +-10%, ")
@@ -93,7 +93,7 @@ def summary_lines(ds: xr.Dataset, fr: Frame, me, per_data, blk, att) -> list[str
         if len(h):
             w = h.iloc[(h["ratio"] - 1).abs().argmax()]
             lines.append(f"- Against per-head scales (what the public kernel takes), block scales change the RMSE by "
-                         f"at most {_pct((w['ratio'], w['lo'], w['hi']))} (`{w['data']}`, seqlen {w['seqlen']}, "
+                         f"at most {_pct((w['ratio'], w['lo'], w['hi']))} ({md_code(w['data'])}, seqlen {w['seqlen']}, "
                          f"rot={w['rot']}, p={w['p']}, scale={w.get('scale', 'amax')}).")
         if "scale" in b and b["scale"].nunique() > 1:
             keys = ["data", "seqlen", "rot", "p"]
@@ -111,7 +111,7 @@ def summary_lines(ds: xr.Dataset, fr: Frame, me, per_data, blk, att) -> list[str
                 continue
             top = sub.iloc[0]
             rest = ", ".join(f"{r.factor} x{r.size:.2f}" for r in sub.iloc[1:].itertuples())
-            parts.append(f"`{d}`: **{top['factor']}** x{top['size']:.2f} [{top['size_lo']:.2f}, {top['size_hi']:.2f}]"
+            parts.append(f"{md_code(d)}: **{top['factor']}** x{top['size']:.2f} [{top['size_lo']:.2f}, {top['size_hi']:.2f}]"
                          f" (then {rest})")
         lines.append("- **Which factor matters where** (max/min level RMSE ratio within each data): " + "; ".join(parts)
                      + ".")
@@ -121,7 +121,7 @@ def summary_lines(ds: xr.Dataset, fr: Frame, me, per_data, blk, att) -> list[str
             if len(sub):
                 lv = ", ".join(f"{r.level} {(r.ratio - 1) * 100:+.2f}% [{(r.lo - 1) * 100:+.2f}%, {(r.hi - 1) * 100:+.2f}%]"
                                for r in sub.itertuples())
-                lines.append(f"- Main effect of `{f}` (RMSE relative to the mean of its levels, over "
+                lines.append(f"- Main effect of {md_code(f)} (RMSE relative to the mean of its levels, over "
                              f"{int(sub['sets'].iloc[0])} matched sets): {lv}.")
     seq = sorted(int(s) for s in ds["seqlen"].values)
     if len(seq) > 1:
@@ -243,12 +243,12 @@ def ablation_document(ds: xr.Dataset, *, dataset_path=None, n_boot: int = 1000) 
                                         f"attribution_{_slug(str(d))}", short=f"Attribution: {d}"))
     figs = [f for f in figs if f is not None]
 
-    doc = Document(f"Ablation: {ds.attrs.get('description', '')}")
+    doc = Document(f"Ablation: {md_text(ds.attrs.get('description', ''))}")
     at = ds.attrs
-    doc.lead.append(Para(f"**Where it ran:** {at.get('device_name', '?')} (device `{at.get('device', '?')}`, backend "
-                         f"`{at.get('backend', '?')}`, {at.get('cpu_cores', '?')} cores, dask workers "
-                         f"{at.get('workers', '?')}); the sweep took {at.get('wall_seconds', '?')} s. **Command:** "
-                         f"`{at.get('command', '?')}`", "where"))
+    doc.lead.append(Para(f"**Where it ran:** {md_text(at.get('device_name', '?'))} (device {md_code(at.get('device', '?'))}, backend "
+                         f"{md_code(at.get('backend', '?'))}, {md_text(at.get('cpu_cores', '?'))} cores, dask workers "
+                         f"{md_text(at.get('workers', '?'))}); the sweep took {md_text(at.get('wall_seconds', '?'))} s. **Command:** "
+                         f"{md_code(at.get('command', '?'))}", "where"))
     nf = nonfinite_lines(ds, fr)
     if nf:
         doc.lead += [Para(nf[0], "warning"), Bullets(nf[1:], "warning")]
@@ -263,14 +263,14 @@ def ablation_document(ds: xr.Dataset, *, dataset_path=None, n_boot: int = 1000) 
     default = {f: reg[f].default if f in reg else "?" for f in fr.factors}
     n_full = int((ds["stage"] == "full").sum())
     doc.sections.append(Section("Design", [
-        Para(f"{n_full} recipes over data {', '.join(f'`{d}`' for d in ds['data'].values)}, seqlen "
+        Para(f"{n_full} recipes over data {', '.join(f'{md_code(d)}' for d in ds['data'].values)}, seqlen "
              f"{[int(s) for s in ds['seqlen'].values]}, head dim {[int(h) for h in ds['head_dim'].values]}, causal "
              f"{[bool(c) for c in ds['causal'].values]}; {int(ds.coords['heads'])} heads x batch "
              f"{int(ds.coords['batch_size'])} x seeds {attr_list(ds, 'seeds')} samples, "
-             f"{int(ds.coords['rows'])} query rows each. Recipes are `{'|'.join(fr.factors)}` over the base "
-             f"`{ds.attrs.get('base_recipe')}`; designs (full factorials, unlisted factors at "
+             f"{int(ds.coords['rows'])} query rows each. Recipes are {md_code('|'.join(fr.factors))} over the base "
+             f"{md_code(ds.attrs.get('base_recipe'))}; designs (full factorials, unlisted factors at "
              f"{'|'.join(default[f] for f in fr.factors)}):"),
-        Bullets([f"`{k}`: " + ", ".join(f"{f} {{{', '.join(v)}}}" for f, v in d["levels"].items() if len(v) > 1)
+        Bullets([f"{md_code(k)}: " + ", ".join(f"{f} {{{', '.join(v)}}}" for f, v in d["levels"].items() if len(v) > 1)
                  + (f"; data {d['data']}" if d.get("data") else "")
                  + "".join(f"; {k2} {d[k2]}" for k2 in ("seqlen", "head_dim", "causal") if d.get(k2))
                  for k, d in designs.items()]),
@@ -306,13 +306,13 @@ def ablation_document(ds: xr.Dataset, *, dataset_path=None, n_boot: int = 1000) 
     prov = provenance_items(ds)
     prov = [p.replace("distribution `several (see coords dist, data_params)`", "distributions: see Design")
             for p in prov]
-    prov.append(f"machine: {ds.attrs.get('cpu_cores', '?')} CPU cores, 1-minute load average "
-                f"{ds.attrs.get('loadavg_start', '?')} at the start of the sweep and {ds.attrs.get('loadavg_end', '?')} "
-                f"at its end (other processes share the cores); dask workers: {ds.attrs.get('workers')}; "
-                f"variant results reused from cache: {ds.attrs.get('cells_reused')}")
+    prov.append(f"machine: {md_text(ds.attrs.get('cpu_cores', '?'))} CPU cores, 1-minute load average "
+                f"{md_text(ds.attrs.get('loadavg_start', '?'))} at the start of the sweep and {md_text(ds.attrs.get('loadavg_end', '?'))} "
+                f"at its end (other processes share the cores); dask workers: {md_text(ds.attrs.get('workers'))}; "
+                f"variant results reused from cache: {md_text(ds.attrs.get('cells_reused'))}")
     if dataset_path:
-        prov.append(f"dataset: `{dataset_path}`")
-    prov.append("tables: " + ", ".join(f"`{name}`" for name, _ in extra))
+        prov.append(f"dataset: {md_code(dataset_path)}")
+    prov.append("tables: " + ", ".join(md_code(name) for name, _ in extra))
     doc.sections.append(Section("Provenance", [Bullets(prov)]))
     return doc, extra
 

@@ -20,7 +20,7 @@ from ..engine.conventions import attr_list
 from ..studies.audit import check_recommendations, rank, recommend
 from ..studies.audit_stats import STAT_DEFINITIONS
 from .audit_figures import channel_amax_figure, heatmap_errors, heatmap_stats, per_head
-from .document import Bullets, Document, Fig, Para, Section, Table
+from .document import Bullets, Document, Fig, Para, Section, Table, md_code, md_text
 from .format import column_format
 
 
@@ -58,7 +58,7 @@ def _variant_table(ds) -> Table:
     f_rmse = _err_fmt([s[2] for s in stats] + [s[7] for s in stats])
     f_rel = _err_fmt([x for s in stats for x in (s[4], s[5])])
     for lab, cost, prm, nf, mean, mx, worst, paper in stats:
-        rows.append([f"`{lab}`", str(cost), fmt_value(prm, *nf, fmt=f_rmse), f_rel(mean), f_rel(mx),
+        rows.append([md_code(lab), str(cost), fmt_value(prm, *nf, fmt=f_rmse), f_rel(mean), f_rel(mx),
                      f"({worst[0]}, {worst[1]})", f_rmse(paper) if np.isfinite(paper) else "-"])
     return Table(["variant", "cost", "RMSE (pooled over layers x heads)", "mean rel_l2", "max rel_l2",
                   "worst (layer, head)", "paper Table 3 RMSE"], rows, [False, True, True, True, True, False, True],
@@ -70,7 +70,7 @@ def _variant_table(ds) -> Table:
 def _ranking_table(ds, ranking: list[dict], metric: str) -> Table:
     labels = [str(v) for v in ds["variant"].values]
     fmt = _err_fmt([r["errors"][lab] for r in ranking for lab in labels])
-    head = (["rank", "layer", "head"] + [f"{metric} `{lab}`" for lab in labels] +
+    head = (["rank", "layer", "head"] + [f"{metric} {md_code(lab)}" for lab in labels] +
             ["Q hot ch (pair), hot/median", "K hot ch (pair), hot/median", "Q max/rms", "K max/rms", "V max/rms",
              "K mu max -> after H", "sink mass", "P~ underflow", "K block amax max/median"])
     body = []
@@ -94,12 +94,12 @@ def _recommendation_table(rec: dict) -> Table:
     body = []
     for row in rec["layers"]:
         pick = row["recommended"]
-        cols = [str(row["layer"]), f"`{pick}`" if pick else f"none (best: `{row['best']}`)"]
+        cols = [str(row["layer"]), md_code(pick) if pick else f"none (best: {md_code(row['best'])})"]
         for lab in order:
             v = fmt(row["values"][lab]) + (" ok" if row["meets"][lab] else " over")
             cols.append(f"**{v}**" if lab == pick else v)
         body.append(cols)
-    return Table(["layer", "recommended (cheapest meeting the budget)"] + [f"`{lab}`" for lab in order], body,
+    return Table(["layer", "recommended (cheapest meeting the budget)"] + [md_code(lab) for lab in order], body,
                  [True, False] + [True] * len(order), long=len(body) > 12, summary="The recommendation of every layer")
 
 
@@ -135,8 +135,8 @@ def _explain_table(ds, metric: str) -> Table:
     for name in EXPLAIN_STATS:
         if name in ds:
             x = per_head(ds, name).ravel()
-            body.append([f"`{name}`"] + [f"{_spearman(x, errs[lab]):+.2f}" for lab in labels])
-    return Table(["statistic"] + [f"`{lab}`" for lab in labels], body, [False] + [True] * len(labels))
+            body.append([md_code(name)] + [f"{_spearman(x, errs[lab]):+.2f}" for lab in labels])
+    return Table(["statistic"] + [md_code(lab) for lab in labels], body, [False] + [True] * len(labels))
 
 
 def _rope_pair_check(ds) -> str:
@@ -157,9 +157,9 @@ def _rope_pair_check(ds) -> str:
 def _findings(ds, ranking, rec, rank_by, rank_metric) -> list[str]:
     labels = [str(v) for v in ds["variant"].values]
     fmt = _err_fmt([r["score"] for r in ranking[:3]])
-    by = "the worst variant" if rank_by == "worst" else f"`{rank_by}`"
+    by = "the worst variant" if rank_by == "worst" else md_code(rank_by)
     top3 = ", ".join(f"layer {r['layer']} head {r['head']} ({rank_metric} {fmt(r['score'])}, worst "
-                     f"`{r['worst_variant']}`)" for r in ranking[:3])
+                     f"{md_code(r['worst_variant'])})" for r in ranking[:3])
     out = [f"Riskiest heads (ranked by {rank_metric} of {by}): {top3}.",
            f"Riskiest layers (worst head, worst variant, {rank_metric}): {_layer_summary(ds, rank_metric)}."]
     for a_, b_, what in (("fa3-fp8-no-incoherent", "fa3-fp8", "the Hadamard rotation (no-incoherent / fa3-fp8)"),
@@ -180,7 +180,7 @@ def _findings(ds, ranking, rec, rank_by, rank_metric) -> list[str]:
     rhos = sorted((r for r in rhos if np.isfinite(r[0])), reverse=True)
     if rhos:
         out.append(f"Statistics that track the error best (Spearman rho with {rank_metric}, mean over variants): "
-                   + ", ".join(f"`{n}` {r:+.2f}" for r, n in rhos[:3]) + ".")
+                   + ", ".join(f"{md_code(n)} {r:+.2f}" for r, n in rhos[:3]) + ".")
     if rec is not None:
         overall = rec["overall"]
         n_none = sum(1 for r in rec["layers"] if r["recommended"] is None)
@@ -189,9 +189,9 @@ def _findings(ds, ranking, rec, rank_by, rank_metric) -> list[str]:
             if r["recommended"]:
                 counts[r["recommended"]] = counts.get(r["recommended"], 0) + 1
         out.append(f"Budget {rec['metric']} <= {rec['budget']:g} (max over a layer's heads): "
-                   + ", ".join(f"`{k}` in {v} layers" for k, v in counts.items())
+                   + ", ".join(f"{md_code(k)} in {v} layers" for k, v in counts.items())
                    + (f", none of the variants in {n_none} layers" if n_none else "")
-                   + (f"; one recipe for the whole model: `{overall}`." if overall else
+                   + (f"; one recipe for the whole model: {md_code(overall)}." if overall else
                       "; no single audited recipe meets it in every layer."))
     return out
 
@@ -216,15 +216,15 @@ def audit_document(ds, *, top: int = 10, budget: float | None = None, budget_met
     bm, bn = (tiles + [0, 0])[:2]
     ranking = rank(ds, by=rank_by, metric=rank_metric, top=top)
     rec = recommend(ds, budget, metric=budget_metric) if budget is not None else None
-    by = "the worst variant" if rank_by == "worst" else f"`{rank_by}`"
-    doc = Document(f"FP8 attention audit: {meta.get('model', a.get('model', '?'))}")
+    by = "the worst variant" if rank_by == "worst" else md_code(rank_by)
+    doc = Document(f"FP8 attention audit: {md_text(meta.get('model', a.get('model', '?')))}")
     doc.lead.append(Para(
-        f"**Capture:** `{Path(a.get('capture_path', '?')).name}`, {meta.get('tokens', '?')} tokens of "
-        f"{meta.get('text_source', '?')}, {L} layers x {H} heads ({a.get('kv_heads')} KV heads), head dim "
-        f"{a.get('head_dim')}, causal {a.get('causal')}, softmax scale {a.get('softmax_scale')}. Every error is "
-        f"against float64 attention on the same post-RoPE Q, K, V; query rows: {a.get('rows_sampling')}. "
-        f"**Where it ran:** {a.get('device_name', '?')}, backend `{a.get('backend')}`; FP8 tiles {bm}x{bn} "
-        f"(kBlockM x kBlockN). **Command:** `{a.get('command', '?')}`", "where"))
+        f"**Capture:** {md_code(Path(a.get('capture_path', '?')).name)}, {md_text(meta.get('tokens', '?'))} tokens of "
+        f"{md_text(meta.get('text_source', '?'))}, {L} layers x {H} heads ({md_text(a.get('kv_heads'))} KV heads), head dim "
+        f"{md_text(a.get('head_dim'))}, causal {md_text(a.get('causal'))}, softmax scale {md_text(a.get('softmax_scale'))}. Every error is "
+        f"against float64 attention on the same post-RoPE Q, K, V; query rows: {md_text(a.get('rows_sampling'))}. "
+        f"**Where it ran:** {md_text(a.get('device_name', '?'))}, backend {md_code(a.get('backend'))}; FP8 tiles {bm}x{bn} "
+        f"(kBlockM x kBlockN). **Command:** {md_code(a.get('command', '?'))}", "where"))
     nf = nonfinite_lines(ds)
     if nf:
         doc.lead += [Para(nf[0], "warning"), Bullets(nf[1:], "warning")]
@@ -249,7 +249,7 @@ def audit_document(ds, *, top: int = 10, budget: float | None = None, budget_met
         problems = check_recommendations(ds, rec)
         doc.sections.append(Section("Recommendation per layer", [
             Para(f"Budget: {rec['metric']} <= {rec['budget']:g}, the max over the layer's {H} heads. Candidates "
-                 f"cheapest first: {', '.join(f'`{x}`' for x in rec['order'])}. The recommendation is read off the "
+                 f"cheapest first: {', '.join(f'{md_code(x)}' for x in rec['order'])}. The recommendation is read off the "
                  "measured table below (each cell: that variant's worst-head error in the layer), so it agrees with "
                  "the measured errors by construction; "
                  + ("checked: in every layer the recommended variant meets the budget and every cheaper one does not."
@@ -259,12 +259,12 @@ def audit_document(ds, *, top: int = 10, budget: float | None = None, budget_met
         Para("RoPE pairs: transformers' Llama `apply_rotary_pos_emb` uses `rotate_half` (x1 = x[:d/2], x2 = x[d/2:]), "
              "so channel c rotates with channel c + d/2 mod d; GGUF weights are un-permuted to this layout on load. "
              f"Measured on this capture: {_rope_pair_check(ds)}."),
-        Bullets([f"`{k}`: {v}" for k, v in STAT_DEFINITIONS.items()])]))
+        Bullets([f"{md_code(k)}: {v}" for k, v in STAT_DEFINITIONS.items()])]))
     doc.sections.append(Section("Provenance", [Bullets(provenance_items(ds) + [
-        f"capture sha256 `{a.get('capture_sha256', '?')}`; model file `{meta.get('model_file', '?')}` "
-        f"({meta.get('model_origin', '?')}), transformers {meta.get('transformers_version', '?')}"])]))
+        f"capture sha256 {md_code(a.get('capture_sha256', '?'))}; model file {md_code(meta.get('model_file', '?'))} "
+        f"({md_text(meta.get('model_origin', '?'))}), transformers {md_text(meta.get('transformers_version', '?'))}"])]))
     doc.sections.append(Section("Variants (full recipe specs)", [
-        Bullets([f"`{v}`: `{s}`" for v, s in zip(ds["variant"].values, ds["spec"].values)])]))
+        Bullets([f"{md_code(v)}: {md_code(s)}" for v, s in zip(ds["variant"].values, ds["spec"].values)])]))
     return doc
 
 

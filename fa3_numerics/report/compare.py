@@ -14,11 +14,16 @@ import math
 import xarray as xr
 
 from ..studies.compare import findings, sample_warnings
-from .document import Bullets, Document, Section, Table, render
+from .document import Bullets, Document, Section, Table, md_code, md_text, render
 from .format import column_format, fmt_interval, nonfinite_text, ratio_format
 
 
-def _table(res: dict) -> Table:
+def _plain(text) -> str:
+    return str(text)
+
+
+def _table(res: dict, code=_plain, text=_plain) -> Table:
+    """The ratios table; ``code`` / ``text`` wrap the names in it (``md_code`` / ``md_text`` for Markdown)."""
     m = res["metric"]
     rows = res["rows"]
     fa = column_format([x for r in rows for x in (r["a"], r["a_lo"], r["a_hi"])])
@@ -32,22 +37,22 @@ def _table(res: dict) -> Table:
         side = {s: (nonfinite_text(r[f"nonfinite_{s}"], r[f"n_{s}"]) if r[f"nonfinite_{s}"] else f(r[s]))
                 for s, f in (("a", fa), ("b", fb))}
         ratio_ci = "-" if not math.isfinite(r["ratio_lo"]) else f"[{fr(r['ratio_lo'])}, {fr(r['ratio_hi'])}]"
-        body.append([str(r[d]) for d in res["dims"]] + [
-            r["variant"] + ("" if r["same_spec"] else " (*)"), side["a"], fmt_interval(r["a_lo"], r["a_hi"], fa),
+        body.append([text(r[d]) for d in res["dims"]] + [
+            code(r["variant"]) + ("" if r["same_spec"] else " (*)"), side["a"], fmt_interval(r["a_lo"], r["a_hi"], fa),
             side["b"], fmt_interval(r["b_lo"], r["b_hi"], fb), fr(r["ratio"]), ratio_ci, cov])
     numeric = [False] * len(res["dims"]) + [False, True, True, True, True, True, True, False]
     return Table(head, body, numeric)
 
 
-def _side(label: str, path: str, ds: xr.Dataset, code: str = "") -> str:
+def _side(label: str, path: str, ds: xr.Dataset, code=_plain, text=_plain) -> str:
     from ..engine.conventions import attr_list
 
     at = ds.attrs
     backend = at.get("backend") or (", ".join(dict.fromkeys(str(b) for b in ds["backend"].values))
                                     if "backend" in ds.coords else "?")
-    return (f"{label}: {code}{path}{code} — {at.get('device_name', '?')} ({at.get('device', '?')}), backend "
-            f"{backend}, seeds {attr_list(ds, 'seeds') or '?'}, commit "
-            f"{str(at.get('git_commit', '?'))[:12]}; command: {code}{at.get('command', '?')}{code}")
+    return (f"{label}: {code(path)} — {text(at.get('device_name', '?'))} ({text(at.get('device', '?'))}), backend "
+            f"{text(backend)}, seeds {attr_list(ds, 'seeds') or '?'}, commit "
+            f"{text(str(at.get('git_commit', '?'))[:12])}; command: {code(at.get('command', '?'))}")
 
 
 def warnings(res: dict) -> list[str]:
@@ -66,7 +71,7 @@ def warnings(res: dict) -> list[str]:
     return out
 
 
-def _notes(res: dict) -> list[str]:
+def _notes(res: dict, code=_plain) -> list[str]:
     rows = res["rows"]
     n_cov = sum(1 for r in rows if r["covers_1"])
     n_def = sum(1 for r in rows if r["covers_1"] is not None)
@@ -74,9 +79,9 @@ def _notes(res: dict) -> list[str]:
            else "the two runs' samples resampled independently")
     notes = [f"{n_cov} of {n_def} ratio intervals (95% BCa bootstrap of B/A; {how}) cover 1."]
     if res["only_a"]:
-        notes.append("only in A (not compared): " + ", ".join(res["only_a"]) + ".")
+        notes.append("only in A (not compared): " + ", ".join(map(code, res["only_a"])) + ".")
     if res["only_b"]:
-        notes.append("only in B (not compared): " + ", ".join(res["only_b"]) + ".")
+        notes.append("only in B (not compared): " + ", ".join(map(code, res["only_b"])) + ".")
     return notes
 
 
@@ -98,9 +103,10 @@ def compare_document(res: dict, a: xr.Dataset, b: xr.Dataset, path_a: str, path_
     doc = Document(f"Comparison of {res['metric']}: B / A")
     warn = warnings(res)
     if warn:
-        doc.lead.append(Bullets(warn, "warning"))
-    doc.lead.append(Bullets([_side("A", path_a, a, "`"), _side("B", path_b, b, "`")], "where"))
-    doc.sections.append(Section("Ratios", [_table(res), Bullets(_notes(res), "note")]))
+        doc.lead.append(Bullets([md_text(w) for w in warn], "warning"))
+    doc.lead.append(Bullets([_side("A", path_a, a, md_code, md_text), _side("B", path_b, b, md_code, md_text)],
+                            "where"))
+    doc.sections.append(Section("Ratios", [_table(res, md_code, md_text), Bullets(_notes(res, md_code), "note")]))
     return doc
 
 

@@ -3,7 +3,14 @@ templates.
 
 Exposed: ``Document``, ``Section``, ``Para``, ``Bullets``, ``Table``, ``Fig``, ``Markdown``,
 ``Block`` (the older flat model, still accepted), ``from_blocks``, ``render``, ``write_document``,
-``md_inline``.
+``md_inline``, ``md_code``, ``md_text``.
+
+Every string a report interpolates that the user controls (variant names and specs, capture
+metadata, an ablation's description and design names, file names, the command line) goes
+through ``md_code`` (a code span nothing can break out of) or ``md_text`` (plain text with
+Markdown's punctuation escaped): Markdown renderers pass raw HTML through, so a backtick or a
+``<img onerror=...>`` in a name must never reach the Markdown as markup. The HTML twin is safe
+either way (markdown-it escapes raw HTML).
 
 A ``Document`` has a title, a lead (where it ran, warnings, headlines: what the first screen
 shows) and sections of blocks:
@@ -134,6 +141,37 @@ def _markdown_it():
     return MarkdownIt("commonmark", {"html": False}).enable("table")
 
 
+# CommonMark's backslash-escapable punctuation that can start markup inline ("|" is left to the
+# table writer, which escapes it in every cell).
+_MD_SPECIAL = set("\\`*_[]<>&!#~")
+
+
+def md_text(text) -> str:
+    """``text`` as plain Markdown text: markup characters backslash-escaped, newlines as spaces
+    (a newline could start a heading, a list or a table row)."""
+    flat = " ".join(str(text).splitlines())
+    out = []
+    for i, c in enumerate(flat):
+        # "_" inside a word (x86_64, rel_l2) never starts emphasis in CommonMark: left as it is
+        inner = c == "_" and flat[i - 1:i].isalnum() and flat[i + 1:i + 2].isalnum()
+        out.append("\\" + c if c in _MD_SPECIAL and not inner else c)
+    return "".join(out)
+
+
+def md_code(text) -> str:
+    """``text`` as one Markdown code span that holds it literally, whatever it holds: the fence is
+    one backtick longer than the longest run of backticks inside, padded with a space where the
+    text starts or ends with a backtick; newlines become spaces (a code span is one line here)."""
+    flat = " ".join(str(text).splitlines())
+    run = longest = 0
+    for c in flat:
+        run = run + 1 if c == "`" else 0
+        longest = max(longest, run)
+    fence = "`" * (longest + 1)
+    pad = " " if flat[:1] == "`" or flat[-1:] == "`" or (flat[:1] == " " and flat[-1:] == " ") else ""
+    return f"{fence}{pad}{flat}{pad}{fence}" if flat else "` `"
+
+
 def md_inline(text: str) -> str:
     """Inline Markdown (code, bold, emphasis) as HTML; any HTML in ``text`` is escaped."""
     return _markdown_it().renderInline(str(text))
@@ -168,7 +206,7 @@ def _env():
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
                              undefined=jinja2.StrictUndefined)
     env.filters.update(md_inline=lambda t: _markup(md_inline(t)), md_block=lambda t: _markup(md_block(t)),
-                       md_table=md_table, md_bullets=md_bullets, b64=lambda b: base64.b64encode(b).decode("ascii"))
+                       md_table=md_table, md_bullets=md_bullets, md_text=md_text, b64=lambda b: base64.b64encode(b).decode("ascii"))
     env.globals.update(kind=lambda b: type(b).__name__)
     return env
 
@@ -223,4 +261,4 @@ def write_document(doc: Document, out_dir: str | Path, *, stem: str = "report", 
 
 
 __all__ = ["Document", "Section", "Para", "Bullets", "Table", "Fig", "Markdown", "Block", "from_blocks", "render",
-           "write_document", "md_inline", "md_block", "FORMATS"]
+           "write_document", "md_inline", "md_block", "md_code", "md_text", "FORMATS"]

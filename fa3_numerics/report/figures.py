@@ -316,6 +316,7 @@ def _inputs_hist(ctx: _Ctx) -> Figure:
     notes = []
     thr_i = int(np.searchsorted(lo, 5.0))
     thr = lo[thr_i] if thr_i < len(lo) else float("inf")
+    drawn = False  # a positive count on the log axes (inputs all zero, or all huge, leave none)
     for j, name in enumerate(("Q", "K")):
         ax = axes[0, j]
         if name not in tensors:
@@ -331,11 +332,13 @@ def _inputs_hist(ctx: _Ctx) -> Figure:
             total = counts.sum()
             y = counts[1:-1].copy()
             y[y <= 0] = np.nan
+            drawn = drawn or bool(np.isfinite(y).any())
             label = f"{SYMBOL.get(hue_dim, hue_dim)}={_fmt_val(hv)}" if hue_dim else "sampled entries"
             ax.plot(centers, y, drawstyle="steps-mid", color=pal[k], linewidth=1.6, label=label)
             big = counts[thr_i:].sum() if thr_i < len(counts) else 0.0
-            notes.append(f"{name}{' at ' + label if hue_dim else ''}: {int(big)} of {int(total)} entries "
-                         f"({100 * big / total:.3g}%) have |x| ≥ {thr:.3g}")
+            share = f" ({100 * big / total:.3g}%)" if total > 0 else ""
+            notes.append(f"{name}{' at ' + label if hue_dim else ''}: {int(big)} of {int(total)} entries"
+                         f"{share} have |x| ≥ {thr:.3g}")
         if ds.attrs.get("dist") == "outliers" and total:
             cdf = np.array([math.erf(e / math.sqrt(2)) for e in edges])
             expect = total * np.diff(cdf)
@@ -344,10 +347,14 @@ def _inputs_hist(ctx: _Ctx) -> Figure:
                     label="N(0,1) bulk alone (expected)")
         ax.axvline(thr, color="grey", linestyle=":", linewidth=1)
         ax.set_xscale("log")
-        ax.set_yscale("log")
+        if drawn:
+            ax.set_yscale("log")
+        else:
+            ax.text(0.5, 0.5, "no entry lies in the bins drawn\n(every |x| below 1e-3 or beyond the last bin)",
+                    transform=ax.transAxes, ha="center", va="center", fontsize=10)
         ax.set_xlabel(f"|{name}| entry magnitude (N(0,1) units), log scale")
         if j == 0:
-            ax.set_ylabel("entries per bin (count), log scale")
+            ax.set_ylabel("entries per bin (count)" + (", log scale" if drawn else ""))
         ax.set_title(f"|{name}| entries")
         ax.legend(loc="lower left", fontsize=8)
     setting = ", ".join(x for x in (ctx.where(keep=(hue_dim,) if hue_dim else ()), ctx.fixed_text()) if x)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
-from .document import Block
+from .document import Block, md_code, md_text
 from .format import fmt_e
 from .plots import Figure
 # KL values are plotted on log axes; exact zeros (a pass identical to the reference) sit here.
@@ -258,13 +258,13 @@ def _prefill_table(ds) -> str:
                                                             "ppl_delta")}
         bad = int(ds["nonfinite_logits"].sel(variant=v, mask="all")) + \
             int(ds["nonfinite_attn"].sel(variant=v, mask="all").sum())
-        lines.append(_row(f"`{v}`", *s.values(), bad, int(ds["cost"].sel(variant=v))))
+        lines.append(_row(md_code(v), *s.values(), bad, int(ds["cost"].sel(variant=v))))
     if "baseline" in ds.dims:
         for b in ds["baseline"].values:
             s = [_sel(ds, f"base_{k}", baseline=b) for k in ("kl_mean", "kl_p99", "kl_max", "top1_agree", "ppl",
                                                               "ppl_delta")]
             bad = int(ds["base_nonfinite_logits"].sel(baseline=b)) + int(ds["base_nonfinite_attn"].sel(baseline=b).sum())
-            lines.append(_row(f"`{b}` (model's own SDPA)", *s, bad))
+            lines.append(_row(f"{md_code(b)} (model's own SDPA)", *s, bad))
     return "\n".join(lines)
 
 
@@ -275,7 +275,7 @@ def _decode_table(ds) -> str:
         for kv in ds["kv"].values:
             s = [_sel(ds, f"dec_{k}", dvariant=v, kv=kv) for k in ("kl_mean", "kl_p99", "kl_max", "top1_agree", "ppl",
                                                                     "ppl_delta")]
-            lines.append(f"| `{v}` | per {kv} | {_f(s[0])} | {_f(s[1])} | {_f(s[2])} | {_pct(s[3])} | {s[4]:.4f} | "
+            lines.append(f"| {md_code(v)} | per {kv} | {_f(s[0])} | {_f(s[1])} | {_f(s[2])} | {_pct(s[3])} | {s[4]:.4f} | "
                          f"{s[5]:+.4f} | {_f(_sel(ds, 'kl_mean', variant=v, mask='all'))} |")
     return "\n".join(lines)
 
@@ -293,7 +293,7 @@ def _layer_table(ds, top: int = 8) -> str:
         full = _sel(ds, "kl_mean", variant=v, mask="all")
         every = ds.sizes["layer"] == ds.sizes["model_layer"]  # the sum predicts the all-layer KL only then
         ratio = float(ds["kl_mean_sum_of_layers"].sel(variant=v)) / full if full > 0 and every else math.nan
-        lines.append(f"| `{v}` | " + ", ".join(f"{int(layers[i])} ({_f(kl[i])})" for i in order[:top])
+        lines.append(f"| {md_code(v)} | " + ", ".join(f"{int(layers[i])} ({_f(kl[i])})" for i in order[:top])
                      + f" | {_pct(top3)} | " + (f"{ratio:.2f}" if math.isfinite(ratio) else "- (not every layer swept)")
                      + " |")
     return "\n".join(lines)
@@ -302,7 +302,7 @@ def _layer_table(ds, top: int = 8) -> str:
 def _spearman_table(ds) -> str:
     lines = ["| variant | ρ (rel_l2 heads pooled) | p | ρ (rel_l2 worst head) | layers |", "|---|---|---|---|---|"]
     for v in ds["variant"].values:
-        lines.append(f"| `{v}` | {float(ds['spearman_rho'].sel(variant=v)):+.3f} | "
+        lines.append(f"| {md_code(v)} | {float(ds['spearman_rho'].sel(variant=v)):+.3f} | "
                      f"{fmt_e(float(ds['spearman_p'].sel(variant=v)))} | "
                      f"{float(ds['spearman_rho_max'].sel(variant=v)):+.3f} | {ds.sizes['layer']} |")
     return "\n".join(lines)
@@ -327,7 +327,7 @@ def _assignment_table(ds, budget) -> str:
         s = [_sel(ds, f"asg_{k}", assignment=a) for k in ("kl_mean", "kl_p99", "kl_max", "top1_agree", "ppl_delta")]
         meets = "-" if budget is None else ("yes" if _sel(ds, f"asg_{stat}", assignment=a) <= budget["budget"] else "no")
         pred = _predicted(ds, [str(x) for x in ds["asg_recipe"].sel(assignment=a).values])
-        lines.append(f"| {_short_name(str(a), i)} | `{a}` | {ds['asg_source'].sel(assignment=a).item()} | "
+        lines.append(f"| {_short_name(str(a), i)} | {md_code(a)} | {ds['asg_source'].sel(assignment=a).item()} | "
                      f"{int(ds['asg_cost'].sel(assignment=a))} | "
                      f"{_f(s[0])} | {_f(pred)} | {_f(s[1])} | {_f(s[2])} | {_pct(s[3])} | {s[4]:+.4f} | {meets} |")
     return "\n".join(lines)
@@ -349,21 +349,21 @@ def findings(ds) -> list[str]:
     fp8 = [v for v in v_all if int(ds["fp8"].sel(variant=v))]
     if fp8:
         best, worst = min(fp8, key=kl_all.get), max(fp8, key=kl_all.get)
-        out.append(f"Every layer in FP8 (prefill): mean KL from {_f(kl_all[best])} (`{best}`, top-1 "
+        out.append(f"Every layer in FP8 (prefill): mean KL from {_f(kl_all[best])} ({md_code(best)}, top-1 "
                    f"{_pct(_sel(ds, 'top1_agree', variant=best, mask='all'))}, Δppl "
-                   f"{_sel(ds, 'ppl_delta', variant=best, mask='all'):+.3f}) to {_f(kl_all[worst])} (`{worst}`, top-1 "
+                   f"{_sel(ds, 'ppl_delta', variant=best, mask='all'):+.3f}) to {_f(kl_all[worst])} ({md_code(worst)}, top-1 "
                    f"{_pct(_sel(ds, 'top1_agree', variant=worst, mask='all'))}, Δppl "
                    f"{_sel(ds, 'ppl_delta', variant=worst, mask='all'):+.3f}); reference ppl {float(ds.attrs['ref_ppl']):.4f}.")
     if "baseline" in ds.dims and "model-sdpa-bf16" in ds["baseline"].values:
         b = _sel(ds, "base_kl_mean", baseline="model-sdpa-bf16")
-        ratio = ", ".join(f"`{v}` {kl_all[v] / b:.0f}x" for v in fp8) if b > 0 else ""
+        ratio = ", ".join(f"{md_code(v)} {kl_all[v] / b:.0f}x" for v in fp8) if b > 0 else ""
         out.append(f"For scale, the model's own BF16 SDPA has mean KL {_f(b)} (top-1 "
                    f"{_pct(_sel(ds, 'base_top1_agree', baseline='model-sdpa-bf16'))}); FP8 over BF16: {ratio}.")
     if "layer_kl_mean" in ds and fp8 and ds.sizes["layer"] > 0:
         v = max(fp8, key=kl_all.get)
         kl = ds["layer_kl_mean"].sel(variant=v).values
         order = np.argsort(-kl)[:5]
-        out.append(f"Which layers matter (`{v}`, one layer at a time): "
+        out.append(f"Which layers matter ({md_code(v)}, one layer at a time): "
                    + ", ".join(f"layer {int(ds['layer'].values[i])} ({_f(kl[i])})" for i in order)
                    + f"; the quietest is layer {int(ds['layer'].values[np.argmin(kl)])} ({_f(kl.min())}).")
         if ds.sizes["layer"] == ds.sizes["model_layer"]:
@@ -373,7 +373,7 @@ def findings(ds) -> list[str]:
     if "spearman_rho" in ds:
         pooled = _json(ds, "spearman_pooled", {}) or {}
         fit = _json(ds, "kl_from_rel_l2_fit", {}) or {}
-        rhos = ", ".join(f"`{v}` {float(ds['spearman_rho'].sel(variant=v)):+.2f}" for v in fp8)
+        rhos = ", ".join(f"{md_code(v)} {float(ds['spearman_rho'].sel(variant=v)):+.2f}" for v in fp8)
         txt = f"Audit rel_l2 vs per-layer KL, Spearman ρ over layers: {rhos}"
         if pooled:
             txt += f"; pooled over layers x variants ρ = {pooled['rho']:+.2f} (n = {pooled['n']})"
@@ -397,7 +397,7 @@ def findings(ds) -> list[str]:
         rho = [float(ds["gain_pred_rho"].sel(variant=v)) for v in fp8]
         spread = [float(ds["gain_pred_spread"].sel(variant=v)) for v in fp8]
         ratio = [float(ds["gain_pred_ratio"].sel(variant=v)) for v in fp8]
-        out.append(f"Per-layer KL ≈ g_L · rel_l2_L²: the gain g_L is a property of the layer. With g from `{cal}`'s "
+        out.append(f"Per-layer KL ≈ g_L · rel_l2_L²: the gain g_L is a property of the layer. With g from {md_code(cal)}'s "
                    f"sweep, the audit's rel_l2 of each FP8 recipe predicts its per-layer KL with Spearman ρ "
                    f"{min(rho):.2f}-{max(rho):.2f} (rel_l2 alone: the ρ above), median measured / predicted "
                    f"{min(ratio):.2f}-{max(ratio):.2f}, 90% of layers within {max(spread):.2f}x. Layers that amplify "
@@ -407,7 +407,7 @@ def findings(ds) -> list[str]:
     if "dec_kl_mean" in ds:
         parts = []
         for v in ds["dvariant"].values:
-            parts.append(f"`{v}` prefill {_f(kl_all[str(v)])}, " + ", ".join(
+            parts.append(f"{md_code(v)} prefill {_f(kl_all[str(v)])}, " + ", ".join(
                 f"per-{kv} cache {_f(_sel(ds, 'dec_kl_mean', dvariant=v, kv=kv))}" for kv in ds["kv"].values))
         out.append("Decode (one query row against an FP8 KV cache), mean KL: " + "; ".join(parts) + ".")
     budget = _json(ds, "budget", None)
@@ -421,12 +421,12 @@ def findings(ds) -> list[str]:
                 tally: dict[str, int] = {}
                 for lab in best["labels"]:
                     tally[lab] = tally.get(lab, 0) + 1
-                counts = ": " + ", ".join(f"{n} layers `{lab}`" for lab, n in sorted(tally.items(), key=lambda x: -x[1]))
+                counts = ": " + ", ".join(f"{n} layers {md_code(lab)}" for lab, n in sorted(tally.items(), key=lambda x: -x[1]))
             out.append(f"Budget KL {budget['stat']} <= {budget['budget']:g}: cheapest verified assignment"
                        f"{counts} (cost {best['cost']}, measured {_f(best['measured'])}; "
-                       + (f"the cheapest single recipe that meets it, `{cheapest_uni['label']}` everywhere, costs "
+                       + (f"the cheapest single recipe that meets it, {md_code(cheapest_uni['label'])} everywhere, costs "
                           f"{cheapest_uni['cost']}" if cheapest_uni else "no single recipe meets it")
-                       + f"; {len(budget['attempts'])} candidates verified by full runs). The map: `{best['label']}`.")
+                       + f"; {len(budget['attempts'])} candidates verified by full runs). The map: {md_code(best['label'])}.")
         else:
             out.append(f"Budget KL {budget['stat']} <= {budget['budget']:g}: no candidate met it in "
                        f"{len(budget['attempts'])} verified runs, nor any recipe used everywhere.")
@@ -438,7 +438,7 @@ def _nonfinite(ds) -> list[Block]:
     if not total:
         return []
     where = _json(ds, "nonfinite_where", [])
-    items = "\n".join(f"- pass `{w['pass']}`: {w['logits']} non-finite logits; attention outputs per layer "
+    items = "\n".join(f"- pass {md_code(w['pass'])}: {w['logits']} non-finite logits; attention outputs per layer "
                       f"{w['attn_layers']}" for w in where[:30])
     return [Block("p", f"**NON-FINITE VALUES: {total}.** They are kept as NaN (summaries over them are NaN), "
                        "not dropped. Where:"), Block("list", items)]
@@ -448,14 +448,14 @@ def build_blocks(ds, figures: list[Figure]) -> list[Block]:
     a = ds.attrs
     figs = {f.name: f for f in figures}
     checks = _json(ds, "prefix_checks", {}) or {}
-    blocks = [Block("h1", f"Impact of attention recipes on {a.get('model')}'s predictions"),
-              Block("p", f"**Where it ran:** {a.get('device_name', '?')} (device `{a.get('device')}`, backend "
-                         f"`{a.get('backend')}`, {a.get('platform', '?')}). **Command:** `{a.get('command', '?')}`. "
-                         f"Wall time {a.get('wall_seconds')} s.")]
+    blocks = [Block("h1", f"Impact of attention recipes on {md_text(a.get('model'))}'s predictions"),
+              Block("p", f"**Where it ran:** {md_text(a.get('device_name', '?'))} (device {md_code(a.get('device'))}, backend "
+                         f"{md_code(a.get('backend'))}, {md_text(a.get('platform', '?'))}). **Command:** {md_code(a.get('command', '?'))}. "
+                         f"Wall time {md_text(a.get('wall_seconds'))} s.")]
     blocks += _nonfinite(ds)
-    blocks.append(Block("p", f"{a.get('tokens')} tokens of {a.get('text_source')} (starting \"{a.get('first_tokens_text', '')}\"), "
-                             f"{a.get('num_layers')} layers, {a.get('heads')} query / {a.get('kv_heads')} KV heads. "
-                             f"Reference: {a.get('reference')}; its perplexity is {float(a.get('ref_ppl')):.4f}. Every "
+    blocks.append(Block("p", f"{md_text(a.get('tokens'))} tokens of {md_text(a.get('text_source'))} (starting \"{md_text(a.get('first_tokens_text', ''))}\"), "
+                             f"{md_text(a.get('num_layers'))} layers, {md_text(a.get('heads'))} query / {md_text(a.get('kv_heads'))} KV heads. "
+                             f"Reference: {md_text(a.get('reference'))}; its perplexity is {float(a.get('ref_ppl')):.4f}. Every "
                              "number compares a full model pass with the reference, token by token: KL(reference || "
                              "variant) of the next-token distribution in nats, top-1 agreement, perplexity."))
     blocks += [Block("h2", "Findings"), Block("list", "\n".join(f"- {x}" for x in findings(ds)))]
@@ -470,7 +470,7 @@ def build_blocks(ds, figures: list[Figure]) -> list[Block]:
                    Block("p", "Only one layer runs the recipe; the rest use float64 attention. Each of these passes "
                               "starts at its layer from the reference's hidden states, because the layers before it are "
                               "identical to the reference's. Checked: full passes of layers "
-                              + ", ".join(f"{k} (`{c['variant']}`): " + ("bit-identical" if c["bit_identical"] else
+                              + ", ".join(f"{k} ({md_code(c['variant'])}): " + ("bit-identical" if c["bit_identical"] else
                                                                          f"DIFFER by up to {c['max_abs_kl_diff']:.2g} nats")
                                           for k, c in checks.items()) + "."),
                    *_sweep_acc_blocks(ds),
@@ -501,12 +501,12 @@ def build_blocks(ds, figures: list[Figure]) -> list[Block]:
                      f"over layers) predicted to meet KL {budget['stat']} <= {budget['budget']:g} by adding the one-layer "
                      "KLs, then run in full; the measured value decides, and the prediction is recalibrated by "
                      "measured / predicted before the next candidate. Candidates: "
-                     + ", ".join(f"`{c}` (cost {k})" for c, k in zip(budget["candidates"], budget["costs"])) + ".")
+                     + ", ".join(f"{md_code(c)} (cost {k})" for c, k in zip(budget["candidates"], budget["costs"])) + ".")
         blocks += [Block("h2", "Mixed assignments"), Block("p", text), Block("table", _assignment_table(ds, budget)),
                    Block("figure", figure=figs["assignments"])]
     blocks += [Block("h2", "Provenance"), Block("list", _provenance(ds)),
                Block("h2", "Variants (full recipe specs)"),
-               Block("list", "\n".join(f"- `{v}`: `{s}`" for v, s in zip(ds["variant"].values, ds["spec"].values)))]
+               Block("list", "\n".join(f"- {md_code(v)}: {md_code(s)}" for v, s in zip(ds["variant"].values, ds["spec"].values)))]
     return blocks
 
 
@@ -521,8 +521,8 @@ def _sweep_acc_blocks(ds) -> list[Block]:
     for v, _, _ in changed:
         c = checks.get(v, {})
         if c:
-            parts.append(f"`{v}` " + ", ".join(f"layer {k}: {x['ratio']:.3f}" for k, x in c.items()))
-    return [Block("p", "In this sweep (and the audit beside it) " + ", ".join(f"`{v}`" for v, _, _ in changed)
+            parts.append(f"{md_code(v)} " + ", ".join(f"layer {k}: {x['ratio']:.3f}" for k, x in c.items()))
+    return [Block("p", "In this sweep (and the audit beside it) " + ", ".join(md_code(v) for v, _, _ in changed)
                   + " ran with `acc=fp32` instead of the Hopper MMA model `acc=fp22`, which costs ~40x a float32 "
                   "GEMM on a CPU (`--sweep-acc`); full passes, decode, maps and the budget's verification runs "
                   "use the recipes as given. Per-layer mean KL with fp32 / with fp22, rerun on the check layers: "
@@ -532,17 +532,17 @@ def _sweep_acc_blocks(ds) -> list[Block]:
 def _provenance(ds) -> str:
     a = ds.attrs
     return "\n".join([
-        f"- command: `{a.get('command')}`; created {a.get('created_utc')}; git `{a.get('git_commit')}`",
-        f"- model `{a.get('model')}`: file `{a.get('model_file')}` ({a.get('model_origin')}), sha256 "
-        f"`{a.get('model_sha256')}`, {a.get('architecture')}",
-        f"- text {a.get('text_source')}, sha256 `{a.get('text_sha256')}`; {a.get('tokens')} token ids, sha256 "
-        f"`{a.get('token_ids_sha256')}`",
-        f"- backend `{a.get('backend')}` on {a.get('device')} ({a.get('device_name')}); seeds {a.get('seeds')} "
-        f"(Hadamard signs); TF32 {a.get('tf32')}; all query rows",
-        f"- versions: fa3-numerics {a.get('version_fa3_numerics')}, torch {a.get('version_torch')}, transformers "
-        f"{a.get('version_transformers')}, python {a.get('python')}; code hash `{a.get('code_version')}`",
-        f"- times: load {a.get('load_seconds')} s, reference {a.get('reference_seconds')} s, passes "
-        f"{a.get('compute_seconds')} s (cached passes count their original time), total {a.get('wall_seconds')} s",
+        f"- command: {md_code(a.get('command'))}; created {md_text(a.get('created_utc'))}; git {md_code(a.get('git_commit'))}",
+        f"- model {md_code(a.get('model'))}: file {md_code(a.get('model_file'))} ({md_text(a.get('model_origin'))}), sha256 "
+        f"{md_code(a.get('model_sha256'))}, {md_text(a.get('architecture'))}",
+        f"- text {md_text(a.get('text_source'))}, sha256 {md_code(a.get('text_sha256'))}; {md_text(a.get('tokens'))} token ids, sha256 "
+        f"{md_code(a.get('token_ids_sha256'))}",
+        f"- backend {md_code(a.get('backend'))} on {md_text(a.get('device'))} ({md_text(a.get('device_name'))}); seeds {md_text(a.get('seeds'))} "
+        f"(Hadamard signs); TF32 {md_text(a.get('tf32'))}; all query rows",
+        f"- versions: fa3-numerics {md_text(a.get('version_fa3_numerics'))}, torch {md_text(a.get('version_torch'))}, transformers "
+        f"{md_text(a.get('version_transformers'))}, python {md_text(a.get('python'))}; code hash {md_code(a.get('code_version'))}",
+        f"- times: load {md_text(a.get('load_seconds'))} s, reference {md_text(a.get('reference_seconds'))} s, passes "
+        f"{md_text(a.get('compute_seconds'))} s (cached passes count their original time), total {md_text(a.get('wall_seconds'))} s",
     ])
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import xarray as xr
 
 from ..engine.dataset import paper_setting, summary_table
-from .document import Bullets, Document, Fig, Para, Section, Table
+from .document import Bullets, Document, Fig, Para, Section, Table, md_code, md_text
 from .figures import SYMBOL, Figure, _eq, _fmt_val, paper_setting_text, reference_cell, swept_dims
 from .format import column_format, fmt_interval, nonfinite_text
 from .summary import few_samples_line, full_table, nonfinite_block, pivot_tables, provenance_items
@@ -44,8 +44,8 @@ def backend_of(ds: xr.Dataset) -> str:
 
 def where_line(ds: xr.Dataset) -> str:
     a = ds.attrs
-    return (f"**Where it ran:** {a.get('device_name', '?')} (device `{a.get('device', '?')}`, backend "
-            f"`{backend_of(ds)}`, {a.get('platform', '?')}). **Command:** `{a.get('command', '?')}`")
+    return (f"**Where it ran:** {md_text(a.get('device_name', '?'))} (device {md_code(a.get('device', '?'))}, backend "
+            f"{md_code(backend_of(ds))}, {md_text(a.get('platform', '?'))}). **Command:** {md_code(a.get('command', '?'))}")
 
 
 def _at(rows: list[dict], ref: dict) -> list[dict]:
@@ -72,15 +72,15 @@ def headlines(ds: xr.Dataset, rows: list[dict], ref: dict, metric: str = "rmse")
         worst = (min if lower_worse else max)(at, key=lambda r: r["value"])
         where = f"at {_cell(ref)}" if ref else "in this run"
         apart = worst["value"] / best["value"] if best["value"] and not lower_worse else math.nan
-        out.append(f"**Best and worst** {where}: `{best['variant']}` has the {'highest' if lower_worse else 'lowest'} "
+        out.append(f"**Best and worst** {where}: {md_code(best['variant'])} has the {'highest' if lower_worse else 'lowest'} "
                    f"{metric.upper()}, {fmt(best['value'])} {fmt_interval(best['lo'], best['hi'], fmt)}; "
-                   f"`{worst['variant']}` the {'lowest' if lower_worse else 'highest'}, {fmt(worst['value'])} "
+                   f"{md_code(worst['variant'])} the {'lowest' if lower_worse else 'highest'}, {fmt(worst['value'])} "
                    f"{fmt_interval(worst['lo'], worst['hi'], fmt)}"
                    + (f" ({apart:.2f}× the best)" if math.isfinite(apart) else "") + ".")
     elif len(at) == 1:
         r = at[0]
         fmt = column_format([r["value"], r["lo"], r["hi"]])
-        out.append(f"**Result** {f'at {_cell(ref)}' if ref else 'in this run'}: `{r['variant']}` has {metric.upper()} "
+        out.append(f"**Result** {f'at {_cell(ref)}' if ref else 'in this run'}: {md_code(r['variant'])} has {metric.upper()} "
                    f"{fmt(r['value'])} {fmt_interval(r['lo'], r['hi'], fmt)}.")
     for d in [d for d in swept_dims(ds) if ds.sizes[d] > 1]:
         line = _trend(ds, rows, ref, d, metric)
@@ -88,7 +88,7 @@ def headlines(ds: xr.Dataset, rows: list[dict], ref: dict, metric: str = "rmse")
             out.append(line)
     bad = sorted({r["variant"] for r in rows if r["nonfinite"]})
     if bad:
-        out.append(f"**Non-finite:** {', '.join(f'`{v}`' for v in bad)} produced NaN or Inf in some cells; "
+        out.append(f"**Non-finite:** {', '.join(f'{md_code(v)}' for v in bad)} produced NaN or Inf in some cells; "
                    "see the warning above.")
     return out
 
@@ -112,10 +112,10 @@ def _trend(ds: xr.Dataset, rows: list[dict], ref: dict, d: str, metric: str) -> 
     at = f" ({_cell(others)})" if others else ""
     span = f"{SYMBOL.get(d, d)} {_fmt_val(first)} → {_fmt_val(last)}{at}"
     if lo_v == hi_v:
-        return f"**Along {span}:** {metric.upper()} changes ×{change[lo_v]:.2f} (`{lo_v}`)."
+        return f"**Along {span}:** {metric.upper()} changes ×{change[lo_v]:.2f} ({md_code(lo_v)})."
     word = "grows" if change[lo_v] > 1 else "falls" if change[hi_v] < 1 else "changes"
-    return (f"**Along {span}:** {metric.upper()} {word} by ×{change[lo_v]:.2f} (`{lo_v}`) to ×{change[hi_v]:.2f} "
-            f"(`{hi_v}`) over {len(change)} variants.")
+    return (f"**Along {span}:** {metric.upper()} {word} by ×{change[lo_v]:.2f} ({md_code(lo_v)}) to ×{change[hi_v]:.2f} "
+            f"({md_code(hi_v)}) over {len(change)} variants.")
 
 
 def _paper_headline(ds: xr.Dataset, rows: list[dict], ref: dict) -> str:
@@ -158,7 +158,7 @@ def _other_metrics(ds: xr.Dataset, ref: dict, metric: str = "rmse") -> Table | N
                 cells.append(nonfinite_text(r["nonfinite"], r["n"]))
             else:
                 cells.append(f"{fmts[m](r['value'])} {fmt_interval(r['lo'], r['hi'], fmts[m])}")
-        body.append([f"`{v}`"] + cells)
+        body.append([md_code(v)] + cells)
     units = {m: ds[m].attrs.get("units", "") for m in ms}
     caption = "Units: " + ", ".join(f"{m} {u}" for m, u in units.items() if u and u != "1") + \
         "; the others are dimensionless."
@@ -170,7 +170,7 @@ def build_document(ds: xr.Dataset, figures: list[Figure], rows: list[dict], metr
     desc = ds.attrs.get("description", "")
     sw = swept_dims(ds)
     ref = reference_cell(ds)
-    doc = Document(f"{exp}: {desc}" if desc else exp, [Para(where_line(ds), "where")])
+    doc = Document(f"{md_text(exp)}: {md_text(desc)}" if desc else md_text(exp), [Para(where_line(ds), "where")])
     flag = nonfinite_block(ds)
     if flag:
         head_, _, items = flag.partition("\n\n")
@@ -197,13 +197,13 @@ def build_document(ds: xr.Dataset, figures: list[Figure], rows: list[dict], metr
     table.long = len(table.rows) > LONG_TABLE
     table.summary = f"Every cell: {metric.upper()}, interval, samples and the paper's value"
     doc.sections.append(Section(f"{metric.upper()} against the float64 reference" + (", every cell" if sw else ""), [
-        Para(f"Measured on {ds.attrs.get('device_name', '?')} (device `{ds.attrs.get('device', '?')}`, backend "
-             f"`{backend_of(ds)}`) by `{ds.attrs.get('command', '?')}`. Paper values (FA3 paper, "
+        Para(f"Measured on {md_text(ds.attrs.get('device_name', '?'))} (device {md_code(ds.attrs.get('device', '?'))}, backend "
+             f"{md_code(backend_of(ds))}) by {md_code(ds.attrs.get('command', '?'))}. Paper values (FA3 paper, "
              f"Table 3) are listed only for cells in the paper's setting ({paper_setting_text()}).", "note"),
         table]))
     doc.sections.append(Section("Provenance", [Bullets(provenance_items(ds))]))
     doc.sections.append(Section("Variants (full recipe specs)", [
-        Bullets([f"`{v}`: `{s}`" for v, s in zip(ds["variant"].values, ds["spec"].values)])]))
+        Bullets([f"{md_code(v)}: {md_code(s)}" for v, s in zip(ds["variant"].values, ds["spec"].values)])]))
     return doc
 
 

@@ -20,7 +20,7 @@ import xarray as xr
 from ..engine.conventions import attr_list
 from ..engine.dataset import summary_table
 from ..numerics.metrics.bootstrap import MIN_SAMPLES, few_samples
-from .document import Table, md_table
+from .document import Table, md_code, md_table, md_text
 from .format import FEW, column_format, fmt_interval, fmt_ratio, fmt_value
 
 _ROW_KEYS = ("variant", "value", "lo", "hi", "n", "nonfinite", "paper", "ratio")
@@ -51,7 +51,7 @@ def full_table(ds: xr.Dataset, metric: str = "rmse", rows: list[dict] | None = N
     for r in rows:
         value = fmt_value(r["value"], r["nonfinite"], r["n"], val)
         body.append([fmt_param(r[k]) for k in keys] + [
-            f"`{r['variant']}`", f"**{value}**" if r["nonfinite"] else value,
+            md_code(r['variant']), f"**{value}**" if r["nonfinite"] else value,
             fmt_interval(r["lo"], r["hi"], val, few_samples(r["n"])), str(r["n"]), pap(r["paper"]),
             fmt_ratio(r["ratio"])])
     cols = [SYMBOL.get(k, k) for k in keys] + ["variant", metric, "95% CI", "samples", "paper (Table 3)",
@@ -123,7 +123,7 @@ def pivot_tables(ds: xr.Dataset, rows: list[dict], metric: str, ref: dict, max_c
                     continue
                 t = fmt_value(r["value"], r["nonfinite"], r["n"], fmt)
                 cells_txt.append(f"**{t}**" if best[j] is not None and r["value"] == best[j] else t)
-            body.append([f"`{v}`"] + cells_txt)
+            body.append([md_code(v)] + cells_txt)
         if d:
             fixed = _cell_label({k: v for k, v in ref.items() if k != d})
             cols = ["variant"] + [f"{SYMBOL.get(d, d)}={fmt_param(w[d])}" for w in wheres]
@@ -147,15 +147,15 @@ def provenance_items(ds: xr.Dataset) -> list[str]:
     fixed = {k: ds.coords[k].values.item() for k in ds.coords if ds.coords[k].ndim == 0}
     seeds = attr_list(ds, "seeds") or a.get("seeds", "?")
     return [
-        f"command: `{a.get('command', '?')}`",
-        f"device: {a.get('device', '?')} ({a.get('device_name', '?')}), backend `{a.get('backend', '?')}`",
-        f"git commit: `{a.get('git_commit', '?')}`; created {a.get('created_utc', '?')}; wall time "
-        f"{a.get('wall_seconds', '?')} s",
-        f"versions: fa3-numerics {a.get('version_fa3_numerics')}, torch {a.get('version_torch')}, "
-        f"numpy {a.get('version_numpy')}, scipy {a.get('version_scipy')}, xarray {a.get('version_xarray')}, "
-        f"python {a.get('python')}",
-        f"distribution `{a.get('dist')}`; fixed parameters: " + ", ".join(f"{k}={fmt_param(v)}" for k, v in fixed.items()),
-        f"seeds {seeds}; query rows: {a.get('rows_sampling')}; intervals: 95% BCa bootstrap "
+        f"command: {md_code(a.get('command', '?'))}",
+        f"device: {md_text(a.get('device', '?'))} ({md_text(a.get('device_name', '?'))}), backend {md_code(a.get('backend', '?'))}",
+        f"git commit: {md_code(a.get('git_commit', '?'))}; created {md_text(a.get('created_utc', '?'))}; wall time "
+        f"{md_text(a.get('wall_seconds', '?'))} s",
+        f"versions: fa3-numerics {md_text(a.get('version_fa3_numerics'))}, torch {md_text(a.get('version_torch'))}, "
+        f"numpy {md_text(a.get('version_numpy'))}, scipy {md_text(a.get('version_scipy'))}, xarray {md_text(a.get('version_xarray'))}, "
+        f"python {md_text(a.get('python'))}",
+        f"distribution {md_code(a.get('dist'))}; fixed parameters: " + ", ".join(f"{k}={fmt_param(v)}" for k, v in fixed.items()),
+        f"seeds {seeds}; query rows: {md_text(a.get('rows_sampling'))}; intervals: 95% BCa bootstrap "
         f"(scipy.stats.bootstrap) over (seed, batch, head) samples",
     ]
 
@@ -185,11 +185,11 @@ def few_samples_line(n: int) -> str:
 
 def markdown_summary(ds: xr.Dataset) -> str:
     title = ds.attrs.get("description") or ds.attrs.get("experiment", "run")
-    spec_lines = "\n".join(f"- `{v}`: `{s}`" for v, s in zip(ds["variant"].values, ds["spec"].values))
+    spec_lines = "\n".join(f"- {md_code(v)}: {md_code(s)}" for v, s in zip(ds["variant"].values, ds["spec"].values))
     flag = nonfinite_block(ds)
     rows = summary_table(ds)
     few = few_samples_line(rows[0]["n"]) if rows else ""
-    return (f"# {ds.attrs.get('experiment', 'run')}: {title}\n\n" + (f"{flag}\n\n" if flag else "") +
+    return (f"# {md_text(ds.attrs.get('experiment', 'run'))}: {md_text(title)}\n\n" + (f"{flag}\n\n" if flag else "") +
             (f"{few}\n\n" if few else "") + "## RMSE against the float64 reference\n\n"
             f"{md_table(full_table(ds, 'rmse', rows))}\n\n## Provenance\n\n{provenance_block(ds)}\n\n"
             f"## Variants (full recipe specs)\n\n{spec_lines}\n")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .document import Bullets, Document, Fig, Para, Section, Table, render
+from .document import Bullets, Document, Fig, Para, Section, Table, md_code, md_text, render
 from .format import fmt_f
 from .plots import Figure, finish, new_fig, plain_ticks, theme
 
@@ -66,7 +66,7 @@ def _case_table(ds, accs: list[str]) -> Table:
         data = (f"p {float(c['p']):g}, σ {float(c['sigma']):g}" if dist == "outliers" else
                 f"layer {c['params'].values}".replace("layer=", "") if dist.startswith("capture-file:") else
                 f"{dist} {c['params'].values}")
-        body.append([f"`{c['case'].values}`", str(c["dtype"].values), str(int(c["seqlen"])), "yes" if int(c["causal"]) else "no",
+        body.append([md_code(c['case'].values), str(c["dtype"].values), str(int(c["seqlen"])), "yes" if int(c["causal"]) else "no",
                      f"{int(c['heads'])}/{int(c['kv_heads'])}", str(int(c["head_dim"])), data,
                      str(c["gran"].values) if fp8 else "-", str(c["rot"].values),
                      "-" if not np.isfinite(rk) else f"{rk:.3e}"] + fs + idn + [_nonfinite_cell(ds, i, accs)])
@@ -93,7 +93,7 @@ def _per_head(ds, accs: list[str]) -> list:
     return [Para(f"Per layer x head on the capture ({len(rows)} layer x head x accumulator values; the 15 with the "
                  "largest F, all in `fidelity_sample` and `identical_sample` of the dataset):"),
             Table(["case", "layer", "head", "acc", "F", "identical"],
-                  [[case, layer, str(h), f"`{a}`", fmt_f(f), f"{idn:.1%}"] for f, case, layer, h, a, idn in rows[:15]],
+                  [[case, layer, str(h), md_code(a), fmt_f(f), f"{idn:.1%}"] for f, case, layer, h, a, idn in rows[:15]],
                   [False, True, True, False, True, True])]
 
 
@@ -107,7 +107,7 @@ def _ranking(ds) -> list:
         return []
     return [Table(["acc", "max F", "median F", "mean bit-identical", "cases",
                    "non-finite where the kernel's are finite", f"F <= {F_LIMIT} everywhere, all finite"],
-                  [[f"`{r['acc']}`", fmt_f(r["max_F"]), fmt_f(r["median_F"]), f"{r['mean_identical']:.1%}",
+                  [[md_code(r['acc']), fmt_f(r["max_F"]), fmt_f(r["median_F"]), f"{r['mean_identical']:.1%}",
                     str(r["cases"]), str(r["nonfinite_only"]), "yes" if r["pass"] else "no"] for r in rank],
                   [False, True, True, True, True, True, False],
                   caption="Accumulator models over the FP8 cases (best first):")]
@@ -157,9 +157,9 @@ def _intro(ds) -> str:
     from ..studies.validate import F_LIMIT
 
     label = ds.attrs.get("kernel_label", ds.attrs.get("backend", "?"))
-    return (f"Kernel: `{label}` ({ds.attrs.get('kernel_version', ds.attrs.get('kernel_module', ''))}) on "
+    return (f"Kernel: {md_code(label)} ({ds.attrs.get('kernel_version', ds.attrs.get('kernel_module', ''))}) on "
             f"{ds.attrs.get('device_name', ds.attrs.get('device', '?'))}; emulator default acc "
-            f"`{ds.attrs.get('recipe_default_acc')}`. F = RMSE(emulator, kernel) / RMSE(kernel, float64) over the "
+            f"{md_code(ds.attrs.get('recipe_default_acc'))}. F = RMSE(emulator, kernel) / RMSE(kernel, float64) over the "
             f"outputs finite in both; **bold** F > {F_LIMIT} (FP8 cases must stay below it). Every query row unless "
             "the case name ends in rowsN (N sampled rows). Non-finite: the kernel's outputs, and the emulator's "
             "where the kernel's are finite, per accumulator (the target is 0).")
@@ -187,9 +187,9 @@ def validation_document(ds) -> Document:
     lead, sections = _blocks(ds, with_figure=True)
     a = ds.attrs
     sections.append(Section("Provenance", [Bullets([
-        f"command: `{a.get('command', '?')}`", f"git commit `{a.get('git_commit', '?')}`; created "
-        f"{a.get('created_utc', '?')}", f"torch {a.get('version_torch')}, python {a.get('python')}"])]))
-    return Document(f"Validation: the emulator against `{a.get('kernel_label', a.get('backend', '?'))}`", lead, sections)
+        f"command: {md_code(a.get('command', '?'))}", f"git commit {md_code(a.get('git_commit', '?'))}; created "
+        f"{md_text(a.get('created_utc', '?'))}", f"torch {md_text(a.get('version_torch'))}, python {md_text(a.get('python'))}"])]))
+    return Document(f"Validation: the emulator against {md_code(a.get('kernel_label', a.get('backend', '?')))}", lead, sections)
 
 
 def markdown_validation(ds) -> str:

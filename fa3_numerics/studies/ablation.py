@@ -56,7 +56,7 @@ import numpy as np
 from ..data import distributions
 from ..data.distributions.capture_file import _capture, capture_info
 from ..engine.cache import cache_key
-from ..engine.checks import check_backend, check_shape
+from ..engine.checks import check_backend, check_distinct, check_shape
 from ..engine.dataset import results_dataset
 from ..engine.distributed import default_workers
 from ..engine.inputs import HIST_EDGES, DistInputs
@@ -69,7 +69,7 @@ from ..numerics.metrics import METRICS
 from ..numerics.recipe import Recipe
 from ..numerics.tiles import fa3_tiles
 from .attribution import STAGES, exact_recipe, stage_label, stage_recipe
-from .outliers import _progress, read_toml
+from .outliers import _progress, read_toml, toml_values
 
 BASE = "fa3-fp8-kernel"
 # The FA3 paper's Table 3 data: outliers with p = 0.001, sigma = 10.
@@ -258,13 +258,18 @@ def _as_list(v) -> list:
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
-def data_items(entries: list[dict]) -> list[DataItem]:
+def data_items(entries: list[dict], source: str = "the experiment") -> list[DataItem]:
     items = []
     for e in entries:
         dist = e.get("dist")
-        require(dist, f"a [[data]] entry needs dist = NAME; got {e}")
+        require(isinstance(dist, str) and dist, f"a [[data]] entry needs dist = NAME; got {str(e)[:80]}")
         entry = distributions.get(dist)
-        given = {k: _as_list(v) for k, v in e.get("params", {}).items()}
+        params = e.get("params", {})
+        require(isinstance(params, dict), f"{source}: params of {dist} must be a table, e.g. params = {{ p = [0.01] }}")
+        given = {k: toml_values(v, float, f"params.{k}", source) for k, v in params.items()}
+        for k, v in given.items():
+            require(len(v) > 0, f"{source}: params.{k} of {dist} is an empty list; give at least one value")
+            check_distinct(k, v)
         unknown = set(given) - set(entry.params)
         require(not unknown, f"distribution {dist!r} takes parameters {sorted(entry.params)}, not {sorted(unknown)}")
         for combo in itertools.product(*given.values()):
@@ -284,8 +289,8 @@ def _design_shape(d: dict, key: str, run: list, overridden: bool) -> list:
     wins: the design keeps the values in both, or the run's first value if none is."""
     if key not in d:
         return list(run)
-    cast = bool if key == "causal" else int
-    own = [cast(x) for x in _as_list(d[key])]
+    own = toml_values(d[key], bool if key == "causal" else int, f"design {d.get('name', '?')}: {key}", "design")
+    require(len(own) > 0, f"design {d.get('name', '?')!r}: {key} is an empty list; give at least one value")
     return ([x for x in own if x in run] or run[:1]) if overridden else own
 
 
@@ -308,9 +313,16 @@ def load_ablation(name: str = "ablation", overrides: dict | None = None) -> Abla
     ov = {k: v for k, v in (overrides or {}).items() if v is not None}
     shape = spec.get("shape", {})
     cast = {"seqlen": int, "head_dim": int, "causal": bool}
-    run = {k: [cast[k](x) for x in _as_list(ov.get(k, shape.get(k, default)))]
+    run = {k: toml_values(ov.get(k, shape.get(k, default)), cast[k], k, path.name)
            for k, default in (("seqlen", [1024]), ("head_dim", [128]), ("causal", [False]))}
-    data = data_items(spec.get("data", []))
+    for k in ("batch", "heads", "rows"):
+        if k in shape and k not in ov:
+            got = toml_values(shape[k], int, k, path.name)
+            require(len(got) == 1, f"{path.name}: {k} takes one value, not a list")
+            shape[k] = got[0]
+    if "seeds" in spec.get("run", {}) and "seeds" not in ov:
+        spec["run"]["seeds"] = toml_values(spec["run"]["seeds"], int, "seeds", path.name)
+    data = data_items(spec.get("data", []), path.name)
     if "capture" in ov:
         data.append(capture_item(str(ov.pop("capture")), ov.pop("capture_layer", 0)))
     if "data" in ov:
@@ -322,13 +334,19 @@ def load_ablation(name: str = "ablation", overrides: dict | None = None) -> Abla
         unknown = [k for k in d if k not in reg and k not in DESIGN_KEYS]
         require(not unknown, f"{path.name}: design {d.get('name', i)!r} sets {', '.join(unknown)}, which is no "
                 f"factor; factors: {', '.join(reg)} (and {', '.join(DESIGN_KEYS)})")
+        dname = d.get("name", f"design{i}")
+        require(isinstance(dname, str) and dname.strip(), f"{path.name}: design {i} needs name = \"...\"")
+        require(dname not in [x.name for x in designs], f"{path.name}: design name {dname!r} is used twice; "
+                "give each design its own")
         levels = {}
         for f, fac in reg.items():
             given = _as_list(d.get(f, [fac.default]))
             if f in ov and len(given) > 1:
                 given = _as_list(ov[f])
+            require(len(given) > 0, f"{path.name}: design {dname!r} lists no level of {f}; give at least one")
             levels[f] = [str(x) for x in given]
-        designs.append(Design(d.get("name", f"design{i}"), levels, d.get("data"),
+            check_distinct(f"{f} (design {dname})", levels[f])
+        designs.append(Design(dname, levels, d.get("data"),
                               *[_design_shape(d, k, run[k], k in ov) for k in ("seqlen", "head_dim", "causal")]))
     if "designs" in ov:
         keep = _as_list(ov.pop("designs"))

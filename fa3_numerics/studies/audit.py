@@ -34,7 +34,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..engine.checks import check_backend
+from ..engine.checks import check_backend, check_rows
 from ..engine.inputs import CaptureInputs
 from ..engine.runner import Job, Task, run_tasks
 from ..engine.sampling import ROWS_SAMPLING, check_seed, effective_rows
@@ -112,16 +112,23 @@ def _layers(cap, layers) -> list[int]:
 
 
 def tasks(cap, recipes: list[tuple[str, Recipe]], layers: list[int], *, backend: str, rows: int, seed: int,
-          device: str) -> list[Task]:
-    """One engine task per layer: the recorded tensors, every variant, the statistics probe."""
+          device: str, capture_sha256: str = "") -> list[Task]:
+    """One engine task per layer: the recorded tensors, every variant, the statistics probe.
+    With ``capture_sha256`` (the file's) every variant's result has a cache key, so that an audit
+    into the same folder resumes (the statistics probe is recomputed: it is cheap beside the variants)."""
+    from ..engine.cache import cache_key
     from ..engine.inputs import TensorInputs
 
     out = []
     for layer in layers:
         inputs = CaptureInputs(str(cap.path), layer) if cap.path else TensorInputs.of(*cap.qkv(layer))
+        cell = {"layer": layer, "causal": cap.causal, "softmax_scale": cap.scale, "tokens": cap.tokens}
+        keys = [cache_key(f"capture:{capture_sha256}", cell, seed, r.spec(), batch=1, heads=cap.heads,
+                          kv_heads=cap.kv_heads, rows=rows, backend=backend, device=device, extra={"study": "audit"})
+                if capture_sha256 else "" for _, r in recipes]
         out.append(Task(inputs, cap.causal, seed, rows, backend, device,
-                        [Job(i, r) for i, (_, r) in enumerate(recipes)], hist_key=None, where=f"layer {layer}",
-                        softmax_scale=cap.scale, probe=PROBE))
+                        [Job(i, r, key=k) for i, ((_, r), k) in enumerate(zip(recipes, keys))], hist_key=None,
+                        where=f"layer {layer}", softmax_scale=cap.scale, probe=PROBE))
     return out
 
 
@@ -130,12 +137,12 @@ def plan(capture, *, variants: str | list[str] | None = None, backend: str = "em
     """Every check of an audit before it computes: (capture, [(label, recipe)], layers)."""
     from ..data.capture import Capture, load_capture
 
+    check_rows(rows)
+    check_seed(seed, "--seed")
     cap: Capture = capture if isinstance(capture, Capture) else load_capture(capture)
     if variants is None:
         variants = list(DEFAULT_VARIANTS)
     recipes = parse_recipes(variants if isinstance(variants, str) else ";".join(variants))
-    require(isinstance(rows, int) and rows >= 0, f"--rows must be >= 0 (0 = every query row), got {rows}")
-    check_seed(seed, "--seed")
     check_head_dim(cap.head_dim)
     sel = _layers(cap, layers)
     check_backend(backend, device, recipes)
@@ -144,8 +151,9 @@ def plan(capture, *, variants: str | list[str] | None = None, backend: str = "em
 
 def audit(capture, *, variants: str | list[str] | None = None, backend: str = "emulate", rows: int = 256,
           layers: str | list[int] | None = None, seed: int = 0, device: str = "cpu",
-          progress: Callable[[str], None] = _progress) -> "xarray.Dataset":  # noqa: F821
-    """Audit ``capture`` (a ``Capture`` or a path) and return the dataset (see module docstring)."""
+          progress: Callable[[str], None] = _progress, cache_dir: Path | None = None) -> "xarray.Dataset":  # noqa: F821
+    """Audit ``capture`` (a ``Capture`` or a path) and return the dataset (see module docstring).
+    ``cache_dir``: where finished (layer, variant) results are kept, so that a rerun resumes."""
     from ..engine.provenance import provenance
 
     t_start = time.perf_counter()
@@ -157,8 +165,9 @@ def audit(capture, *, variants: str | list[str] | None = None, backend: str = "e
     L, V = len(sel), len(recipes)
     progress(f"audit of {cap.path or 'capture'}: {L} layers x {H} heads ({Hkv} KV heads), seq {n}, "
              f"{r_eval} query rows, {V} variants, backend {backend} on {device}")
-    run = run_tasks(tasks(cap, recipes, sel, backend=backend, rows=rows, seed=seed, device=device),
-                    progress=progress)
+    sha = _sha256(cap.path) if cache_dir is not None and cap.path and Path(cap.path).is_file() else ""
+    run = run_tasks(tasks(cap, recipes, sel, backend=backend, rows=rows, seed=seed, device=device, capture_sha256=sha),
+                    progress=progress, cache_dir=Path(cache_dir) if sha else None)
     err = {m: np.full((L, H, V), np.nan) for m in METRICS}
     stats: dict[str, np.ndarray] = {}
     for li, (res, extra) in enumerate(zip(run.results, run.extras)):
@@ -191,7 +200,7 @@ def audit(capture, *, variants: str | list[str] | None = None, backend: str = "e
                           f"{r_eval} of {n} rows: {ROWS_SAMPLING.replace('seqlen', str(n))}, the same rows in every "
                           "layer"),
         "capture_path": str(Path(cap_path).resolve()) if cap_path else "",
-        "capture_sha256": _sha256(cap_path) if cap_path and Path(cap_path).is_file() else "",
+        "capture_sha256": sha or (_sha256(cap_path) if cap_path and Path(cap_path).is_file() else ""),
         "capture_meta": json.dumps(cap.meta, sort_keys=True),
         "model": cap.meta.get("model", ""), "tokens": n, "heads": H, "kv_heads": Hkv, "head_dim": d,
         "causal": str(cap.causal).lower(), "softmax_scale": repr(cap.scale),

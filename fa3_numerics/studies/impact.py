@@ -157,6 +157,7 @@ def impact(*, model: str = "smollm2", text: str | Path | None = None, tokens: in
     ``then(ds)`` runs while ``out`` is still held (the CLI writes the dataset and reports there)."""
     from ..data import capture as cap
     from ..engine.files import OutputFolder
+    from ..engine.sampling import check_seed
     from .impact_budget import check_map_layers, parse_recipe_map
     from .impact_store import CellStore, code_version
 
@@ -191,6 +192,10 @@ def impact(*, model: str = "smollm2", text: str | Path | None = None, tokens: in
     src_text, text_source = cap.read_text(text) if text is not None else cap.default_text()
     src = cap.resolve_model(model)
     cap.require_capture_deps(gguf=src.gguf_file is not None)
+    check_seed(seed, "--seed")
+    num_layers, _ = cap.preflight(src, layer_spec, tokens, src_text, text_source)  # before the weights load
+    for name, parsed in maps:
+        check_map_layers(name, parsed, num_layers)
     folder = OutputFolder(out, "--out") if out is not None else contextlib.nullcontext()  # checked now, held later
 
     # -- model and tokens ---------------------------------------------------------------------

@@ -113,9 +113,32 @@ def read_toml(name: str) -> tuple[Path, dict]:
     if path is None or not path.is_file():
         raise UsageError(f"unknown experiment {name!r}; choose one of: {', '.join(sorted(known))} or give a .toml path")
     try:
-        return path, tomllib.loads(path.read_text())
+        return path, tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not a UTF-8 text file; give an experiment TOML") from None
     except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"{path} is not valid TOML: {exc}") from None
+        raise UsageError(f"{path} is not valid TOML: {str(exc).splitlines()[0]}") from None
+
+
+_KINDS = {bool: "true or false", int: "an integer", float: "a finite number"}
+
+
+def toml_values(value, kind: type, key: str, source: str) -> list:
+    """``value`` (one or a list, as a TOML gives it) as a list of ``kind``: bool only from
+    true/false (the string "false" is not False), int from integers (1024.0 too), float from finite
+    numbers; a one-line error naming ``source`` and ``key`` otherwise. Values typed already pass."""
+    import math
+
+    out = []
+    for x in _as_list(value):
+        number = isinstance(x, (int, float)) and not isinstance(x, bool)
+        ok = (isinstance(x, bool) if kind is bool else
+              number and (isinstance(x, int) or x.is_integer()) if kind is int else
+              number and math.isfinite(x))
+        require(ok, f"{source}: {key} = {str(x)[:40]!r} is not {_KINDS[kind]}; write "
+                    f"{'true or false' if kind is bool else 'a number'} without quotes")
+        out.append(kind(x))
+    return out
 
 
 def load_experiment(name: str, overrides: dict | None = None) -> Experiment:
@@ -127,6 +150,18 @@ def load_experiment(name: str, overrides: dict | None = None) -> Experiment:
     """
     path, spec = read_toml(name)
     shape = spec.get("shape", {})
+    src = path.name
+    for key, kind in (("seqlen", int), ("head_dim", int), ("causal", bool), ("batch", int), ("heads", int),
+                      ("kv_heads", int), ("rows", int)):
+        if key in shape:
+            shape[key] = toml_values(shape[key], kind, key, src)
+            if key in ("batch", "heads", "kv_heads", "rows"):
+                require(len(shape[key]) == 1, f"{src}: {key} takes one value, not a list")
+                shape[key] = shape[key][0]
+    if "seeds" in spec.get("run", {}):
+        spec["run"]["seeds"] = toml_values(spec["run"]["seeds"], int, "seeds", src)
+    for k, v in spec.get("params", {}).items():
+        spec["params"][k] = toml_values(v, float, k, src)
     kw = dict(
         name=Path(name).stem, description=spec.get("description", ""), dist=spec.get("dist", "outliers"),
         variants=list(spec.get("variants", list(PRESETS))), params={k: _as_list(v) for k, v in spec.get("params", {}).items()},
@@ -139,6 +174,10 @@ def load_experiment(name: str, overrides: dict | None = None) -> Experiment:
     if family.name != parse_dist(kw["dist"]).entry.name:
         # --dist picks another family: the TOML's parameters belong to its own family.
         kw["params"] = {k: v for k, v in kw["params"].items() if k in family.params}
+    if "dist" in overrides:
+        # NAME:k=v on the command line sets k over the TOML's default; only --k as well is a conflict.
+        for k in parse_dist(overrides["dist"]).params:
+            kw["params"].pop(k, None)
     fields = {f.name for f in dataclasses.fields(Experiment)}
     for k, v in overrides.items():
         if k in family.params:

@@ -244,7 +244,9 @@ def captured_cases(path: str, *, layers: str | None = None, rows: int = 0) -> li
     """Per captured layer: FP8 with per-head descales, without and with the Hadamard rotation,
     and BF16, on the recorded Q, K, V with the capture's heads, softmax scale and causal flag."""
     from ..data.capture import load_capture, parse_layers
+    from ..engine.checks import check_rows
 
+    check_rows(rows)
     cap = load_capture(path)
     sel = parse_layers(layers) if layers else cap.layers
     missing = [i for i in sel if i not in cap.layers]
@@ -293,6 +295,18 @@ def tasks(cases: list[Case], kernel: str, accs: list[str], device: str, backend=
     return out
 
 
+def check_accs(accs: list[str] | None) -> list[str]:
+    """The accumulator models of ``--acc`` (the FA3 kernel's when None): registered, each once."""
+    from ..engine.checks import check_distinct
+    from ..numerics.accumulators import ACCUMULATORS, accumulator_names
+
+    accs = list(accs or ACCUMULATORS)
+    for a in accs:
+        require(a in accumulator_names(), f"unknown accumulator {a!r}; choose from {', '.join(accumulator_names())}")
+    check_distinct("acc", accs)
+    return accs
+
+
 def run_validation(cases: list[Case], *, device: str = "cuda", backend: str = "fa3", accs: list[str] | None = None,
                    kernel=None, progress: Callable[[str], None] = print, deadline: float | None = None):
     """Run every case through the kernel backend and the emulator (once per accumulator).
@@ -307,16 +321,14 @@ def run_validation(cases: list[Case], *, device: str = "cuda", backend: str = "f
     from ..engine.provenance import provenance
     from ..engine.runner import run_tasks
     from ..engine.sampling import effective_rows
-    from ..numerics.accumulators import ACCUMULATORS, accumulator_names
+    from ..numerics.accumulators import ACCUMULATORS
     from ..numerics.recipe import Recipe
 
     require(len(cases) > 0, "the validation grid is empty")
     name = getattr(kernel, "name", None) or backend
     kernel = kernel or get_backend(name)
     # A kernel of its own recipe names the accumulator models worth running against it.
-    accs = list(accs or getattr(kernel, "validation_accs", None) or ACCUMULATORS)
-    for a in accs:
-        require(a in accumulator_names(), f"unknown accumulator {a!r}; choose from {', '.join(accumulator_names())}")
+    accs = check_accs(list(accs or getattr(kernel, "validation_accs", None) or ACCUMULATORS))
     why = kernel.check(device)
     require(why is None, f"backend {name!r} cannot run: {why}")
     skipped = skips(cases, kernel)

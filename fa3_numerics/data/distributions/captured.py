@@ -195,6 +195,8 @@ def fit_capture(path: str | os.PathLike, layer: int = -1, sinks: int = 4, rope: 
     from ..capture import load_capture
 
     p = Path(path)
+    require(not p.is_dir(), f"captured: capture file {path} is a folder; pass a .safetensors file from "
+            "`fa3-numerics capture`")
     require(p.is_file(), f"captured: capture file {path} not found; make one with "
             f"`fa3-numerics capture --out {path}`")
     st = p.stat()
@@ -216,7 +218,8 @@ def fit_capture(path: str | os.PathLike, layer: int = -1, sinks: int = 4, rope: 
         require(d % 2 == 0, f"captured: head dim {d} is odd, RoPE needs an even head dim; use @rope=0")
         cos, sin = rope_tables(torch.arange(n), d, theta)
         q, k = unapply_rope(q, cos, sin), unapply_rope(k, cos, sin)
-    s = min(int(sinks), n)
+    require(int(sinks) <= n, f"captured: sinks={int(sinks)} exceeds the capture's {n} tokens; use @sinks={n} or fewer")
+    s = int(sinks)
     mean, std, outliers, sink_ratio = {}, {}, {}, {}
     for name, t in (("q", q), ("k", k), ("v", v)):
         body = t[:, s:] if n - s >= 2 else t
@@ -299,6 +302,9 @@ def captured(shape: AttnShape, seed: int, *, layer: float, sinks: float, block: 
     path, over = parse_arg(arg)
     params = {"layer": layer, "sinks": sinks, "block": block, "rope": rope} | over
     _validate(params)
+    # Sinks beyond the sequence would be cut silently: the recorded sinks= would not be the one used.
+    require(int(params["sinks"]) <= shape.seqlen, f"captured: sinks={int(params['sinks'])} exceeds seqlen "
+            f"{shape.seqlen}; use @sinks={shape.seqlen} or fewer")
     fit = fit_capture(path, layer=int(params["layer"]), sinks=int(params["sinks"]), rope=bool(int(params["rope"])))
     return generate_from_fit(fit, shape, seed, block=int(params["block"]))
 

@@ -15,6 +15,10 @@ returning a [B, H] tensor, plus how its samples pool (``"rms"``, ``"mean"``, ``"
 dataset gets a variable of that name, and reports, ``compare --metric`` and the audit's ranking
 offer it.
 
+A metric undefined on finite data (the cosine of an all-zero output, a relative error against
+an all-zero reference) is NaN there, never a 0 or an Inf that would read as a result; the
+metric's ``undefined`` says when, and every such NaN is a finding like a non-finite output.
+
 Non-finite samples are never dropped: a sample whose output (or reference) holds NaN or Inf
 has NaN errors, and ``pooled`` and the bootstrap of any set holding such a sample are NaN.
 Callers report them as "non-finite (k of n samples)" (``nonfinite_samples``) rather than an
@@ -73,6 +77,8 @@ class Metric:
     units: str = ""
     # "higher": larger is worse (errors; ranked by the audit); "lower": larger is better; "": a count
     worse: str = "higher"
+    # When the metric is NaN on finite data (stored in the dataset as the variable's "nan_reason")
+    undefined: str = ""
 
     def __post_init__(self):
         if self.pool not in POOLS:
@@ -85,11 +91,13 @@ METRICS: dict[str, str] = {}
 _loaded = False
 
 
-def register_metric(name: str, description: str, *, pool: str = "mean", units: str = "", worse: str = "higher"):
-    """Decorator: register ``fn(terms) -> [B, H] tensor`` as metric ``name``."""
+def register_metric(name: str, description: str, *, pool: str = "mean", units: str = "", worse: str = "higher",
+                    undefined: str = ""):
+    """Decorator: register ``fn(terms) -> [B, H] tensor`` as metric ``name``. ``undefined``: when
+    the metric has no value on finite outputs (then ``fn`` returns NaN there), in words."""
 
     def deco(fn):
-        _REGISTRY[name] = Metric(name, description, fn, pool, units, worse)
+        _REGISTRY[name] = Metric(name, description, fn, pool, units, worse, undefined)
         METRICS[name] = description
         return fn
 
