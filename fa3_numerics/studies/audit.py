@@ -124,7 +124,8 @@ def tasks(cap, recipes: list[tuple[str, Recipe]], layers: list[int], *, backend:
         inputs = CaptureInputs(str(cap.path), layer) if cap.path else TensorInputs.of(*cap.qkv(layer))
         cell = {"layer": layer, "causal": cap.causal, "softmax_scale": cap.scale, "tokens": cap.tokens}
         keys = [cache_key(f"capture:{capture_sha256}", cell, seed, r.spec(), batch=1, heads=cap.heads,
-                          kv_heads=cap.kv_heads, rows=rows, backend=backend, device=device, extra={"study": "audit"})
+                          kv_heads=cap.kv_heads, rows=rows, backend=backend, device=device,
+                          study=(__name__, "fa3_numerics.studies.audit_stats"))
                 if capture_sha256 else "" for _, r in recipes]
         out.append(Task(inputs, cap.causal, seed, rows, backend, device,
                         [Job(i, r, key=k) for i, ((_, r), k) in enumerate(zip(recipes, keys))], hist_key=None,
