@@ -297,11 +297,13 @@ def test_no_command_writes_into_a_folder_impact_holds(tiny, tmp_path, capsys):
     # second impact into the same folder stop at once with one line, exit 2.
     out = tmp_path / "o"
     (out / ".cells").mkdir(parents=True)
-    (out / ".cells" / ".x.npz.tmp").write_bytes(b"junk")  # what a killed study leaves
+    (out / ".cells" / ".x.npz.fa3n-k1lled00.tmp").write_bytes(b"junk")  # what a killed study leaves
+    (out / ".cells" / ".notes.tmp").write_bytes(b"mine")  # a user's file of a like name stays
     seen = {}
 
     def meanwhile(ds):
-        seen["temp left"] = (out / ".cells" / ".x.npz.tmp").exists()
+        seen["temp left"] = (out / ".cells" / ".x.npz.fa3n-k1lled00.tmp").exists()
+        seen["user file kept"] = (out / ".cells" / ".notes.tmp").exists()
         seen["run"] = run_cli(["run", "outliers", "--seqlen", "64", "--heads", "2", "--batch", "1", "--rows", "16",
                                "--variants", "fa3-fp8", "--out", str(out)], capsys)
         seen["impact"] = run_cli(["impact", "--model", str(tiny), "--tokens", "32", "--variants", "exact",
@@ -309,7 +311,7 @@ def test_no_command_writes_into_a_folder_impact_holds(tiny, tmp_path, capsys):
 
     impact(model=str(tiny), tokens=32, variants="exact", sweep=False, decode="none", baselines=False, out=out,
            progress=QUIET, then=meanwhile)
-    assert seen["temp left"] is False  # cleaned once the study held the folder
+    assert seen["temp left"] is False and seen["user file kept"]  # the tool's own temps cleaned once held
     for command in ("run", "impact"):
         code, _, err = seen[command]
         assert code == 2 and "another fa3-numerics process is writing" in _one_error_line(err), command
