@@ -856,3 +856,33 @@ def test_help_and_no_arguments_still_show_the_help(cli):
     assert code == 0 and "run" in out and "audit" in out
     code, out, err = cli("run")
     assert code == 2 and "outliers" in out + err
+
+
+def test_markdown_template_lets_no_raw_html_through_whatever_a_report_module_forgot():
+    """Figure titles, alt texts and captions, table captions, section and document titles, and
+    authored Markdown all pass through md_no_html: a user string that reached one unescaped (an
+    ablation's data label in a caption, say) still comes out as text, code spans as written."""
+    from fa3_numerics.report.document import Document, Fig, Markdown, Para, Section, Table, md_no_html, render
+    from fa3_numerics.report.plots import Figure
+
+    raw = "<img src=x onerror=alert(1)>"
+    fig = Figure(name="f", title=f"t {raw}", caption=f"*c* `{raw}` {raw}", png=b"", alt=f"a {raw}")
+    table = Table(["h"], [["1"]], caption=f"cap {raw}") if "caption" in Table.__dataclass_fields__ else None
+    blocks = [Para(f"p {raw}"), Markdown(f"m {raw}"), Fig(fig)] + ([table] if table else [])
+    md = render(Document(title=f"T {raw}", sections=[Section(f"S {raw}", blocks)]), "md")
+    from html.parser import HTMLParser
+
+    from markdown_it import MarkdownIt
+
+    tags = []
+
+    class Tags(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            tags.append((tag, dict(attrs)))
+
+    Tags().feed(MarkdownIt("commonmark", {"html": True}).enable("table").render(md))
+    # an escaped "<" inside the figure's alt attribute is text; no element may carry onerror
+    assert [t for t, a in tags if t == "img"] == ["img"] and not any("onerror" in a for _, a in tags), tags
+    assert "\n# h" not in md
+    assert md.count("onerror") >= 6 and f"`{raw}`" in md  # kept, as text; the code span untouched
+    assert md_no_html("\\<b> <<i>") == "\\<b> \\<\\<i>"  # an escaped "<" is not escaped twice

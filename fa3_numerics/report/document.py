@@ -35,6 +35,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import functools
+import re
 from pathlib import Path
 from typing import Iterable, Union
 
@@ -158,6 +159,34 @@ def md_text(text) -> str:
     return "".join(out)
 
 
+_CODE_SPAN = re.compile(r"(`+)(.+?)(?<!`)\1(?!`)", re.S)
+
+
+def _escape_lt(text: str) -> str:
+    """Each "<" not already escaped (after an even number of backslashes) escaped; md_text's "\\<" is left."""
+    out, slashes = [], 0
+    for c in text:
+        if c == "<" and slashes % 2 == 0:
+            out.append("\\")
+        out.append(c)
+        slashes = slashes + 1 if c == "\\" else 0
+    return "".join(out)
+
+
+def md_no_html(text) -> str:
+    """Authored Markdown with every ``<`` outside code spans backslash-escaped, so that no raw HTML
+    tag reaches a renderer that passes HTML through (GitHub's, before its sanitiser), whatever a
+    report module forgot to escape: the last line of defence behind ``md_text``/``md_code``. Code
+    spans stay as written (a renderer shows their content literally)."""
+    text, out, at = str(text), [], 0
+    for m in _CODE_SPAN.finditer(text):
+        out.append(_escape_lt(text[at:m.start()]))
+        out.append(m.group(0))
+        at = m.end()
+    out.append(_escape_lt(text[at:]))
+    return "".join(out)
+
+
 def md_code(text) -> str:
     """``text`` as one Markdown code span that holds it literally, whatever it holds: the fence is
     one backtick longer than the longest run of backticks inside, padded with a space where the
@@ -206,7 +235,7 @@ def _env():
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
                              undefined=jinja2.StrictUndefined)
     env.filters.update(md_inline=lambda t: _markup(md_inline(t)), md_block=lambda t: _markup(md_block(t)),
-                       md_table=md_table, md_bullets=md_bullets, md_text=md_text, b64=lambda b: base64.b64encode(b).decode("ascii"))
+                       md_table=md_table, md_bullets=md_bullets, md_text=md_text, no_html=md_no_html, b64=lambda b: base64.b64encode(b).decode("ascii"))
     env.globals.update(kind=lambda b: type(b).__name__)
     return env
 
