@@ -1,14 +1,22 @@
 """Running a sweep's tasks on dask.distributed.
 
-Exposed: ``default_workers``, ``worker_device``, ``check_scheduler``, ``run_dask``.
+Exposed: ``default_workers``, ``visible_gpus``, ``gpu_slots``, ``check_scheduler``, ``run_dask``.
 
 A sweep (``fa3_numerics.engine.runner.run_tasks``) is a list of independent tasks, one per
 (cell, seed). ``run_dask`` submits them to a ``LocalCluster`` of single-threaded worker
-processes (one per CPU core, or one per GPU with worker i on GPU i mod count) or to an
-existing cluster at a scheduler address. Workers write each finished variant's cache file
-atomically, so a sweep killed at any point resumes from what finished; results come back to
-the driver, which files each at its fixed position, so the dataset does not depend on the
-number of workers or the order in which tasks finish.
+processes (one per CPU core) or to an existing cluster at a scheduler address. Workers write
+each finished variant's cache file atomically, so a sweep killed at any point resumes from what
+finished; results come back to the driver, which files each at its fixed position, so the
+dataset does not depend on the number of workers or the order in which tasks finish.
+
+On CUDA the LocalCluster holds one worker per GPU, pinned: worker i starts with
+``CUDA_VISIBLE_DEVICES`` set to the i-th GPU this process sees, so it sees that GPU alone, as
+``cuda``/``cuda:0``, and never creates a context on another. ``--workers`` defaults to the
+number of visible GPUs and may not exceed it (two workers on one GPU would share its memory and
+its SMs, and gain nothing). A cluster at ``--scheduler`` is used as it is: start its workers one
+per GPU, each with its own ``CUDA_VISIBLE_DEVICES`` (``CUDA_VISIBLE_DEVICES=1 dask worker
+tcp://HOST:8786 --nworkers 1 --nthreads 1``); a worker that sees several GPUs computes on its
+first.
 
 dask is imported only here, inside functions: runs with ``workers=0`` never need it.
 """
@@ -26,26 +34,50 @@ from ..errors import UsageError
 
 
 def default_workers(device: str = "cpu") -> int:
-    """One worker per GPU on CUDA, else one per CPU core available to this process."""
+    """One worker per visible GPU on CUDA, else one per CPU core available to this process."""
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.device_count()
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def worker_device(device: str) -> str:
-    """On a dask worker of a LocalCluster with several GPUs, worker i takes GPU i mod count."""
-    if device != "cuda" or not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        return device
-    try:
-        from distributed import get_worker
+def visible_gpus(env: dict | None = None, count: int | None = None) -> list[str]:
+    """The GPUs this process sees, each as a worker would name it in ``CUDA_VISIBLE_DEVICES``.
 
-        name = get_worker().name
-    except (ImportError, ValueError):
-        return device
-    try:
-        return f"cuda:{int(name) % torch.cuda.device_count()}"
-    except (TypeError, ValueError):
-        return device
+    Entries of this process's own ``CUDA_VISIBLE_DEVICES`` (indices, ``GPU-`` UUIDs or MIG
+    names) pass through as written, so a worker sees the same physical GPU that this process
+    calls ``cuda:i``; CUDA ignores entries past the devices it finds, hence the cut at ``count``
+    (torch's device count unless given).
+    """
+    env = os.environ if env is None else env
+    if count is None:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return [str(i) for i in range(count)]
+    return [e.strip() for e in listed.split(",") if e.strip()][:count]
+
+
+def gpu_slots(workers: int, gpus: list[str]) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` of each of ``workers`` pinned workers: worker i holds GPU i."""
+    if not gpus:
+        raise UsageError("--device cuda with --workers needs a GPU, and this process sees none "
+                         "(check CUDA_VISIBLE_DEVICES and nvidia-smi, or run with --device cpu)")
+    if workers > len(gpus):
+        raise UsageError(f"--workers {workers} exceeds the {len(gpus)} visible GPU(s) "
+                         f"({','.join(gpus)}): one worker per GPU, so use --workers {len(gpus)} or fewer")
+    return gpus[:workers]
+
+
+def _placement(todo: list, workers: int) -> list[str] | None:
+    """The GPU of each LocalCluster worker when the tasks run on CUDA, else None (CPU workers)."""
+    devices = {sub.device for _, sub in todo}
+    if not any(d.startswith("cuda") for d in devices):
+        return None
+    if devices != {"cuda"}:
+        named = ", ".join(sorted(d for d in devices if d != "cuda"))
+        raise UsageError(f"--device {named} names one GPU, but --workers places one worker on each GPU: "
+                         "write --device cuda, or run on that GPU alone with --workers 0")
+    return gpu_slots(workers, visible_gpus())
 
 
 def check_scheduler(address: str | None) -> None:
@@ -76,15 +108,25 @@ def dashboard_address() -> str:
     return os.environ.get("FA3N_DASHBOARD", "").strip() or f"{LOOPBACK}:0"
 
 
-def local_cluster(workers: int):
+def local_cluster(workers: int, gpus: list[str] | None = None):
     """A LocalCluster of ``workers`` single-threaded worker processes, scheduler, workers and
-    dashboard listening on the loopback interface (the dashboard where FA3N_DASHBOARD says)."""
+    dashboard listening on the loopback interface (the dashboard where FA3N_DASHBOARD says).
+    With ``gpus`` (one ``CUDA_VISIBLE_DEVICES`` value per worker), worker i sees ``gpus[i]`` only."""
     from dask.distributed import LocalCluster
 
     # Without bokeh the scheduler still serves a few HTTP routes at this address: keep it local too.
-    return LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host=LOOPBACK,
-                        dashboard_address=dashboard_address(), worker_dashboard_address=None,
-                        silence_logs=logging.ERROR)
+    options = dict(threads_per_worker=1, processes=True, host=LOOPBACK, dashboard_address=dashboard_address(),
+                   worker_dashboard_address=None, silence_logs=logging.ERROR)
+    if gpus is None:
+        return LocalCluster(n_workers=workers, **options)
+    # The nanny sets ``env`` in the worker process before the worker starts, hence before any task
+    # imports torch and long before CUDA reads CUDA_VISIBLE_DEVICES (at its first call).
+    cluster = LocalCluster(n_workers=0, **options)
+    cluster.worker_spec.update({i: {"cls": cluster.new_spec["cls"],
+                                    "options": {**cluster.new_spec["options"], "env": {"CUDA_VISIBLE_DEVICES": gpu}}}
+                                for i, gpu in enumerate(gpus)})
+    cluster.sync(cluster._correct_state)  # start them now, while the caller's dask.config applies
+    return cluster
 
 
 def _has_bokeh() -> bool:
@@ -139,10 +181,12 @@ def run_dask(todo: list, compute: Callable, *, cache_dir: Path | None, workers: 
         # time against 2.5 s of user time per task). Workers get the thread caps only.
         with dask.config.set({"distributed.nanny.pre-spawn-environ": {
                 "OMP_NUM_THREADS": 1, "MKL_NUM_THREADS": 1, "OPENBLAS_NUM_THREADS": 1}}):
-            cluster = local_cluster(workers)
+            gpus = _placement(todo, workers)
+            cluster = local_cluster(workers, gpus)
         client = Client(cluster)
         threads = 1
-        progress(f"dask: LocalCluster with {workers} single-threaded worker process(es); "
+        where = f", one per GPU (CUDA_VISIBLE_DEVICES {' / '.join(gpus)})" if gpus else ""
+        progress(f"dask: LocalCluster with {workers} single-threaded worker process(es){where}; "
                  f"{_dashboard(client, local=True)}")
     try:
         futures = {client.submit(compute, sub, cdir, threads, pure=False, key=f"fa3n-task-{ti}"): (ti, sub)

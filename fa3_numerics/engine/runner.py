@@ -165,11 +165,7 @@ def compute_task(task: Task, cache_dir: str | None = None, threads: int = 0,
     deterministic_matmuls()
     for mod in task.modules:
         importlib.import_module(mod)
-    device = task.device
-    if device == "cuda":
-        from .distributed import worker_device
-
-        device = worker_device(device)
+    device = task.device  # on a pinned dask worker, "cuda" is its own GPU (engine/distributed.py)
     cdir = Path(cache_dir) if cache_dir else None
     where = f"{task.inputs.describe()}" + (f" at {task.where}" if task.where else "") + f", seed {task.seed}"
     q, k, v = task.inputs.draw(device)
