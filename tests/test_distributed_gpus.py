@@ -90,10 +90,15 @@ def test_each_pinned_worker_process_sees_its_gpu_alone(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,GPU-x")
     for gpus, want in ((["5", "GPU-x"], {0: "5", 1: "GPU-x"}), (None, {0: "5,GPU-x", 1: "5,GPU-x"})):
         cluster = distributed.local_cluster(2, gpus)
+        msgs = []
         try:
             with Client(cluster) as client:
                 client.wait_for_workers(2, timeout=60)
                 seen = dict(client.run(_seen).values())
+                # As a cluster at --scheduler: pinned workers pass, unpinned ones are named.
+                unpinned = distributed.warn_unpinned(client, msgs.append)
         finally:
             cluster.close()
         assert seen == want
+        assert len(unpinned) == (0 if gpus else 2) and len(msgs) == (0 if gpus else 1)
+        assert not msgs or "2 of 2 dask worker(s) are not pinned" in msgs[0]

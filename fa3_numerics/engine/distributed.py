@@ -1,6 +1,7 @@
 """Running a sweep's tasks on dask.distributed.
 
-Exposed: ``default_workers``, ``visible_gpus``, ``gpu_slots``, ``check_scheduler``, ``run_dask``.
+Exposed: ``default_workers``, ``visible_gpus``, ``gpu_slots``, ``warn_unpinned``, ``check_scheduler``,
+``run_dask``.
 
 A sweep (``fa3_numerics.engine.runner.run_tasks``) is a list of independent tasks, one per
 (cell, seed). ``run_dask`` submits them to a ``LocalCluster`` of single-threaded worker
@@ -16,7 +17,7 @@ number of visible GPUs and may not exceed it (two workers on one GPU would share
 its SMs, and gain nothing). A cluster at ``--scheduler`` is used as it is: start its workers one
 per GPU, each with its own ``CUDA_VISIBLE_DEVICES`` (``CUDA_VISIBLE_DEVICES=1 dask worker
 tcp://HOST:8786 --nworkers 1 --nthreads 1``); a worker that sees several GPUs computes on its
-first.
+first, and the run warns about it.
 
 dask is imported only here, inside functions: runs with ``workers=0`` never need it.
 """
@@ -78,6 +79,24 @@ def _placement(todo: list, workers: int) -> list[str] | None:
         raise UsageError(f"--device {named} names one GPU, but --workers places one worker on each GPU: "
                          "write --device cuda, or run on that GPU alone with --workers 0")
     return gpu_slots(workers, visible_gpus())
+
+
+def _worker_gpus() -> str | None:
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def warn_unpinned(client, progress: Callable[[str], None]) -> list[str]:
+    """Warn about the workers of an existing cluster that may see several GPUs (no
+    ``CUDA_VISIBLE_DEVICES``, or a list): each would compute on its first GPU only, so workers
+    sharing a host would share that GPU. Returns their addresses."""
+    seen = client.run(_worker_gpus)
+    bad = sorted(a for a, v in seen.items() if v is None or "," in v)
+    if bad:
+        shown = ", ".join(f"{a} ({'unset' if seen[a] is None else seen[a]})" for a in bad[:3])
+        progress(f"warning: {len(bad)} of {len(seen)} dask worker(s) are not pinned to one GPU "
+                 f"(CUDA_VISIBLE_DEVICES: {shown}{', ...' if len(bad) > 3 else ''}); each computes on its first "
+                 "GPU: start one worker per GPU, each with its own CUDA_VISIBLE_DEVICES")
+    return bad
 
 
 def check_scheduler(address: str | None) -> None:
@@ -170,6 +189,8 @@ def run_dask(todo: list, compute: Callable, *, cache_dir: Path | None, workers: 
         threads = 0  # an existing cluster's workers keep their own thread settings
         progress(f"dask: connected to {scheduler} ({len(client.scheduler_info()['workers'])} worker(s)); "
                  f"{_dashboard(client, local=False)}")
+        if any(sub.device.startswith("cuda") for _, sub in todo):
+            warn_unpinned(client, progress)
     else:
         if workers < 1:
             raise UsageError(f"--workers must be >= 0, got {workers}")
