@@ -13,8 +13,8 @@ dataset does not depend on the number of workers or the order in which tasks fin
 On CUDA the LocalCluster holds one worker per GPU, pinned: worker i starts with
 ``CUDA_VISIBLE_DEVICES`` set to the i-th GPU this process sees, so it sees that GPU alone, as
 ``cuda``/``cuda:0``, and never creates a context on another. ``--workers`` defaults to the
-number of visible GPUs and may not exceed it (two workers on one GPU would share its memory and
-its SMs, and gain nothing). A cluster at ``--scheduler`` is used as it is: start its workers one
+number of visible GPUs and may not exceed it (two workers on one GPU would contend for its memory
+and its SMs). A cluster at ``--scheduler`` is used as it is: start its workers one
 per GPU, each with its own ``CUDA_VISIBLE_DEVICES`` (``CUDA_VISIBLE_DEVICES=1 dask worker
 tcp://HOST:8786 --nworkers 1 --nthreads 1``); a worker that sees several GPUs computes on its
 first, and the run warns about it.
