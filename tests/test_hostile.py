@@ -885,4 +885,5 @@ def test_markdown_template_lets_no_raw_html_through_whatever_a_report_module_for
     assert [t for t, a in tags if t == "img"] == ["img"] and not any("onerror" in a for _, a in tags), tags
     assert "\n# h" not in md
     assert md.count("onerror") >= 6 and f"`{raw}`" in md  # kept, as text; the code span untouched
-    assert md_no_html("\\<b> <<i>") == "\\<b> \\<\\<i>"  # an escaped "<" is not escaped twice
+    assert md_no_html("\\<b> <<i>") == "\\<b> <\\<i>"  # an escaped "<" is not escaped twice
+    assert md_no_html("KL <= 1e-6, p < 0.05") == "KL <= 1e-6, p < 0.05"  # no tag can start there

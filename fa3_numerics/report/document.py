@@ -163,10 +163,14 @@ _CODE_SPAN = re.compile(r"(`+)(.+?)(?<!`)\1(?!`)", re.S)
 
 
 def _escape_lt(text: str) -> str:
-    """Each "<" not already escaped (after an even number of backslashes) escaped; md_text's "\\<" is left."""
+    """Each "<" that could open a tag and is not already escaped (after an even number of
+    backslashes) escaped; md_text's "\\<" is left."""
     out, slashes = [], 0
-    for c in text:
-        if c == "<" and slashes % 2 == 0:
+    for i, c in enumerate(text):
+        nxt = text[i + 1:i + 2]
+        # only "<" before a letter, "/", "!" or "?" can open raw HTML (an autolink needs a letter
+        # too): "<=" and "< 5" stay as written
+        if c == "<" and slashes % 2 == 0 and (nxt.isalpha() or nxt in ("/", "!", "?")):
             out.append("\\")
         out.append(c)
         slashes = slashes + 1 if c == "\\" else 0
