@@ -1,16 +1,24 @@
 """CF / xarray conventions for every dataset the toolkit writes, and reading older ones.
 
-Exposed: ``CONVENTIONS``, ``apply_conventions``, ``upgrade``, ``attr_list``, ``meta_of``.
+Exposed: ``CONVENTIONS``, ``apply_conventions``, ``cf_attributes``, ``cf_encoding``, ``upgrade``,
+``attr_list``, ``meta_of``.
 
-``apply_conventions(ds)`` makes a dataset read well in any xarray session (``ds.rmse.plot()``
-labels itself "RMSE against the float64 reference [output units]"):
+Every dataset passes compliance-checker's CF 1.10 check (tests/test_cf.py). ``apply_conventions(ds)``
+makes a run or validation dataset read well in any xarray session (``ds.rmse.plot()`` labels itself
+"RMSE against the float64 reference, in the units of V [1]"):
 
 - ``long_name`` and ``units`` on every data variable and coordinate: metrics from the metric
-  registry (units as registered: "output units", "dB", "count"; dimensionless ones "1"),
-  distribution parameters from the distribution registry, ablation factors from the factor
-  registry, the rest from ``_META`` below;
+  registry, distribution parameters from the distribution registry, ablation factors from the
+  factor registry, the rest from ``_META`` below. Units are UDUNITS strings: Q, K, V and the
+  outputs have no physical unit, so their scales are "1" with the scale named in long_name
+  ("in the units of V"), as are sequence lengths and head dims; decibels, which CF has no unit
+  for, are "1" with a ``comment``. Older files' "output units", "input units", "tokens",
+  "channels" and "dB" are rewritten so;
 - ``nan_reason`` on a metric that can be undefined on finite data (the metric's ``undefined``:
   "NaN where O_ref is all zeros ..."), so that a NaN read back says why it is there;
+- ``pooling`` on a metric: how a cell's samples combine into the estimate the reports give, in
+  cell_methods syntax ("seed: batch: head: root_mean_square"; ``numerics.metrics.pooled``). It is
+  not ``cell_methods`` because the stored values are the samples themselves, not pooled;
 - ``Conventions``, ``title``, ``history``, ``source`` and ``references`` attributes;
 - lists stored as arrays, not JSON strings (``seeds``, ``factors``, ``tiles_fp8``);
 - an index coordinate on every dimension (``abs_bin``: the lower edge of each |x| bin);
@@ -18,9 +26,14 @@ labels itself "RMSE against the float64 reference [output units]"):
   such a variable is written as int32 with ``_FillValue`` -1, which xarray reads back as float
   with NaN; a count with no missing cell is int64 in memory and on disk.
 
+``cf_attributes(ds)`` is the attribute part alone, which ``engine.dataset.write`` gives every
+other dataset (impact, recommend, backward); ``cf_encoding(ds)`` keeps ``_FillValue`` off the
+coordinates, which CF forbids there.
+
 ``upgrade(ds)`` brings a dataset written before these conventions (JSON-string lists, an
-``abs_bin`` dimension without an index, float counts) to the current layout; ``read`` applies it,
-so reports and ``compare`` read old and new datasets alike. Both are idempotent.
+``abs_bin`` dimension without an index, float counts, units UDUNITS rejects) to the current
+layout; ``read`` applies it, so reports and ``compare`` read old and new datasets alike. Both
+are idempotent.
 """
 
 from __future__ import annotations
