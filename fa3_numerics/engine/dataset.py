@@ -25,7 +25,8 @@ import xarray as xr
 
 from ..errors import UsageError
 from ..numerics.metrics import METRICS, bootstrap_ci, nonfinite_samples, pooled
-from .conventions import apply_conventions, attr_list, cf_attributes, cf_encoding, upgrade  # noqa: F401  attr_list: re-exported
+from .conventions import attr_list  # noqa: F401  re-exported
+from .conventions import apply_conventions, cf_attributes, cf_encoding, upgrade
 from .files import atomic_path
 from .inputs import HIST_EDGES
 
