@@ -42,11 +42,12 @@ def test_every_variable_and_coordinate_has_long_name_and_units(run_nc):
         assert attrs.get("long_name"), name
         if raw[name].dtype.kind in "fiu" and name not in ("causal",):
             assert "units" in attrs, name
-    assert raw["rmse"].attrs["units"] == "output units" and raw["rmse"].attrs["long_name"].startswith("RMSE")
-    assert raw["sqnr_db"].attrs["units"] == "dB"
+    # CF units (UDUNITS): dimensionless scales are "1", their meaning in long_name; dB in a comment
+    assert raw["rmse"].attrs["units"] == "1" and raw["rmse"].attrs["long_name"].startswith("RMSE")
+    assert raw["sqnr_db"].attrs["units"] == "1" and "decibels" in raw["sqnr_db"].attrs["comment"]
     assert raw["rel_l2"].attrs["units"] == "1"
     assert raw["p"].attrs["long_name"] == "outlier probability per entry" and raw["p"].attrs["units"] == "1"
-    assert raw["sigma"].attrs["units"] == "1" and raw["seqlen"].attrs["units"] == "tokens"
+    assert raw["sigma"].attrs["units"] == "1" and raw["seqlen"].attrs["units"] == "1"
     assert raw.attrs["Conventions"] == "CF-1.10"
     assert raw.attrs["title"].startswith("FA3 paper Table 3")
     assert raw.attrs["command"] in raw.attrs["history"]
@@ -76,11 +77,11 @@ def test_rmse_plot_labels_itself(run_nc):
         plt.figure()
         raw.rmse.plot()  # 5 dims: a histogram of every sample, its x axis named and in units
         label = lambda text: " ".join(text.split())  # noqa: E731  xarray wraps long labels
-        assert label(plt.gca().get_xlabel()) == "RMSE against the float64 reference [output units]"
+        assert label(plt.gca().get_xlabel()) == "RMSE against the float64 reference, in the units of V [1]"
         plt.figure()
         line = raw["rmse"].sel(variant="fa3-fp8").mean(["seed", "batch", "head"], keep_attrs=True).plot()
         ax = line[0].axes
-        assert label(ax.get_ylabel()) == "RMSE against the float64 reference [output units]"
+        assert label(ax.get_ylabel()) == "RMSE against the float64 reference, in the units of V [1]"
         assert label(ax.get_xlabel()) == "outlier probability per entry [1]"
     finally:
         plt.close("all")
@@ -97,7 +98,7 @@ def test_a_dataset_written_before_the_conventions_loads_upgraded(tmp_path):
     assert raw.attrs["seeds"] == "[0]" and "abs_bin" not in raw.indexes and raw["nonfinite"].dtype.kind == "f"
     ds = read(OLD)
     assert attr_list(ds, "seeds") == [0] and "abs_bin" in ds.indexes and "abs_bin_lo" not in ds.coords
-    assert ds["nonfinite"].dtype.kind == "i" and ds["rmse"].attrs["units"] == "output units"
+    assert ds["nonfinite"].dtype.kind == "i" and ds["rmse"].attrs["units"] == "1"
     np.testing.assert_array_equal(ds["rmse"].values, raw["rmse"].values)  # numbers untouched
     np.testing.assert_array_equal(ds["abs_bin"].values, raw["abs_bin_lo"].values)
     # written again, it reads back the same (the upgrade is idempotent)

@@ -25,7 +25,8 @@ import xarray as xr
 
 from ..errors import UsageError
 from ..numerics.metrics import METRICS, bootstrap_ci, nonfinite_samples, pooled
-from .conventions import apply_conventions, attr_list, upgrade  # noqa: F401  attr_list: re-exported
+from .conventions import attr_list  # noqa: F401  re-exported
+from .conventions import apply_conventions, cf_attributes, cf_encoding, upgrade
 from .files import atomic_path
 from .inputs import HIST_EDGES
 
@@ -37,12 +38,22 @@ KINDS = ("run", "ablation", "audit", "validation")
 
 def write(ds: xr.Dataset, path: str | Path) -> Path:
     """Write ``ds`` as netCDF (h5netcdf) to ``path`` whole or not at all (temp file + rename),
-    with the conventions of ``fa3_numerics.engine.conventions`` (``ds`` itself is not changed)."""
-    if ds.attrs.get("format") in (FORMAT, VALIDATION_FORMAT):
-        ds = apply_conventions(ds)
+    with the conventions of ``fa3_numerics.engine.conventions`` (``ds`` itself is not changed).
+    Every dataset, whatever study wrote it (impact, recommend, ...), leaves here CF 1.10 compliant:
+    long names, UDUNITS units, ``Conventions``, no fill value on coordinates."""
+    ds = apply_conventions(ds) if ds.attrs.get("format") in (FORMAT, VALIDATION_FORMAT) else cf_attributes(ds.copy())
+    encoding = cf_encoding(ds)
+    for name, enc in _compression(ds).items():
+        encoding[name] = encoding.get(name, {}) | enc
+    for name, enc in encoding.items():  # an encoding given here replaces the variable's: keep its types
+        kept = {k: v for k, v in ds[name].encoding.items() if k in _TYPE_ENCODING}
+        encoding[name] = kept | enc
     with atomic_path(path) as tmp:
-        ds.to_netcdf(tmp, engine="h5netcdf", encoding=_compression(ds))
+        ds.to_netcdf(tmp, engine="h5netcdf", encoding=encoding)
     return Path(path)
+
+
+_TYPE_ENCODING = ("dtype", "_FillValue", "missing_value")
 
 
 def _compression(ds: xr.Dataset) -> dict:

@@ -49,6 +49,19 @@ VARIABLES = {
                    "runs it (same Q, K, V as the audit's)",
 }
 
+# Long names of the coordinates (the writer adds units: "1" for numbers, none for labels).
+COORD_NAMES = {
+    "token": "position in the text (predicting the token at position + 1)",
+    "token_id": "token id at the position", "target_id": "next token id (-1 at the last position)",
+    "fp8": "1 where the recipe runs FP8 matmuls", "sweep_spec": "recipe spec the layer sweep ran",
+    "mask": "layers that run the recipe (none, all, or L<i>: only layer i)",
+    "mask_layer": "layer of the mask (-1: none, -2: all)", "model_layer": "model layer index",
+    "baseline": "model baseline (SDPA in float32 or bfloat16)", "dvariant": "decode recipe label",
+    "kv": "KV-cache mode of the decode pass", "dspec": "canonical spec of the decode recipe",
+    "assignment": "per-layer recipe assignment", "asg_source": "where the assignment comes from (--recipe-map, budget)",
+    "asg_recipe": "recipe label the assignment gives the layer", "asg_cost": "summed recipe cost of the assignment",
+}
+
 
 def _stack(results: dict, keys: list[tuple], name: str, dtype=np.float64) -> np.ndarray:
     return np.stack([np.asarray(results[k][name], dtype=dtype) for k in keys])
@@ -147,6 +160,9 @@ def assemble(info: dict, ref, recipes, dec, map_layers, results: dict, audit_ds,
     if audit_ds is not None:
         _audit_link(audit_ds, recipes, sweep, data, coords, attrs)
     ds = xr.Dataset(data, coords=coords)
+    for name, long in COORD_NAMES.items():
+        if name in ds.coords:
+            ds[name].attrs.setdefault("long_name", long)
     attrs.update(provenance(info["device"]))
     attrs.update({"format": IMPACT_FORMAT, "kind": "impact", "token_ids_sha256": token_ids_sha256(info["input_ids"])})
     ds.attrs.update({k: (v if isinstance(v, (str, int, float)) else json.dumps(v)) for k, v in attrs.items()})
