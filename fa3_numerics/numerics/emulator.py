@@ -180,6 +180,7 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         rq0 = rq
         sq = lambda: once("smooth-q", lambda: smooth_q(rq0(), bm))  # noqa: E731
         rq = lambda: sq()[0]  # noqa: E731
+
     def expand(t: Quantized) -> Quantized:
         # Values stay in their narrow storage dtype here (the cache holds a quarter of float32
         # for FP8); each algorithm widens them once per call.
