@@ -18,7 +18,7 @@ import pytest
 import fa3_numerics
 from fa3_numerics.engine.cache import VERSIONED, cache_key, code_key, code_parts, dist_key
 from fa3_numerics.engine.files import atomic_write
-from fa3_numerics.studies.impact_store import STUDY_MODULES, code_version
+from fa3_numerics.studies.impact import STUDY_MODULES, code_version
 
 PKG = Path(fa3_numerics.__file__).resolve().parent
 KERNELS = Path(importlib.util.find_spec("fa3_numerics.kernels").submodule_search_locations[0])

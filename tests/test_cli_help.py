@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from fa3_numerics.cli import app, main
 
 # cli/impact.py belongs to the impact command's owner; its help is checked there.
-OTHERS = ("impact", "impact-report")
+OTHERS = ("impact",)
 
 
 def _commands():

@@ -249,7 +249,7 @@ def test_an_in_process_run_leaves_no_import_running(tmp_path, cli, monkeypatch):
     monkeypatch.delitem(sys.modules, "fa3n_slow_import", raising=False)
     real, started = prefetch.prefetch, []
 
-    def spy(modules=prefetch.REPORT_MODULES, interval=prefetch.SWITCH_INTERVAL):
+    def spy(modules, interval=prefetch.SWITCH_INTERVAL):
         started.append(real((*modules, "fa3n_slow_import"), interval))
         return started[-1]
 

@@ -71,7 +71,8 @@ def test_prefetch_imports_in_the_background_and_leaves_failures_to_the_caller():
     there (the step that needs it reports the error), and the rest still load."""
     import sys
 
-    from fa3_numerics.engine.prefetch import REPORT_MODULES, prefetch
+    from fa3_numerics.cli.run import REPORT_IMPORTS
+    from fa3_numerics.engine.prefetch import prefetch
 
     import threading
 
@@ -86,7 +87,7 @@ def test_prefetch_imports_in_the_background_and_leaves_failures_to_the_caller():
     assert not t.is_alive() and t.daemon
     assert "colorsys" in sys.modules and "fa3n_no_such_module" not in sys.modules
     assert sys.getswitchinterval() == before == pytest.approx(0.005)  # restored once the imports end
-    assert "scipy.stats" in REPORT_MODULES and "matplotlib.figure" in REPORT_MODULES
+    assert "scipy.stats" in REPORT_IMPORTS and "matplotlib.figure" in REPORT_IMPORTS
 
 
 def _raise_usage():

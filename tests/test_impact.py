@@ -309,8 +309,12 @@ def test_no_command_writes_into_a_folder_impact_holds(tiny, tmp_path, capsys):
         seen["impact"] = run_cli(["impact", "--model", str(tiny), "--tokens", "32", "--variants", "exact",
                                   "--no-sweep", "--decode", "none", "--no-baselines", "--out", str(out)], capsys)
 
-    impact(model=str(tiny), tokens=32, variants="exact", sweep=False, decode="none", baselines=False, out=out,
-           progress=QUIET, then=meanwhile)
+    from fa3_numerics.engine.study import run_study
+    from fa3_numerics.studies.impact import ImpactStudy
+
+    study = ImpactStudy(model=str(tiny), tokens=32, variants="exact", sweep=False, decode="none", baselines=False,
+                        progress=QUIET)
+    run_study(study, out, render=lambda ds, path, formats: (meanwhile(ds), [])[1], echo=QUIET)
     assert seen["temp left"] is False and seen["user file kept"]  # the tool's own temps cleaned once held
     for command in ("run", "impact"):
         code, _, err = seen[command]
@@ -418,7 +422,7 @@ def test_cli_writes_dataset_and_reports(tiny, tmp_path, capsys):
         assert words in md, words
     figs = sorted(p.name for p in (out / "figures").iterdir() if p.suffix == ".png")
     assert figs == ["assignments.png", "audit_vs_kl.png", "decode.png", "kl_distribution.png", "layer_sensitivity.png"]
-    code, _, err = run_cli(["impact-report", str(out / "impact.nc"), "--out", str(tmp_path / "again")], capsys)
+    code, _, err = run_cli(["report", str(out / "impact.nc"), "--out", str(tmp_path / "again")], capsys)
     assert code == 0, err
     assert (tmp_path / "again" / "report.md").read_text() == md
 

@@ -1,12 +1,11 @@
-"""``fa3-numerics impact``: what an attention recipe does to a real model's predictions; and
-``fa3-numerics impact-report IMPACT.nc`` to render a saved study again.
+"""``fa3-numerics impact``: what an attention recipe does to a real model's predictions
+(``fa3-numerics report IMPACT.nc`` renders a saved study again).
 
 Heavy imports happen inside the commands, so ``--help`` stays fast.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -60,85 +59,17 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                                              "(they are reported either way)."),
         out: Path = typer.Option(Path("results/impact"), help="Output folder."),
         format: str = typer.Option("html,md", "--format", help="Report formats: html, md (comma list)."),
+        fresh: bool = typer.Option(False, help="Ignore the passes cached by an earlier run into the same --out."),
     ) -> None:
-        import time
-
-        from ..cli.report import parse_formats
-        from ..engine.dataset import write
-        from ..errors import require
-        from ..report.impact import render_impact
-        from ..studies.impact import impact
-
-        t0 = time.perf_counter()
-        formats = parse_formats(format)
-        require(str(out).strip() != "", "--out is empty; pass a folder, e.g. --out results/impact")
-        require(not out.exists() or out.is_dir(), f"--out {out} is a file; pass a folder")
-        written = []
-
-        def write_files(ds) -> None:  # the study still holds --out while its files are written
-            written.append(write(ds, out / "impact.nc"))
-            written.extend(render_impact(ds, out, formats))
-
-        ds = impact(model=model, text=text, tokens=tokens, variants=variants, backend=backend, device=device,
-                    layers=layers, sweep=sweep, recipe_maps=recipe_map or (), budget_kl=budget_kl,
-                    budget_stat=budget_stat, budget_runs=budget_runs, decode=decode, baselines=baselines,
-                    audit=audit, check_prefix=check_prefix, sweep_acc=sweep_acc, seed=seed, out=out,
-                    then=write_files)
-        nc, paths = written[0], written[1:]
-        _print_summary(ds)
-        typer.echo(f"wrote {nc}, " + ", ".join(str(p) for p in paths if p.suffix != ".png")
-                   + f" ({time.perf_counter() - t0:.0f} s)")
-        bad = int(ds.attrs.get("nonfinite_total", 0))
-        if bad:
-            typer.echo(f"NON-FINITE: {bad} values (see the report's first section and attrs['nonfinite_where'])",
-                       err=True)
-            if not allow_nonfinite:
-                sys.exit(3)
-
-    @app.command("impact-report", short_help="Render the report of a saved impact study.")
-    def impact_report_cmd(
-        dataset: Path = typer.Argument(..., help="impact.nc written by `fa3-numerics impact`."),
-        out: Optional[Path] = typer.Option(None, help="Output folder (default: the dataset's folder)."),
-        format: str = typer.Option("html,md", "--format", help="html, md (comma list)."),
-    ) -> None:
-        """Render report.md / report.html of a saved impact dataset, as `impact` does."""
-        from ..cli.report import parse_formats
-        from ..engine.files import OutputFolder
-        from ..report.impact import render_impact
-        from ..studies.impact_dataset import read_impact
+        from ..studies.impact import ImpactStudy
+        from ._study import run_study_command
+        from .report import parse_formats
 
         formats = parse_formats(format)
-        folder = OutputFolder(out if out is not None else dataset.parent, "--out")
-        ds = read_impact(dataset)
-        with folder as target:  # held as every command holds its folder
-            for p in render_impact(ds, target, formats):
-                typer.echo(f"wrote {p}")
+        study = ImpactStudy(model=model, text=text, tokens=tokens, variants=variants, backend=backend, device=device,
+                            layers=layers, sweep=sweep, recipe_maps=recipe_map or (), budget_kl=budget_kl,
+                            budget_stat=budget_stat, budget_runs=budget_runs, decode=decode, baselines=baselines,
+                            audit=audit, check_prefix=check_prefix, sweep_acc=sweep_acc, seed=seed)
+        run_study_command(study, out, formats=formats, fresh=fresh, allow_nonfinite=allow_nonfinite)
 
 
-def _print_summary(ds) -> None:
-    from ..report.format import fmt_e
-
-    rows = [("variant", "KL mean", "KL p99", "KL max", "top-1", "dppl")]
-    for v in ds["variant"].values:
-        s = ds.sel(variant=v, mask="all")
-        rows.append((str(v), fmt_e(float(s.kl_mean)), fmt_e(float(s.kl_p99)), fmt_e(float(s.kl_max)),
-                     f"{100 * float(s.top1_agree):.2f}%", f"{float(s.ppl_delta):+.4f}"))
-    if "baseline" in ds.dims:
-        for b in ds["baseline"].values:
-            s = ds.sel(baseline=b)
-            rows.append((str(b), fmt_e(float(s.base_kl_mean)), fmt_e(float(s.base_kl_p99)),
-                         fmt_e(float(s.base_kl_max)), f"{100 * float(s.base_top1_agree):.2f}%",
-                         f"{float(s.base_ppl_delta):+.4f}"))
-    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    typer.echo(f"every layer, {ds.attrs.get('tokens')} tokens, reference ppl {float(ds.attrs['ref_ppl']):.4f}:")
-    for r in rows:
-        typer.echo("  " + "  ".join(c.ljust(n) for c, n in zip(r, w)))
-    budget = ds.attrs.get("budget", "")
-    if budget:
-        import json
-
-        b = json.loads(budget)
-        best = b.get("best")
-        typer.echo(f"budget KL {b['stat']} <= {b['budget']:g}: " + (
-            f"{best['label']} (cost {best['cost']}, measured {fmt_e(best['measured'])})" if best else
-            "no verified assignment meets it"))

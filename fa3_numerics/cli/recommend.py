@@ -1,5 +1,5 @@
-"""``fa3-numerics recommend``: pick, explain and verify the attention recipe for a model and a target;
-``fa3-numerics recommend-report RECOMMEND.nc`` renders a saved study again.
+"""``fa3-numerics recommend``: pick, explain and verify the attention recipe for a model and a target
+(``fa3-numerics report RECOMMEND.nc`` renders a saved study again).
 
 Exit codes: 0 a verified recipe meets the budget; 2 bad input (one line); 3 non-finite results;
 4 no verified candidate meets the budget (the closest is named; every file is still written).
@@ -8,7 +8,6 @@ Heavy imports happen inside the commands, so ``--help`` stays fast.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import List, Optional
 
@@ -30,9 +29,8 @@ EXAMPLES = examples(
     "fa3-numerics recommend --model smollm2 --out results/recommend",
     "fa3-numerics recommend --model smollm2 --target vllm --budget-kl 0.01 --out results/recommend-vllm",
     "fa3-numerics recommend -m model.gguf --target any --add 'fa3-fp8-kernel,smooth=k' --drop fa3-bf16 --out r/",
-    "fa3-numerics recommend-report results/recommend/recommend.nc --out again/",
+    "fa3-numerics report results/recommend/recommend.nc --out again/",
 )
-REPORT_EXAMPLES = examples("fa3-numerics recommend-report results/recommend/recommend.nc --out again/")
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:
@@ -60,55 +58,14 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         seed: int = typer.Option(0, help="Seed of the Hadamard rotations' signs."),
         allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Exit 0 despite non-finite values."),
         out: Path = typer.Option(Path("results/recommend"), help="Output folder."),
+        fresh: bool = typer.Option(False, help="Start over in an --out an earlier run used (nothing is cached "
+                                               "yet: accepted for the same options on every study)."),
     ) -> None:
-        import sys
-        import time
+        from ..studies.recommend import RecommendStudy
+        from ._study import run_study_command
 
-        from ..engine.dataset import write
-        from ..engine.files import atomic_write
-        from ..errors import require
-        from ..report.recommend import render_recommend
-        from ..studies.recommend import BudgetNotMet, recommend
-        from ..studies.recommend_targets import candidates
-
-        t0 = time.perf_counter()
-        require(str(out).strip() != "", "--out is empty; pass a folder, e.g. --out results/recommend")
-        require(not out.exists() or out.is_dir(), f"--out {out} is a file; pass a folder")
-        candidates(target, add or (), drop or ())  # unknown target, bad specs, empty set: before the model loads
-        code, message = 0, ""
-        try:
-            ds, art = recommend(model=model, text=text, calib_text=calib_text, tokens=tokens, target=target,
-                                add=add or (), drop=drop or (), budget_kl=budget_kl, budget_ppl=budget_ppl,
-                                budget_top1=budget_top1, budget_factor=budget_factor, verify=verify, mix_runs=mix_runs,
-                                backend=backend, device=device, seed=seed)
-        except BudgetNotMet as exc:
-            ds, art, code, message = exc.dataset, exc.artifact, 4, str(exc)
-        out.mkdir(parents=True, exist_ok=True)
-        written = [write(ds, out / "recommend.nc"),
-                   atomic_write(out / "recommend.json", json.dumps(art, indent=1, default=str) + "\n")]
-        written += render_recommend(ds, out)
-        c = art["choice"]
-        if c:
-            typer.echo(f"use {c['label']}: KL mean {c['kl_mean']:.3g} ({c['bf16_multiple']:.1f}x BF16 SDPA), top-1 "
-                       f"{100 * c['top1_agree']:.2f}%, dppl {c['ppl_delta']:+.4f}")
-        typer.echo("wrote " + ", ".join(str(p) for p in written if p.suffix != ".png")
-                   + f" ({time.perf_counter() - t0:.0f} s)")
-        bad = int(ds.attrs.get("nonfinite_total", 0))
-        if bad and not allow_nonfinite:
-            typer.echo(f"error: {bad} non-finite values (see the report)", err=True)
-            sys.exit(3)
-        if code:
-            typer.echo(f"error: {message}", err=True)
-            sys.exit(code)
-
-    @app.command("recommend-report", short_help="Render the report of a saved recommend study.",
-                 epilog=REPORT_EXAMPLES)
-    def recommend_report_cmd(
-        dataset: Path = typer.Argument(..., help="recommend.nc written by `fa3-numerics recommend`."),
-        out: Optional[Path] = typer.Option(None, help="Output folder (default: the dataset's folder)."),
-    ) -> None:
-        from ..report.recommend import render_recommend
-        from ..studies.recommend_dataset import read_recommend
-
-        for p in render_recommend(read_recommend(dataset), out if out is not None else dataset.parent):
-            typer.echo(f"wrote {p}")
+        study = RecommendStudy(model=model, text=text, calib_text=calib_text, tokens=tokens, target=target,
+                               add=add or (), drop=drop or (), budget_kl=budget_kl, budget_ppl=budget_ppl,
+                               budget_top1=budget_top1, budget_factor=budget_factor, verify=verify,
+                               mix_runs=mix_runs, backend=backend, device=device, seed=seed)
+        run_study_command(study, out, fresh=fresh, allow_nonfinite=allow_nonfinite)

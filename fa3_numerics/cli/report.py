@@ -52,20 +52,20 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
     @app.command("report", epilog=REPORT_EXAMPLES)
     def report(
         datasets: List[Path] = typer.Argument(..., metavar="DATASET...",
-                                              help="datasets (.nc) written by `fa3-numerics run`, `audit` or "
-                                                   "`validate`; several go on one page"),
+                                              help="datasets (.nc) written by any study (`run`, `impact`, "
+                                                   "`recommend`, `audit`, `validate`, ...); several go on one page"),
         out: Optional[str] = typer.Option(None, help="output folder", show_default="the first dataset's folder"),
         format: str = typer.Option("html,md", "--format", help="comma list of html (self-contained page) and md "
                                                                 "(Markdown with the figures as PNG and SVG files)"),
     ):
-        """Render the report of a saved dataset (run, ablation, audit or validation), as the command that made it does."""
+        """Render the report of a saved dataset of any study, as the command that made it does (the page is chosen by the dataset's kind)."""
         from ..engine.dataset import read
         from ..engine.files import OutputFolder
         from ..report import render_combined, render_report
 
         formats = parse_formats(format)
         folder = OutputFolder(out if out is not None else str(datasets[0].parent), "--out")
-        loaded = [(p, read(p)) for p in datasets]
+        loaded = [(p, read(p, kinds=None)) for p in datasets]
         with folder as path:
             if len(loaded) == 1:
                 paths = render_report(loaded[0][1], path, formats)

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from .options import ALLOW_NONFINITE_HELP, JSON_HELP, dist_options, examples, experiment_toml, finish, json_text, \
+from .options import ALLOW_NONFINITE_HELP, JSON_HELP, dist_options, examples, experiment_toml, json_text, \
     parse_list, toml_default, with_options, wrote
 
 # option -> help; one table so the CLI's help cannot drift from what the runner reads.
@@ -66,84 +66,59 @@ def _backend_help() -> str:
 
 def run_and_write(name: str, overrides: dict, out: str, fresh: bool, workers: int = 0,
                   scheduler: Optional[str] = None, allow_nonfinite: bool = False) -> None:
+    """``run NAME``: the experiment TOML's study through the one command tail. The report's
+    imports happen beside the computation: in a forked process from the console script
+    (``engine.report_process``), else in a thread (``engine.prefetch``); neither while dask's
+    worker processes are forked."""
     from ..engine.distributed import check_scheduler
-    from ..engine.files import OutputFolder
     from ..engine.forking import forks_allowed
-    from ..engine.prefetch import REPORT_MODULES, prefetch
+    from ..engine.prefetch import prefetch
     from ..engine.progress import PhaseClock
-    from ..engine.progress import make_progress
     from ..engine.report_process import ReportProcess
     from ..errors import require
-    from ..studies.outliers import compute_experiment, load_experiment
+    from ..report import report_modules
+    from ..studies.outliers import OutliersStudy
     from . import guarded
+    from ._study import run_study_command
 
     require(workers >= 0, f"--workers must be >= 0, got {workers}")
     check_scheduler(scheduler)
-    exp = load_experiment(name, overrides)  # every check before the folder is touched
-    folder = OutputFolder(out, "--out")
-    with folder as path:
-        cache = path / ".cells"
-        if fresh and cache.is_dir():
-            for f in cache.glob("*.npz"):
-                f.unlink()
-        typer.echo(f"{exp.name}: {len(exp.cells())} cell(s) x {len(exp.seeds)} seed(s) x {len(exp.recipes)} "
-                   f"variant(s), backend {exp.backend} on {exp.device}; writing to {path}", err=True)
-        if folder.cleaned:
-            typer.echo(f"removed {len(folder.cleaned)} temp file(s) of an interrupted run", err=True)
-        # The report's imports, beside the computation: in a forked process from the console
-        # script, else in a thread. Neither while dask's worker processes are forked.
-        local = workers == 0 and scheduler is None
-        tail = ReportProcess.start(REPORT_MODULES, guarded) if local and forks_allowed() else None
-        fetch = prefetch() if local and tail is None else None
-        try:
-            clock = PhaseClock()
-            res = compute_experiment(exp, cache_dir=cache, workers=workers, scheduler=scheduler,
-                                     progress=make_progress())
-            clock.done("runs")
-            if tail is None:
-                write_run(res, path, clock, allow_nonfinite)
-                return
-            code = tail.run(write_run, res, path, clock, allow_nonfinite)
-        finally:
-            if tail is not None:
-                tail.cancel()
-            if fetch is not None:
-                # No import may outlive the command: a caller iterating sys.modules meanwhile (pytest
-                # between tests, a notebook) would see it change size under it.
-                fetch.join()
-    if code:
-        raise typer.Exit(code)
+    study = OutliersStudy.load(name, overrides)  # every check before the folder is touched
+    local = workers == 0 and scheduler is None
+    modules = REPORT_IMPORTS + report_modules(study.kind)
+    tail = ReportProcess.start(modules, guarded) if local and forks_allowed() else None
+    fetch = prefetch(modules) if local and tail is None else None
+    try:
+        run_study_command(study, out, fresh=fresh, workers=workers, scheduler=scheduler,
+                          allow_nonfinite=allow_nonfinite, clock=PhaseClock(),
+                          finisher=tail.run if tail is not None else None)
+    finally:
+        if tail is not None:
+            tail.cancel()
+        if fetch is not None:
+            # No import may outlive the command: a caller iterating sys.modules meanwhile (pytest
+            # between tests, a notebook) would see it change size under it.
+            fetch.join()
 
 
-def write_run(res, path, clock, allow_nonfinite: bool) -> None:
-    """A run's dataset, summary.md and report from its numbers (``studies.outliers.Results``),
-    the table on stdout, then exit 3 if results are non-finite (unless allowed)."""
-    import numpy as np
-
-    from ..engine.dataset import write
-    from ..engine.files import atomic_write
-    from ..engine.nonfinite import scan
-    from ..numerics.metrics.bootstrap import MIN_SAMPLES, few_samples
-    from ..report import render_report
-    from ..report.summary import markdown_summary, text_table
-
-    ds = res.dataset()
-    findings = scan(ds)
-    written = [write(ds, path / f"{res.exp.name}.nc")]
-    clock.done("dataset file")
-    written.append(atomic_write(path / "summary.md", markdown_summary(ds)))
-    clock.done("summary.md")
-    written += render_report(ds, path)
-    clock.done("report")
-    typer.echo(text_table(ds))
-    clock.done("table")
-    clock.report(lambda m: typer.echo(m, err=True))
-    n = int(np.prod([ds.sizes.get(d, 1) for d in ("seed", "batch", "head")]))
-    if few_samples(n):
-        typer.echo(f"warning: every interval rests on {n} sample(s), fewer than {MIN_SAMPLES} (marked †); "
-                   "more --seeds or --heads sharpen them", err=True)
-    typer.echo("\n" + wrote(written, f"({ds.attrs['wall_seconds']} s for the runs)"))
-    finish(findings, allow_nonfinite, lambda m: typer.echo(m, err=True))
+# What writing a run's dataset and report imports (xarray with pandas, h5netcdf, scipy.stats,
+# matplotlib: about 2 s): imported ahead, beside the computation.
+REPORT_IMPORTS = (
+    "xarray",
+    "fa3_numerics.engine.dataset",
+    "fa3_numerics.engine.nonfinite",
+    "h5netcdf",
+    "scipy.stats",
+    "matplotlib.figure",
+    "matplotlib.backends.backend_agg",
+    "matplotlib.backends.backend_svg",
+    "matplotlib.ticker",
+    "fa3_numerics.report.figures",
+    "fa3_numerics.report.figures_sweep",
+    "fa3_numerics.report.run",
+    "fa3_numerics.report.html",
+    "fa3_numerics.report.summary",
+)
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:

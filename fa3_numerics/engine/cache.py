@@ -2,7 +2,7 @@
 decides it.
 
 Exposed: ``NUMBER_SOURCES``, ``VERSIONED``, ``code_key``, ``code_parts``, ``dist_key``, ``file_sha256``, ``numerics_version``,
-``cache_key``, ``save``, ``load``.
+``cache_key``, ``save``, ``load``, ``CellStore``.
 
 A key hashes the inputs' description, the cell, the seed, the recipe's full spec, the shape,
 the rows, the backend, the device kind, and ``code_key``: what else decides a number. Every
@@ -271,3 +271,44 @@ def load(path: Path, names: Iterable[str], warn: Callable[[str], None] = _warn) 
         warn(f"cached result {path.name} is unreadable ({type(exc).__name__}); recomputing it")
         path.unlink(missing_ok=True)
         return None
+
+
+# -- the cells of a sequential study ------------------------------------------------------------
+
+class CellStore:
+    """Finished units of a sequential study (a model pass, a training checkpoint), one
+    ``.npz`` of arrays per unit in ``folder/.cells`` (``folder`` None: nothing is kept).
+
+    ``context`` holds everything the units share and that decides their numbers (inputs'
+    digests, the options, ``code_key``'s code part); ``key(payload)`` hashes it with the unit's
+    own description, so a unit computed under other code or inputs is never reused. Files are
+    written whole or not at all; an unreadable one is reported and recomputed, never fatal."""
+
+    def __init__(self, folder: Path | None, context: dict, warn: Callable[[str], None] = print):
+        self.dir = Path(folder) / ".cells" if folder is not None else None
+        self.context = context
+        self.warn = warn
+
+    def key(self, payload: dict) -> str:
+        body = json.dumps({"context": self.context, "cell": payload, "v": 1}, sort_keys=True, default=str)
+        return hashlib.sha1(body.encode()).hexdigest()[:24]
+
+    def get(self, key: str) -> dict | None:
+        if self.dir is None:
+            return None
+        path = self.dir / f"{key}.npz"
+        if not path.is_file():
+            return None
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                return {k: z[k] for k in z.files}
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is recomputed
+            self.warn(f"warning: cached cell {path.name} is unreadable ({type(exc).__name__}); recomputing it")
+            path.unlink(missing_ok=True)
+            return None
+
+    def put(self, key: str, arrays: dict) -> None:
+        if self.dir is None:
+            return
+        with atomic_path(self.dir / f"{key}.npz") as tmp, open(tmp, "wb") as fh:
+            np.savez(fh, **arrays)

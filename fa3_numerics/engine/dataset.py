@@ -69,13 +69,16 @@ def _compression(ds: xr.Dataset) -> dict:
 
 
 def dataset_kind(ds: xr.Dataset) -> str | None:
-    """Which study wrote ``ds``: run, ablation, audit or validation (None: not ours)."""
+    """Which study wrote ``ds`` (None: not ours): its ``kind`` attribute, written by
+    ``engine.study.run_study`` for every study; a dataset from before that attribute is told by
+    its format (validation) or coordinates (an ablation has stages, a run has not)."""
+    kind = ds.attrs.get("kind")
+    if isinstance(kind, str) and kind:
+        return kind
     if ds.attrs.get("format") == VALIDATION_FORMAT:
         return "validation"
     if ds.attrs.get("format") != FORMAT or "rmse" not in ds or "variant" not in ds.dims:
         return None
-    if ds.attrs.get("kind") == "audit":
-        return "audit"
     return "ablation" if "stage" in ds.coords else "run"
 
 
@@ -95,17 +98,28 @@ def open_netcdf(path: str | Path, hint: str) -> xr.Dataset:
         raise UsageError(f"{path} is not a netCDF dataset; {hint}") from None
 
 
-def read(path: str | Path, kinds: tuple[str, ...] = KINDS) -> xr.Dataset:
-    """Open a dataset written by ``write``; one-line errors for anything else (or another kind)."""
+def read(path: str | Path, kinds: tuple[str, ...] | None = KINDS) -> xr.Dataset:
+    """Open a dataset written by any study (``kinds`` None) or one of ``kinds``, upgraded to the
+    current layout (``conventions.upgrade``, then the study's own ``upgrade`` where its class has
+    one, found through the study registry); one-line errors for anything else."""
     path = Path(path)
-    hint = "give the .nc written by `fa3-numerics run`, `audit` or `validate`"
+    hint = "give the .nc written by `fa3-numerics run`, `impact`, `recommend`, `audit` or `validate`"
     ds = open_netcdf(path, hint)
     kind = dataset_kind(ds)
     if kind is None:
-        raise UsageError(f"{path} is not an fa3-numerics dataset (no '{FORMAT}' marker); {hint}")
-    if kind not in kinds:
+        raise UsageError(f"{path} is not an fa3-numerics dataset (no '{FORMAT}' marker or study kind); {hint}")
+    if kinds is not None and kind not in kinds:
         raise UsageError(f"{path} is a {kind} dataset; this command takes {' or '.join(kinds)} datasets")
-    return upgrade(ds)
+    if ds.attrs.get("format") in (FORMAT, VALIDATION_FORMAT):
+        ds = upgrade(ds)
+    from .study import get_study
+
+    try:
+        study = get_study(kind)
+    except KeyError:
+        return ds
+    reader = getattr(study, "upgrade", None)
+    return reader(ds) if reader is not None else ds
 
 
 def _attr(v):

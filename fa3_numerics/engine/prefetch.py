@@ -1,6 +1,8 @@
 """Imports that a run's last steps need, done in a background thread while the run computes.
 
-Exposed: ``REPORT_MODULES``, ``SWITCH_INTERVAL``, ``prefetch``.
+Exposed: ``SWITCH_INTERVAL``, ``prefetch``.
+
+The caller names the modules (the command line: the report page of its study and what it imports).
 
 Building and writing the dataset, the summary's BCa intervals and the report's figures import
 xarray (with pandas), h5netcdf, scipy.stats and matplotlib: about 2 s on the 2-core CPU and on
@@ -18,25 +20,6 @@ import importlib
 import os
 import sys
 import threading
-
-REPORT_MODULES = (
-    "xarray",
-    "fa3_numerics.engine.dataset",
-    "fa3_numerics.engine.nonfinite",
-    "h5netcdf",
-    "scipy.stats",
-    "matplotlib.figure",
-    "matplotlib.backends.backend_agg",
-    "matplotlib.backends.backend_svg",
-    "matplotlib.ticker",
-    "fa3_numerics.report.figures",
-    "fa3_numerics.report.figures_sweep",
-    "fa3_numerics.report.run",
-    "fa3_numerics.report.html",
-    "fa3_numerics.report",
-    "fa3_numerics.report.summary",
-)
-
 
 # The interpreter's switch interval while the imports run. Torch releases the GIL around every
 # operation; on a GPU a run is thousands of short launches, and with the default 5 ms each
@@ -71,7 +54,7 @@ def _load(modules: tuple[str, ...], interval: float) -> None:
                 sys.setswitchinterval(_ACTIVE["before"])
 
 
-def prefetch(modules: tuple[str, ...] = REPORT_MODULES, interval: float = SWITCH_INTERVAL) -> threading.Thread:
+def prefetch(modules: tuple[str, ...], interval: float = SWITCH_INTERVAL) -> threading.Thread:
     """Start importing ``modules`` in a daemon thread; return the thread (join it to wait). The
     switch interval is ``interval`` seconds until the imports end, then restored.
     ``FA3N_PREFETCH=0`` turns it off (the thread then imports nothing), to measure what it saves."""
@@ -82,4 +65,4 @@ def prefetch(modules: tuple[str, ...] = REPORT_MODULES, interval: float = SWITCH
     return t
 
 
-__all__ = ["REPORT_MODULES", "SWITCH_INTERVAL", "prefetch"]
+__all__ = ["SWITCH_INTERVAL", "prefetch"]

@@ -47,9 +47,54 @@ def _require_results(ds: xr.Dataset, dim: str) -> None:
                          f"computed at least one")
 
 
+# kind (the dataset's ``kind`` attribute, ``engine.dataset.dataset_kind``) -> "module:function"
+# rendering it: ``function(ds, out_dir, formats) -> [paths written]``. A study's report page is one
+# entry here (or in the entry-point group ``REPORT_ENTRY_POINTS`` for another package).
+REPORTS: dict[str, str] = {
+    "run": "fa3_numerics.report:render_run_report",
+    "ablation": "fa3_numerics.report:render_document_report",
+    "audit": "fa3_numerics.report:render_document_report",
+    "validation": "fa3_numerics.report:render_document_report",
+    "impact": "fa3_numerics.report.impact:render_impact",
+    "recommend": "fa3_numerics.report.recommend:render_recommend",
+    "backward": "fa3_numerics.report.backward:render_backward",
+}
+REPORT_ENTRY_POINTS = "fa3_numerics.reports"
+
+
+def register_report(kind: str, target: str) -> None:
+    """Render datasets of ``kind`` with ``target`` ("module:function", imported when first used)."""
+    REPORTS[kind] = target
+
+
+def reports() -> dict[str, str]:
+    """Every report page by kind, the entry-point group's included."""
+    import importlib.metadata
+
+    for ep in importlib.metadata.entry_points(group=REPORT_ENTRY_POINTS):
+        REPORTS.setdefault(ep.name, ep.value)
+    return dict(REPORTS)
+
+
+def renderer(kind: str | None):
+    """The function that renders a dataset of ``kind``; a one-line error for a kind with no page."""
+    import importlib
+
+    pages = reports()
+    if kind not in pages:
+        raise UsageError(f"no report page renders datasets of kind {kind!r}; known kinds: {', '.join(sorted(pages))}")
+    module, _, attr = pages[kind].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def report_modules(kind: str) -> tuple[str, ...]:
+    """The module that renders ``kind``, for importing it ahead of time (``engine.prefetch``)."""
+    return (reports().get(kind, "").partition(":")[0],) if kind in reports() else ()
+
+
 def document_of(ds: xr.Dataset, metric: str = "rmse") -> tuple[Document, dict]:
-    """The report of ``ds`` as a Document, and how ``write_document`` lays it out
-    (stem, figure folder, extra files)."""
+    """The report of a run, ablation, audit or validation dataset as a Document, and how
+    ``write_document`` lays it out (stem, figure folder, extra files)."""
     from ..engine.dataset import dataset_kind
 
     kind = dataset_kind(ds)
@@ -70,6 +115,12 @@ def document_of(ds: xr.Dataset, metric: str = "rmse") -> tuple[Document, dict]:
     return run_document(ds, metric), {"stem": "report", "figure_dir": "figures"}
 
 
+def render_document_report(ds: xr.Dataset, out_dir: str | Path, formats=FORMATS, metric: str = "rmse") -> list[Path]:
+    formats = _check_formats(formats)
+    doc, layout = document_of(ds, metric)
+    return write_document(doc, out_dir, formats=formats, **layout)
+
+
 def run_document(ds: xr.Dataset, metric: str = "rmse") -> Document:
     from ..engine.dataset import summary_table
     from .run import build_document
@@ -82,16 +133,48 @@ def run_document(ds: xr.Dataset, metric: str = "rmse") -> Document:
 
 
 def render_report(ds: xr.Dataset, out_dir: str | Path, formats=FORMATS, metric: str = "rmse") -> list[Path]:
-    """Render the report of ``ds`` (any study's dataset) into ``out_dir``; return the files written."""
+    """Render the report of ``ds`` (any study's dataset) into ``out_dir`` with the page its kind
+    is registered to; return the files written."""
+    from ..engine.dataset import dataset_kind
+
     formats = _check_formats(formats)
-    doc, layout = document_of(ds, metric)
-    return write_document(doc, out_dir, formats=formats, **layout)
+    render = renderer(dataset_kind(ds))
+    if metric != "rmse":
+        return render(ds, out_dir, formats, metric=metric)
+    return render(ds, out_dir, formats)
 
 
 def render_run_report(ds: xr.Dataset, out_dir: str | Path, formats=FORMATS, metric: str = "rmse") -> list[Path]:
-    """The report of a run's dataset in ``formats``; return the files written."""
+    """The report of a run's dataset in ``formats`` and its ``summary.md``; return the files written."""
+    from ..engine.files import atomic_write
+    from .summary import markdown_summary
+
     formats = _check_formats(formats)
-    return write_document(run_document(ds, metric), out_dir, formats=formats, stem="report", figure_dir="figures")
+    doc = run_document(ds, metric)
+    written = [atomic_write(Path(out_dir) / "summary.md", markdown_summary(ds))]
+    return written + write_document(doc, out_dir, formats=formats, stem="report", figure_dir="figures")
+
+
+# kind -> "module:function(ds) -> (stdout text, stderr lines)": what a command prints when it is done.
+CONSOLE: dict[str, str] = {
+    "run": "fa3_numerics.report.summary:console",
+    "impact": "fa3_numerics.report.summary:impact_console",
+    "backward": "fa3_numerics.report.backward:console",
+    "recommend": "fa3_numerics.report.recommend:console",
+}
+
+
+def console_text(ds: xr.Dataset) -> tuple[str, list[str]]:
+    """The table a command prints for its dataset, and its warnings; ("", []) for a kind without one."""
+    import importlib
+
+    from ..engine.dataset import dataset_kind
+
+    target = CONSOLE.get(dataset_kind(ds))
+    if target is None:
+        return "", []
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)(ds)
 
 
 def render_combined(datasets: list[tuple[str, xr.Dataset]], out_dir: str | Path, formats=FORMATS,
@@ -113,5 +196,6 @@ def render_combined(datasets: list[tuple[str, xr.Dataset]], out_dir: str | Path,
     return write_document(combined, out_dir, formats=formats, stem="report", figure_dir="figures")
 
 
-__all__ = ["render_report", "render_run_report", "render_combined", "document_of", "run_document", "FORMATS",
+__all__ = ["render_report", "render_document_report", "register_report", "reports", "renderer", "report_modules",
+           "REPORTS", "CONSOLE", "console_text", "render_run_report", "render_combined", "document_of", "run_document", "FORMATS",
            "figure_plan", "make_figures"]

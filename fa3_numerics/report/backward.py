@@ -91,4 +91,21 @@ def markdown_report(ds) -> str:
 
 SHARE_STAGES_LABELS = list(SHARE_STAGES)
 
-__all__ = ["gradient_table", "attribution_rows", "markdown_report"]
+def render_backward(ds, out_dir, formats=("md",)) -> list:
+    """The report page of a backward dataset: ``report.md`` (Markdown only; other formats are
+    not drawn for this study yet)."""
+    from pathlib import Path
+
+    from ..engine.files import atomic_write
+
+    return [atomic_write(Path(out_dir) / "report.md", markdown_report(ds))]
+
+
+def console(ds) -> tuple[str, list[str]]:
+    """What ``run backward`` prints when done: the first cell's relative-L2 table."""
+    first = {d: ds[d].values[0].item() for d in ds["o_rmse"].dims if d not in
+             ("variant", "stage", "seed", "batch", "head", "kv_head")}
+    return md_table(gradient_table(ds, first, "rel_l2")), []
+
+
+__all__ = ["gradient_table", "attribution_rows", "markdown_report", "render_backward", "console"]

@@ -146,8 +146,20 @@ def recommend_document(ds) -> Document:
     return Document(doc.title, doc.lead, [verified, diagnosis, saturation, deploy, screen])
 
 
-def render_recommend(ds, out_dir: str | Path) -> list[Path]:
-    return write_document(recommend_document(ds), out_dir, stem="report", figure_dir="")
+def render_recommend(ds, out_dir: str | Path, formats=("html", "md")) -> list[Path]:
+    return write_document(recommend_document(ds), out_dir, stem="report", figure_dir="", formats=tuple(formats))
+
+
+def console(ds) -> tuple[str, list[str]]:
+    """What ``recommend`` prints when done: the choice and what it costs against BF16 SDPA."""
+    import json
+
+    art = json.loads(ds.attrs.get("artifact", "{}") or "{}")
+    c = art.get("choice")
+    if not c:
+        return "", []
+    return (f"use {c['label']}: KL mean {c['kl_mean']:.3g} ({c['bf16_multiple']:.1f}x BF16 SDPA), top-1 "
+            f"{100 * c['top1_agree']:.2f}%, dppl {c['ppl_delta']:+.4f}"), []
 
 
 __all__ = ["recommend_document", "render_recommend"]

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import xarray as xr
 
 from ..engine.conventions import attr_list
 from ..engine.dataset import summary_table
 from ..numerics.metrics.bootstrap import MIN_SAMPLES, few_samples
 from .document import Table, md_code, md_table, md_text
-from .format import FEW, column_format, fmt_interval, fmt_ratio, fmt_value
+from .format import FEW, column_format, fmt_e, fmt_interval, fmt_ratio, fmt_value
 
 _ROW_KEYS = ("variant", "value", "lo", "hi", "n", "nonfinite", "paper", "ratio")
 SYMBOL = {"p": "p", "sigma": "σ", "seqlen": "seqlen", "head_dim": "head dim", "causal": "causal"}
@@ -193,6 +194,47 @@ def markdown_summary(ds: xr.Dataset) -> str:
             (f"{few}\n\n" if few else "") + "## RMSE against the float64 reference\n\n"
             f"{md_table(full_table(ds, 'rmse', rows))}\n\n## Provenance\n\n{provenance_block(ds)}\n\n"
             f"## Variants (full recipe specs)\n\n{spec_lines}\n")
+
+
+def console(ds: xr.Dataset) -> tuple[str, list[str]]:
+    """What ``run`` prints when done: the table, and a warning when intervals rest on few samples."""
+    n = int(np.prod([ds.sizes.get(d, 1) for d in ("seed", "batch", "head")]))
+    notes = [f"warning: every interval rests on {n} sample(s), fewer than {MIN_SAMPLES} (marked †); more --seeds or "
+             "--heads sharpen them"] if few_samples(n) else []
+    return text_table(ds), notes
+
+
+def _impact_table(ds) -> str:
+    """The console table of an impact dataset: every variant on every layer, the baselines, and
+    the budget's verified assignment when one was asked for."""
+    import json
+
+    rows = [("variant", "KL mean", "KL p99", "KL max", "top-1", "dppl")]
+    for v in ds["variant"].values:
+        s = ds.sel(variant=v, mask="all")
+        rows.append((str(v), fmt_e(float(s.kl_mean)), fmt_e(float(s.kl_p99)), fmt_e(float(s.kl_max)),
+                     f"{100 * float(s.top1_agree):.2f}%", f"{float(s.ppl_delta):+.4f}"))
+    if "baseline" in ds.dims:
+        for b in ds["baseline"].values:
+            s = ds.sel(baseline=b)
+            rows.append((str(b), fmt_e(float(s.base_kl_mean)), fmt_e(float(s.base_kl_p99)), fmt_e(float(s.base_kl_max)),
+                         f"{100 * float(s.base_top1_agree):.2f}%", f"{float(s.base_ppl_delta):+.4f}"))
+    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"every layer, {ds.attrs.get('tokens')} tokens, reference ppl {float(ds.attrs['ref_ppl']):.4f}:"]
+    lines += ["  " + "  ".join(c.ljust(n) for c, n in zip(r, w)) for r in rows]
+    budget = ds.attrs.get("budget", "")
+    if budget:
+        b = json.loads(budget)
+        best = b.get("best")
+        lines.append(f"budget KL {b['stat']} <= {b['budget']:g}: " + (
+            f"{best['label']} (cost {best['cost']}, measured {fmt_e(best['measured'])})" if best else
+            "no verified assignment meets it"))
+    return "\n".join(lines)
+
+
+def impact_console(ds: xr.Dataset) -> tuple[str, list[str]]:
+    """What ``impact`` prints when done: every variant on every layer, the baselines, the budget."""
+    return _impact_table(ds), []
 
 
 __all__ = ["full_table", "pivot_tables", "text_table", "markdown_table", "markdown_summary", "provenance_items",

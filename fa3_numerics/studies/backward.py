@@ -36,9 +36,11 @@ import time
 import numpy as np
 import torch
 
+from ..engine.cache import dist_key
 from ..engine.inputs import DistInputs, check_inputs
 from ..engine.provenance import provenance
 from ..engine.sampling import deterministic_matmuls
+from ..engine.study import Study, StudyContext, StudyOption
 from ..numerics.backward import emulate_backward
 from ..numerics.backward_reference import reference_gradients
 from ..numerics.keys.backward import PRODUCTS
@@ -89,13 +91,81 @@ def stage_recipe(r: Recipe, stage: str) -> Recipe:
     return dataclasses.replace(base, **{f: getattr(r, f)}, bwd_acc=r.bwd_acc, bwd_rot=r.bwd_rot)
 
 
-@dataclasses.dataclass
-class BackwardStudy:
-    exp: Experiment
-    attribution: bool = True
+SHAPE = dict(seqlen=[1024], head_dim=[128], causal=[False], batch=1, heads=4, kv_heads=0, seeds=[0])
+STUDY_MODULES = ("fa3_numerics.studies.backward", "fa3_numerics.studies.attribution",
+                 "fa3_numerics.studies.outliers")
+
+
+class BackwardStudy(Study):
+    """The study (module docstring) on the ``engine.study`` protocol. Its command (``run
+    backward``) is made from ``options`` by the command line; each (cell, seed) is one cached
+    unit, so an interrupted run resumes."""
+
+    kind = "backward"
+    stem = "backward"
+    command = "run backward"
+    help = ("Gradient error (dQ, dK, dV, beside the forward's O) of backward presets against float64 autograd, "
+            "with the error of each backward product measured alone. Every query row is computed (dK and dV sum "
+            "over all of them); dO is drawn N(0, 1) from the seed. Writes OUT/backward.nc and OUT/report.md; "
+            "finished (cell, seed) units are kept in OUT/.cells, so a rerun resumes.")
+    dist_options = True
+    options = (
+        StudyOption("seqlen", int, "sequence length (queries = keys); a comma list sweeps", 1024, many=True),
+        StudyOption("head_dim", int, "head dim: 64, 96, 128, 192 or 256; a comma list sweeps", 128, many=True),
+        StudyOption("batch", int, "batch size (samples)", 1),
+        StudyOption("heads", int, "query heads (samples)", 4),
+        StudyOption("kv_heads", int, "K/V heads for grouped-query attention (0 = same as heads)", 0),
+        StudyOption("seeds", int, "seeds, comma separated; each is one draw of Q, K, V and dO", 0, many=True),
+        StudyOption("causal", bool, "causal masking; 'true,false' sweeps", False, many=True),
+        StudyOption("variants", str, "presets or recipe specs with bwd.* keys: comma-separated presets, ';' "
+                    "between specs", ", ".join(BACKWARD_PRESETS)),
+        StudyOption("dist", str, "input distribution (see `fa3-numerics run outliers --help`)", "outliers"),
+        StudyOption("attribution", bool, "also run each stage alone in low precision (fwd, s, dv, dp, ds, dq, dk, "
+                    "out, fwd+s, exact): about 10x the runs", True),
+    )
+    examples = (
+        "fa3-numerics run backward                                    # backward presets, outliers, seqlen 1024",
+        "fa3-numerics run backward --dist k-bias --causal true,false --out results/bwd-kbias",
+        "fa3-numerics run backward --variants 'fa3-fp8-bwd-bf16;cudnn-fp8,bwd.gran=head' --no-attribution",
+    )
+
+    def __init__(self, exp: Experiment, attribution: bool = True):
+        self.exp = exp
+        self.attribution = attribution
+
+    @classmethod
+    def from_options(cls, attribution: bool | None = True, **values) -> "BackwardStudy":
+        if values.get("variants") is not None:
+            values["variants"] = [values["variants"]]
+        return load_study(values, True if attribution is None else attribution)
 
     def stages(self) -> list[str]:
         return ["full", *STAGES, "exact"] if self.attribution else ["full"]
+
+    def describe(self) -> str:
+        exp = self.exp
+        return (f"backward: {len(exp.cells())} cell(s) x {len(exp.seeds)} seed(s) x {len(exp.recipes)} variant(s) "
+                f"x {len(self.stages())} stage(s)")
+
+    def run(self, ctx: StudyContext | None) -> "Results":
+        store = None
+        if ctx is not None:
+            store = ctx.cells({"study": "backward", "dist": self.exp.dist, "batch": self.exp.batch,
+                               "heads": self.exp.heads, "kv_heads": self.exp.kv_heads,
+                               "inputs": dist_key(self.exp.dist)}, STUDY_MODULES, backend="emulate")
+        return compute(self, progress=ctx.echo if ctx is not None else (lambda m: None), store=store)
+
+    def assemble(self, results: "Results"):
+        return results.dataset()
+
+    def nonfinite(self, ds) -> list:
+        from ..engine.nonfinite import scan_counts
+
+        found = []
+        for g in GRADS:
+            counts = ds[f"{g}_nonfinite"].sel(stage="full")
+            found += [f"{g}: {f.line()}" for f in scan_counts(counts, ("batch", "head", "kv_head"))]
+        return found
 
 
 def load_study(overrides: dict, attribution: bool = True) -> BackwardStudy:
@@ -107,7 +177,7 @@ def load_study(overrides: dict, attribution: bool = True) -> BackwardStudy:
 
     family = parse_dist(dist).entry
     params = {k: kw.pop(k) for k in list(kw) if k in family.params}
-    shape = dict(seqlen=[1024], head_dim=[128], causal=[False], batch=1, heads=4, kv_heads=0, seeds=[0])
+    shape = dict(SHAPE)
     shape.update({k: v for k, v in kw.items() if k in shape})
     exp = Experiment(name="backward", description="gradient error of low-precision attention backward passes",
                      dist=dist, variants=variants, params={k: list(v) for k, v in params.items()}, rows=0,
@@ -122,13 +192,15 @@ class Results:
     stage_specs: list  # [variant][stage] -> spec
     wall: float
     attrs: dict
+    reused: int = 0
 
     def dataset(self):
         return _assemble(self)
 
 
-def compute(study: BackwardStudy, progress=lambda m: None) -> Results:
-    """Every (cell, seed, variant, stage) of the study (identical stage recipes run once per input)."""
+def compute(study: BackwardStudy, progress=lambda m: None, store=None) -> Results:
+    """Every (cell, seed, variant, stage) of the study (identical stage recipes run once per input);
+    with ``store`` (an ``engine.cache.CellStore``) each finished (cell, seed) is kept and reused."""
     deterministic_matmuls()
     exp = study.exp
     cells, stages = exp.cells(), study.stages()
@@ -138,33 +210,49 @@ def compute(study: BackwardStudy, progress=lambda m: None) -> Results:
                                np.nan) for g in GRADS for m in METRICS}
     specs = [[(r if s == "full" else stage_recipe(r, s)).spec() for s in stages] for _, r in exp.recipes]
     t0 = time.perf_counter()
+    reused = 0
     for ci, si in itertools.product(range(len(cells)), range(len(exp.seeds))):
         cell, seed = cells[ci], exp.seeds[si]
-        params = tuple((k, cell[k]) for k in exp.params)
-        inp = DistInputs(exp.dist, params, exp.batch, exp.heads, hkv, cell["seqlen"], cell["head_dim"], seed)
-        q, k, v = inp.draw("cpu")
-        scale = 1.0 / math.sqrt(cell["head_dim"])
         where = ", ".join(f"{kk}={cell[kk]}" for kk in exp.swept_dims()) or "single cell"
-        check_inputs(q, k, v, scale=scale, where=f"{inp.describe()}, {where}, seed {seed}")
-        g = torch.Generator().manual_seed(do_seed(seed))
-        do = torch.randn(q.shape, generator=g, dtype=torch.float64)
-        ref = dict(zip(GRADS, reference_gradients(q, k, v, do, causal=cell["causal"], softmax_scale=scale)))
-        done: dict = {}
-        cache: dict = {}
-        for vi, (label, r) in enumerate(exp.recipes):
-            for sti, stage in enumerate(stages):
-                spec = specs[vi][sti]
-                if spec not in done:
-                    rr = r if stage == "full" else stage_recipe(r, stage)
-                    gr = emulate_backward(rr, q, k, v, do, causal=cell["causal"], softmax_scale=scale,
-                                          rotation_seed=seed, cache=cache)
-                    got = {"o": gr.forward.o, "dq": gr.dq, "dk": gr.dk, "dv": gr.dv}
-                    done[spec] = {gname: per_sample(got[gname], ref[gname]) for gname in GRADS}
-                for gname in GRADS:
-                    for m, val in done[spec][gname].items():
-                        out[f"{gname}_{m}"][ci, vi, sti, si] = val
-            progress(f"{where}, seed {seed}: {label} ({len(done)} backward runs so far)")
-    return Results(study, out, specs, time.perf_counter() - t0, provenance("cpu"))
+        key = store.key({"cell": cell, "seed": seed, "specs": specs, "metrics": sorted(METRICS)}) if store else None
+        got = store.get(key) if store is not None else None
+        if got is not None and all(name in got and got[name].shape == out[name][ci, :, :, si].shape for name in out):
+            for name in out:
+                out[name][ci, :, :, si] = got[name]
+            reused += 1
+            progress(f"{where}, seed {seed}: from cache")
+            continue
+        _compute_cell(exp, cell, seed, stages, specs, ci, si, out, progress, where)
+        if store is not None:
+            store.put(key, {name: out[name][ci, :, :, si] for name in out})
+    return Results(study, out, specs, time.perf_counter() - t0, provenance("cpu"), reused)
+
+
+def _compute_cell(exp, cell, seed, stages, specs, ci, si, out, progress, where) -> None:
+    hkv = exp.kv_heads or exp.heads
+    params = tuple((k, cell[k]) for k in exp.params)
+    inp = DistInputs(exp.dist, params, exp.batch, exp.heads, hkv, cell["seqlen"], cell["head_dim"], seed)
+    q, k, v = inp.draw("cpu")
+    scale = 1.0 / math.sqrt(cell["head_dim"])
+    check_inputs(q, k, v, scale=scale, where=f"{inp.describe()}, {where}, seed {seed}")
+    g = torch.Generator().manual_seed(do_seed(seed))
+    do = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    ref = dict(zip(GRADS, reference_gradients(q, k, v, do, causal=cell["causal"], softmax_scale=scale)))
+    done: dict = {}
+    cache: dict = {}
+    for vi, (label, r) in enumerate(exp.recipes):
+        for sti, stage in enumerate(stages):
+            spec = specs[vi][sti]
+            if spec not in done:
+                rr = r if stage == "full" else stage_recipe(r, stage)
+                gr = emulate_backward(rr, q, k, v, do, causal=cell["causal"], softmax_scale=scale,
+                                      rotation_seed=seed, cache=cache)
+                got = {"o": gr.forward.o, "dq": gr.dq, "dk": gr.dk, "dv": gr.dv}
+                done[spec] = {gname: per_sample(got[gname], ref[gname]) for gname in GRADS}
+            for gname in GRADS:
+                for m, val in done[spec][gname].items():
+                    out[f"{gname}_{m}"][ci, vi, sti, si] = val
+        progress(f"{where}, seed {seed}: {label} ({len(done)} backward runs so far)")
 
 
 def _assemble(res: Results):
@@ -202,6 +290,7 @@ def _assemble(res: Results):
         "rows_sampling": "every query row", "rotation_seed": "seed",
         "do_seed": f"torch.randn from manual_seed({DO_SEED})",
         "data_seed": "seed (torch.Generator on CPU, float64)", "wall_seconds": round(res.wall, 3),
+        "cells_reused": res.reused,
         "reference": "float64 autograd of exact attention (numerics.backward_reference)",
         "stages": json.dumps({"full": "the variant", **STAGES, "exact": "every part exact (float32 floor)"}),
     })

@@ -28,13 +28,12 @@ The audit (``fa3_numerics.studies.audit``) runs on the Q, K, V the reference pas
 are exactly what the sweep's layer-L pass feeds the recipe; its per-layer rel_l2 is correlated
 with the per-layer KL (Spearman) and checked against the rel_l2 the sweep measured in passing.
 
-Every pass is cached in ``out/.cells`` as it finishes (``impact_store``): a rerun resumes. The
+Every pass is cached in ``out/.cells`` as it finishes (``engine.cache.CellStore``, through the ``engine.study`` protocol): a rerun resumes. The
 dataset is assembled by ``fa3_numerics.studies.impact_dataset``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import math
@@ -46,6 +45,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..engine.study import Study, StudyContext
 from ..errors import UsageError, require
 from ..numerics.granularity import PerHead, PerTensor, PerToken
 from ..numerics.recipe import Recipe, parse_recipes
@@ -146,89 +146,117 @@ def _parse_decode(decode) -> list[str]:
     return items
 
 
-def impact(*, model: str = "smollm2", text: str | Path | None = None, tokens: int = DEFAULT_TOKENS,
-           variants: str | list[str] | None = None, backend: str = "emulate", device: str = "cpu",
-           layers: str | list[int] | None = None, sweep: bool = True, recipe_maps=(),
-           budget_kl: float | None = None, budget_stat: str = "mean", budget_runs: int = 4,
-           decode=DEFAULT_DECODE, baselines: bool = True, audit: bool = True, check_prefix: int = 2,
-           sweep_acc: str = "auto", seed: int = 0, out: str | Path | None = None,
-           progress: Callable[[str], None] = _stderr, then: Callable | None = None):
-    """Run the study (module docstring) and return its xarray Dataset; ``out`` keeps finished passes.
-    ``then(ds)`` runs while ``out`` is still held (the CLI writes the dataset and reports there)."""
-    from ..data import capture as cap
-    from ..engine.files import OutputFolder
-    from ..engine.sampling import check_seed
-    from .impact_budget import check_map_layers, parse_recipe_map
-    from .impact_store import CellStore, code_version
+STUDY_MODULES = ("fa3_numerics.studies.impact", "fa3_numerics.studies.impact_model",
+                 "fa3_numerics.studies.impact_budget")
 
-    t_start = time.perf_counter()
-    # -- every input is checked before the model loads ---------------------------------------
-    require(isinstance(tokens, int) and tokens >= 2, f"--tokens must be at least 2 (one next token to "
-            f"predict), got {tokens}; e.g. --tokens {DEFAULT_TOKENS}")
-    require(device == "cpu" or device.startswith("cuda"), f"--device must be cpu or cuda, got {device!r}")
-    require(budget_stat in BUDGET_STATS, f"--budget-stat must be one of {', '.join(BUDGET_STATS)}, got {budget_stat!r}")
-    if budget_kl is not None:
-        require(math.isfinite(budget_kl) and budget_kl > 0, f"--budget-kl must be a positive number, got {budget_kl}")
-        require(sweep, "--budget-kl needs the per-layer sweep; drop --no-sweep")
-    require(sweep or layers is None, "--layers picks the sweep's layers; drop --no-sweep or --layers")
-    require(sweep_acc in SWEEP_ACC, f"--sweep-acc must be one of {', '.join(SWEEP_ACC)}, got {sweep_acc!r}")
-    require(isinstance(check_prefix, int) and check_prefix >= 0, f"--check-prefix must be >= 0, got {check_prefix}")
-    require(isinstance(budget_runs, int) and budget_runs >= 1, f"--budget-runs must be >= 1, got {budget_runs}")
-    recipes = parse_recipes(variants if isinstance(variants, str) else ";".join(variants or DEFAULT_VARIANTS))
-    modes = _parse_decode(decode)
-    maps = [(m, parse_recipe_map(m)) for m in (recipe_maps or ())]
-    layer_spec = layers if isinstance(layers, (str, type(None))) else ",".join(map(str, layers))
-    cap.parse_layers(layer_spec)  # syntax now, range once the model is known
-    dec = [(lab, mode, decode_recipe(r, mode)) for lab, r in recipes for mode in modes]
-    dec = [(lab, mode, r) for lab, mode, r in dec if r is not None]
-    swept = [(lab, sweep_recipe(r, sweep_acc, device, backend)) for lab, r in recipes]
-    specs = [r.spec() for _, r in swept]
-    if len(set(specs)) != len(specs):
-        raise UsageError("--sweep-acc fp32 makes two variants identical in the sweep (they differ only in acc); "
-                         "pass --sweep-acc given")
-    every = recipes + swept + [(f"{lab} [decode {mode}]", r) for lab, mode, r in dec] + \
-        [(lab, r) for _, parsed in maps for lab, r, _ in parsed]
-    be = _backend(backend, device, every)
-    src_text, text_source = cap.read_text(text) if text is not None else cap.default_text()
-    src = cap.resolve_model(model)
-    cap.require_capture_deps(gguf=src.gguf_file is not None)
-    check_seed(seed, "--seed")
-    num_layers, _ = cap.preflight(src, layer_spec, tokens, src_text, text_source)  # before the weights load
-    for name, parsed in maps:
-        check_map_layers(name, parsed, num_layers)
-    folder = OutputFolder(out, "--out") if out is not None else contextlib.nullcontext()  # checked now, held later
 
-    # -- model and tokens ---------------------------------------------------------------------
-    if device.startswith("cuda"):
-        torch.backends.cuda.matmul.allow_tf32 = False  # the model's float32 matmuls stay float32
-        torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-    progress(f"impact: loading {src.label} (float32, {device})")
-    t0 = time.perf_counter()
-    m, tok, src = cap.load_model(src, log=progress, device=device)
-    t_load = time.perf_counter() - t0
-    num_layers = int(m.config.num_hidden_layers)
-    cap.check_context(m, tokens)
-    sweep_layers = cap.parse_layers(layer_spec, num_layers) if sweep else []
-    map_layers = [(name, check_map_layers(name, parsed, num_layers)) for name, parsed in maps]
-    input_ids = cap.tokenize(tok, src_text, tokens, text_source)
-    budget_recipes = [(lab, r) for lab, r in recipes if r.qk != "fp32"]  # FP32 attention is no deployment option
-    if budget_kl is not None:
-        require(sweep_layers == list(range(num_layers)), "--budget-kl needs every layer in the sweep; drop --layers")
-        require(budget_recipes, "--budget-kl needs at least one variant that is not FP32 attention")
+def code_version(backend: str = "emulate", device: str = "cpu", text: str | Path | None = None) -> str:
+    """The code part of every cell key of a study through ``backend`` on ``device``, with the
+    ``--text`` file (if any) keyed by its content (``engine.cache.code_key``)."""
+    from ..engine.cache import code_key
 
-    # -- cache, lock, reference ---------------------------------------------------------------
-    context = {"model_sha256": cap.model_sha256(src), "token_ids_sha256": cap.token_ids_sha256(input_ids),
-               "backend": backend, "device": device.split(":")[0], "seed": seed,
-               "code": code_version(backend, device, text),
-               "torch": torch.__version__, "transformers": __import__("transformers").__version__}
-    # The folder is held as every command holds its --out (created, locked, cleared of a killed
-    # run's temp files) until the end, ``then`` included: no other command writes into it meanwhile.
-    with folder as out_dir:
-        if getattr(folder, "cleaned", None):
-            progress(f"removed {len(folder.cleaned)} temp file(s) of an interrupted run")
-        store = CellStore(out_dir, context, warn=progress)
-        runner = ModelRunner(m, input_ids, backend=be, device=device, seed=seed)
+    return code_key(backend=backend, device=device, study=STUDY_MODULES, inputs=[text] if text is not None else [])
+
+
+class ImpactStudy(Study):
+    """The study (module docstring) on the ``engine.study`` protocol: every input is checked when
+    it is made, before the folder is touched or the model loads; ``run`` loads the model and
+    computes the passes (each cached in OUT/.cells as it finishes); ``assemble`` builds the dataset."""
+
+    kind = "impact"
+    stem = "impact"
+
+    def __init__(self, *, model: str = "smollm2", text: str | Path | None = None, tokens: int = DEFAULT_TOKENS,
+                 variants: str | list[str] | None = None, backend: str = "emulate", device: str = "cpu",
+                 layers: str | list[int] | None = None, sweep: bool = True, recipe_maps=(),
+                 budget_kl: float | None = None, budget_stat: str = "mean", budget_runs: int = 4,
+                 decode=DEFAULT_DECODE, baselines: bool = True, audit: bool = True, check_prefix: int = 2,
+                 sweep_acc: str = "auto", seed: int = 0, progress: Callable[[str], None] = _stderr):
+        from ..data import capture as cap
+        from ..engine.sampling import check_seed
+        from .impact_budget import check_map_layers, parse_recipe_map
+
+        self.t_start = time.perf_counter()
+        require(isinstance(tokens, int) and tokens >= 2, f"--tokens must be at least 2 (one next token to "
+                f"predict), got {tokens}; e.g. --tokens {DEFAULT_TOKENS}")
+        require(device == "cpu" or device.startswith("cuda"), f"--device must be cpu or cuda, got {device!r}")
+        require(budget_stat in BUDGET_STATS, f"--budget-stat must be one of {', '.join(BUDGET_STATS)}, got "
+                f"{budget_stat!r}")
+        if budget_kl is not None:
+            require(math.isfinite(budget_kl) and budget_kl > 0, f"--budget-kl must be a positive number, got "
+                    f"{budget_kl}")
+            require(sweep, "--budget-kl needs the per-layer sweep; drop --no-sweep")
+        require(sweep or layers is None, "--layers picks the sweep's layers; drop --no-sweep or --layers")
+        require(sweep_acc in SWEEP_ACC, f"--sweep-acc must be one of {', '.join(SWEEP_ACC)}, got {sweep_acc!r}")
+        require(isinstance(check_prefix, int) and check_prefix >= 0, f"--check-prefix must be >= 0, got "
+                f"{check_prefix}")
+        require(isinstance(budget_runs, int) and budget_runs >= 1, f"--budget-runs must be >= 1, got {budget_runs}")
+        recipes = parse_recipes(variants if isinstance(variants, str) else ";".join(variants or DEFAULT_VARIANTS))
+        modes = _parse_decode(decode)
+        maps = [(m, parse_recipe_map(m)) for m in (recipe_maps or ())]
+        layer_spec = layers if isinstance(layers, (str, type(None))) else ",".join(map(str, layers))
+        cap.parse_layers(layer_spec)  # syntax now, range once the model is known
+        dec = [(lab, mode, decode_recipe(r, mode)) for lab, r in recipes for mode in modes]
+        dec = [(lab, mode, r) for lab, mode, r in dec if r is not None]
+        swept = [(lab, sweep_recipe(r, sweep_acc, device, backend)) for lab, r in recipes]
+        specs = [r.spec() for _, r in swept]
+        if len(set(specs)) != len(specs):
+            raise UsageError("--sweep-acc fp32 makes two variants identical in the sweep (they differ only in acc); "
+                             "pass --sweep-acc given")
+        every = recipes + swept + [(f"{lab} [decode {mode}]", r) for lab, mode, r in dec] + \
+            [(lab, r) for _, parsed in maps for lab, r, _ in parsed]
+        self.be = _backend(backend, device, every)
+        self.src_text, self.text_source = cap.read_text(text) if text is not None else cap.default_text()
+        self.src = cap.resolve_model(model)
+        cap.require_capture_deps(gguf=self.src.gguf_file is not None)
+        check_seed(seed, "--seed")
+        num_layers, _ = cap.preflight(self.src, layer_spec, tokens, self.src_text, self.text_source)  # no weights
+        for name, parsed in maps:
+            check_map_layers(name, parsed, num_layers)
+        self.text, self.tokens, self.backend, self.device, self.seed = text, tokens, backend, device, seed
+        self.recipes, self.modes, self.maps, self.layer_spec, self.dec, self.swept = \
+            recipes, modes, maps, layer_spec, dec, swept
+        self.sweep, self.budget_kl, self.budget_stat, self.budget_runs = sweep, budget_kl, budget_stat, budget_runs
+        self.baselines, self.audit, self.check_prefix, self.sweep_acc = baselines, audit, check_prefix, sweep_acc
+        self.progress = progress
+
+    def describe(self) -> str:
+        return (f"impact: {self.src.label}, {self.tokens} tokens, {len(self.recipes)} variant(s), backend "
+                f"{self.backend} on {self.device}")
+
+    def run(self, ctx: StudyContext | None):
+        """Load the model, take the reference pass and every cell (cached under ``ctx``: None keeps none)."""
+        from ..data import capture as cap
+        from ..engine.cache import CellStore
+        from .impact_budget import check_map_layers
+
+        progress, device, backend, seed, tokens = self.progress, self.device, self.backend, self.seed, self.tokens
+        src, recipes = self.src, self.recipes
+        if device.startswith("cuda"):
+            torch.backends.cuda.matmul.allow_tf32 = False  # the model's float32 matmuls stay float32
+            torch.backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+        progress(f"impact: loading {src.label} (float32, {device})")
+        t0 = time.perf_counter()
+        m, tok, src = cap.load_model(src, log=progress, device=device)
+        t_load = time.perf_counter() - t0
+        num_layers = int(m.config.num_hidden_layers)
+        cap.check_context(m, tokens)
+        sweep_layers = cap.parse_layers(self.layer_spec, num_layers) if self.sweep else []
+        map_layers = [(name, check_map_layers(name, parsed, num_layers)) for name, parsed in self.maps]
+        input_ids = cap.tokenize(tok, self.src_text, tokens, self.text_source)
+        budget_recipes = [(lab, r) for lab, r in recipes if r.qk != "fp32"]  # FP32 attention is no deployment option
+        if self.budget_kl is not None:
+            require(sweep_layers == list(range(num_layers)), "--budget-kl needs every layer in the sweep; drop "
+                    "--layers")
+            require(budget_recipes, "--budget-kl needs at least one variant that is not FP32 attention")
+
+        context = {"model_sha256": cap.model_sha256(src), "token_ids_sha256": cap.token_ids_sha256(input_ids),
+                   "backend": backend, "device": device.split(":")[0], "seed": seed,
+                   "code": code_version(backend, device, self.text),
+                   "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+        store = CellStore(ctx.out if ctx is not None else None, context, warn=progress)
+        runner = ModelRunner(m, input_ids, backend=self.be, device=device, seed=seed)
         progress(f"reference pass: {num_layers} layers of float64 attention over {tokens} tokens")
         t0 = time.perf_counter()
         ref = runner.reference()
@@ -237,31 +265,48 @@ def impact(*, model: str = "smollm2", text: str | Path | None = None, tokens: in
         ref_ppl = float(np.exp(ref.nll[:-1].mean()))
         progress(f"reference: ppl {ref_ppl:.4g}, {t_ref:.1f} s")
 
-        cells = _plan_cells(recipes, swept, dec, map_layers, sweep_layers, baselines, check_prefix, num_layers)
+        cells = _plan_cells(recipes, self.swept, self.dec, map_layers, sweep_layers, self.baselines,
+                            self.check_prefix, num_layers)
         results = _Executor(runner, ref, store, cells, num_layers, progress).run_all()
 
         audit_ds = None
-        if audit and sweep_layers:
-            audit_ds = _run_audit(runner, ref, m, src, input_ids, src_text, text_source, swept, sweep_layers,
-                                  backend, device, seed, progress)
+        if self.audit and sweep_layers:
+            audit_ds = _run_audit(runner, ref, m, src, input_ids, self.src_text, self.text_source, self.swept,
+                                  sweep_layers, backend, device, seed, progress)
         budget = None
-        if budget_kl is not None:
-            budget = _budget(runner, ref, store, recipes, budget_recipes, results, num_layers, budget_kl,
-                             budget_stat, budget_runs, progress)
+        if self.budget_kl is not None:
+            budget = _budget(runner, ref, store, recipes, budget_recipes, results, num_layers, self.budget_kl,
+                             self.budget_stat, self.budget_runs, progress)
+        info = {"model": src, "model_sha256": context["model_sha256"], "text": self.src_text,
+                "text_source": self.text_source, "input_ids": input_ids, "tokenizer": tok, "backend": backend,
+                "device": device, "seed": seed, "sweep_layers": sweep_layers, "modes": self.modes,
+                "num_layers": num_layers, "ref_ppl": ref_ppl,
+                "times": {"load": t_load, "reference": t_ref, "total": time.perf_counter() - self.t_start},
+                "check_prefix": self.check_prefix, "code": context["code"], "config": m.config,
+                "architecture": ",".join(getattr(m.config, "architectures", None) or [type(m).__name__])}
+        info["sweep_acc"] = self.sweep_acc
+        return info, ref, recipes, self.dec, map_layers, results, audit_ds, budget, self.swept
 
+    def assemble(self, results):
         from .impact_dataset import assemble
 
-        info = {"model": src, "model_sha256": context["model_sha256"], "text": src_text, "text_source": text_source,
-                "input_ids": input_ids, "tokenizer": tok, "backend": backend, "device": device, "seed": seed,
-                "sweep_layers": sweep_layers, "modes": modes, "num_layers": num_layers, "ref_ppl": ref_ppl,
-                "times": {"load": t_load, "reference": t_ref, "total": time.perf_counter() - t_start},
-                "check_prefix": check_prefix, "code": context["code"], "config": m.config,
-                "architecture": ",".join(getattr(m.config, "architectures", None) or [type(m).__name__])}
-        info["sweep_acc"] = sweep_acc
-        ds = assemble(info, ref, recipes, dec, map_layers, results, audit_ds, budget, swept)
-        if then is not None:
-            then(ds)
-        return ds
+        return assemble(*results)
+
+    def nonfinite(self, ds) -> list:
+        bad = int(ds.attrs.get("nonfinite_total", 0))
+        return [f"{bad} non-finite values (see the report's first section and attrs['nonfinite_where'])"] if bad else []
+
+
+def impact(*, out: str | Path | None = None, **options):
+    """Run the study (module docstring) from Python and return its xarray Dataset. With ``out``,
+    through ``engine.study.run_study``: the folder held, finished passes kept in OUT/.cells
+    (a rerun resumes), OUT/impact.nc written (no report: ``fa3-numerics report`` renders it)."""
+    study = ImpactStudy(**options)
+    if out is None:
+        return study.assemble(study.run(None))
+    from ..engine.study import run_study
+
+    return run_study(study, out, echo=study.progress).dataset
 
 
 def _plan_cells(recipes, swept, dec, map_layers, sweep_layers, baselines, check_prefix, num_layers) -> list[Cell]:

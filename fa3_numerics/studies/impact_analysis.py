@@ -72,4 +72,5 @@ def layer_rel_l2(rel_l2: np.ndarray, out_rms: np.ndarray) -> np.ndarray:
     return np.sqrt((rel_l2 ** 2 * w).sum(axis=-1) / w.sum(axis=-1))
 
 
+
 __all__ = ["SUMMARY_DEFINITIONS", "summarize", "spearman", "power_fit", "layer_rel_l2"]

@@ -37,6 +37,7 @@ from ..engine.inputs import HIST_EDGES, DistInputs
 from ..engine.provenance import provenance
 from ..engine.runner import Job, Task, run_tasks
 from ..engine.sampling import ROWS_SAMPLING, effective_rows
+from ..engine.study import Study
 from ..errors import UsageError, require
 from ..numerics.metrics import METRICS
 from ..numerics.recipe import PRESETS, parse_recipes
@@ -297,5 +298,35 @@ def _assemble(res: Results):
                            hist=hist.reshape(shape_sw + list(hist.shape[1:])), hist_dims=dims_sw + ["seed"])
 
 
+class OutliersStudy(Study):
+    """An experiment TOML's run (``run outliers`` and any other ``experiments/NAME.toml``) on the
+    ``engine.study`` protocol: its tasks go through ``run_tasks`` and the one cache."""
+
+    kind = "run"
+
+    def __init__(self, exp: Experiment):
+        self.exp = exp
+        self.stem = exp.name
+
+    @classmethod
+    def load(cls, name: str = "outliers", overrides: dict | None = None) -> "OutliersStudy":
+        return cls(load_experiment(name, overrides))  # every check before the folder is touched
+
+    def describe(self) -> str:
+        exp = self.exp
+        return (f"{exp.name}: {len(exp.cells())} cell(s) x {len(exp.seeds)} seed(s) x {len(exp.recipes)} "
+                f"variant(s), backend {exp.backend} on {exp.device}")
+
+    def tasks(self) -> list[Task]:
+        return tasks(self.exp)
+
+    def run(self, ctx) -> Results:
+        return compute_experiment(self.exp, cache_dir=ctx.cache, workers=ctx.workers, scheduler=ctx.scheduler,
+                                  progress=ctx.progress)
+
+    def assemble(self, results: Results):
+        return results.dataset()
+
+
 __all__ = ["Experiment", "Results", "load_experiment", "list_experiments", "read_toml", "run_experiment",
-           "compute_experiment", "tasks", "SHAPE_SWEEPABLE"]
+           "compute_experiment", "tasks", "SHAPE_SWEEPABLE", "OutliersStudy"]

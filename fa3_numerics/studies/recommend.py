@@ -38,6 +38,7 @@ float32 GEMM there) run with ``acc=fp32`` (``impact.sweep_recipe``); the dataset
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -47,6 +48,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..engine.study import Study
 from ..errors import UsageError, require
 from ..numerics import calibration as calib
 from ..numerics.recipe import Recipe
@@ -125,6 +127,18 @@ def recommend(*, model: str = "smollm2", text: str | Path | None = None, calib_t
               seed: int = 0, progress: Callable[[str], None] = _stderr):
     """Run the study (module docstring); returns (dataset, artifact dict). Raises ``BudgetNotMet``
     (carrying both) when no measured candidate meets the budget."""
+    return run_prepared(prepare(model=model, text=text, calib_text=calib_text, tokens=tokens, target=target, add=add,
+                                drop=drop, budget_kl=budget_kl, budget_ppl=budget_ppl, budget_top1=budget_top1,
+                                budget_factor=budget_factor, verify=verify, mix_runs=mix_runs, backend=backend,
+                                device=device, seed=seed), progress)
+
+
+def prepare(*, model: str = "smollm2", text: str | Path | None = None, calib_text: str | Path | None = None,
+            tokens: int = DEFAULT_TOKENS, target: str = "fa3", add=(), drop=(), budget_kl: float | None = None,
+            budget_ppl: float | None = None, budget_top1: float | None = None, budget_factor: float = BUDGET_FACTOR,
+            verify: int = DEFAULT_VERIFY, mix_runs: int = 2, backend: str = "emulate", device: str = "cpu",
+            seed: int = 0) -> dict:
+    """Every check that needs no model (exit 2 before anything loads); what ``run_prepared`` takes."""
     from ..data import capture as cap
     from .impact import _backend, sweep_recipe
 
@@ -143,6 +157,17 @@ def recommend(*, model: str = "smollm2", text: str | Path | None = None, calib_t
         require(text is not None, "--calib-text needs --text (the held-out text the choice is verified on)")
     src = cap.resolve_model(model)
     cap.require_capture_deps(gguf=src.gguf_file is not None)
+    return {"model": model, "text": text, "calib_text": calib_text, "tokens": tokens, "target": target, "add": add, "drop": drop, "budget_kl": budget_kl, "budget_ppl": budget_ppl, "budget_top1": budget_top1, "budget_factor": budget_factor, "verify": verify, "mix_runs": mix_runs, "backend": backend, "device": device, "seed": seed, "t_start": t_start, "budget": budget, "cands": cands, "run_recipes": run_recipes, "be": be, "src": src}
+
+
+def run_prepared(prep: dict, progress: Callable[[str], None] = _stderr):
+    """Load the model and run the study from ``prepare``'s checked options."""
+    from ..data import capture as cap
+
+    text, calib_text, tokens, target = prep["text"], prep["calib_text"], prep["tokens"], prep["target"]
+    verify, mix_runs, backend, device, seed = prep["verify"], prep["mix_runs"], prep["backend"], prep["device"], prep["seed"]
+    t_start, budget, cands, run_recipes, be, src = (prep[k] for k in ("t_start", "budget", "cands", "run_recipes",
+                                                                      "be", "src"))
 
     # -- model, texts -------------------------------------------------------------------------
     torch.set_float32_matmul_precision("highest")
@@ -313,4 +338,48 @@ def recommend(*, model: str = "smollm2", text: str | Path | None = None, calib_t
     return ds, artifact
 
 
-__all__ = ["recommend", "RECOMMEND_FORMAT", "DEFAULT_TOKENS", "BUDGET_FACTOR", "BudgetNotMet", "resolve"]
+class RecommendStudy(Study):
+    """``fa3-numerics recommend`` on the ``engine.study`` protocol: checked when made (before the
+    model loads), the folder held while it runs, ``recommend.json`` beside the dataset, exit 4
+    when no verified candidate meets the budget (every file still written)."""
+
+    kind = "recommend"
+    stem = "recommend"
+
+    def __init__(self, progress: Callable[[str], None] = _stderr, **options):
+        self.prep = prepare(**options)
+        self.progress = progress
+
+    def describe(self) -> str:
+        p = self.prep
+        return (f"recommend: {p['src'].label} on target {p['target']}, {len(p['cands'])} candidate(s), backend "
+                f"{p['backend']} on {p['device']}")
+
+    def run(self, ctx):
+        try:
+            return run_prepared(self.prep, self.progress) + ("",)
+        except BudgetNotMet as exc:
+            return exc.dataset, exc.artifact, str(exc)
+
+    def assemble(self, results):
+        ds, artifact, message = results
+        ds.attrs["artifact"] = json.dumps(artifact, default=str)
+        ds.attrs["budget_not_met"] = message
+        return ds
+
+    def nonfinite(self, ds) -> list:
+        bad = int(ds.attrs.get("nonfinite_total", 0))
+        return [f"{bad} non-finite values (see the report)"] if bad else []
+
+    def extra_files(self, ds, path) -> list:
+        from ..engine.files import atomic_write
+
+        artifact = json.loads(ds.attrs["artifact"])
+        return [atomic_write(path / "recommend.json", json.dumps(artifact, indent=1, default=str) + "\n")]
+
+    def failure(self, ds) -> tuple[int, str] | None:
+        message = ds.attrs.get("budget_not_met", "")
+        return (BudgetNotMet.exit_code, message) if message else None
+
+
+__all__ = ["recommend", "prepare", "run_prepared", "RecommendStudy", "RECOMMEND_FORMAT", "DEFAULT_TOKENS", "BUDGET_FACTOR", "BudgetNotMet", "resolve"]

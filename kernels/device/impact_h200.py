@@ -27,7 +27,7 @@ against the same FP8 cache gives. ``--mock`` runs it all on the CPU with the ``f
 (a float32 stand-in for the kernel, labelled as such) at toy sizes, to check the script anywhere.
 
 Writes into ``--out`` (the device tool's $OUT; at most 8 files come back): ``impact_fa3.nc``,
-``impact_emulate.nc`` (the datasets; render them here with ``fa3-numerics impact-report``),
+``impact_emulate.nc`` (the datasets; render them here with ``fa3-numerics report``),
 ``compare.md``, ``timings.json`` and, through ``tee``, ``log.txt``. Each file is written as soon
 as its part finishes, so a timeout still returns what was done.
 
