@@ -57,10 +57,12 @@ def build_app() -> typer.Typer:
     app.callback()(_options)
     run_app = typer.Typer(help="Run an experiment and write its dataset and summary.", no_args_is_help=True)
     app.add_typer(run_app, name="run")
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name.startswith("_") or info.name == "options":
-            continue
-        mod = importlib.import_module(f"{__name__}.{info.name}")
+    # Every command module first, then their options: the registry texts they read are then
+    # all known when the first is computed (``_registry_cache``).
+    modules = [importlib.import_module(f"{__name__}.{info.name}")
+               for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name)
+               if not info.name.startswith("_") and info.name != "options"]
+    for mod in modules:
         if hasattr(mod, "register"):
             mod.register(app, run_app)
     for typer_app in (app, run_app):

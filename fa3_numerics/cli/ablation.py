@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from .options import ALLOW_NONFINITE_HELP, examples, experiment_toml, factor_options, finish, parse_list, \
-    toml_default, with_options, wrote
+from .options import ALLOW_NONFINITE_HELP, examples, experiment_toml, factor_options, parse_list, toml_default, \
+    with_options
 
 HELP = {
     "experiment": "experiment definition: a name in experiments/ or a path to a .toml",
@@ -90,15 +91,11 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         factor is --p-handling: --p is the outlier probability everywhere). Defaults come from
         experiments/ablation.toml. The dataset, report, figures and tables go into --out.
         """
-        from contextlib import ExitStack
-
-        from ..engine.dataset import write
         from ..engine.distributed import check_scheduler
         from ..engine.files import OutputFolder
-        from ..engine.nonfinite import scan
-        from ..engine.progress import make_progress
         from ..errors import require
-        from ..studies.ablation import load_ablation, run_ablation
+        from ..studies.ablation import AblationStudy, load_ablation
+        from ._study import run_study_command
 
         require(workers is None or workers >= 0, f"--workers must be >= 0, got {workers}")
         check_scheduler(scheduler)
@@ -112,27 +109,20 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             "attribution": attribution, "device": device, "backend": backend,
         }
         overrides.update({f: strs(v, f) for f, v in factor_levels.items()})
-        ab = load_ablation(experiment, overrides)
+        study = AblationStudy(load_ablation(experiment, overrides))  # every check before a folder is touched
+        t0 = time.perf_counter()
         with ExitStack() as stack:
-            path = stack.enter_context(OutputFolder(out, "--out"))
-            rep = None
-            if report is None or (report and Path(report).resolve() == path.resolve()):
-                rep = path
-            elif report:
-                rep = stack.enter_context(OutputFolder(report, "--report"))
-            cache = path / ".cells"
-            if fresh and cache.is_dir():
-                for f in cache.glob("*.npz"):
-                    f.unlink()
-            t0 = time.perf_counter()
-            ds = run_ablation(ab, cache_dir=cache, workers=workers, scheduler=scheduler, progress=make_progress())
-            findings = scan(ds)
-            written = [write(ds, path / f"{ab.name}.nc")]
-            typer.echo(f"wrote {written[0]} ({ds.attrs['wall_seconds']} s for the sweep); analysing", err=True)
-            if rep is not None:
-                written += _report(ds, rep, written[0], t0)
-            typer.echo(wrote(written, f"({time.perf_counter() - t0:.0f} s in all)"))
-        finish(findings, allow_nonfinite, lambda m: typer.echo(m, err=True))
+            # --report elsewhere: held as --out is, for the whole command
+            other = report not in (None, "") and Path(report).resolve() != Path(out).resolve()
+            rep = stack.enter_context(OutputFolder(report, "--report")) if other else None
+
+            def render(ds, path, formats):
+                if report == "":
+                    return []
+                return _report(ds, rep if rep is not None else path, path / f"{study.stem}.nc", t0)
+
+            run_study_command(study, out, fresh=fresh, workers=workers, scheduler=scheduler,
+                              allow_nonfinite=allow_nonfinite, render=render)
 
 
 def _report(ds, folder: Path, nc: Path, t0: float) -> list[Path]:

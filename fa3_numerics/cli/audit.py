@@ -11,7 +11,8 @@ from typing import Optional
 
 import typer
 
-from .options import ALLOW_NONFINITE_HELP, examples, finish, wrote
+from ._registry_cache import cached
+from .options import ALLOW_NONFINITE_HELP, examples
 
 HELP = (
     "Audit a capture (from `fa3-numerics capture`): every variant's error against float64 on every "
@@ -31,9 +32,14 @@ EXAMPLES = examples(
 
 
 def _metrics_help(what: str) -> str:
+    return f"{what}: {', '.join(_rank_metrics())}"
+
+
+@cached("fa3_numerics.studies.audit")
+def _rank_metrics() -> list[str]:
     from ..studies.audit import rank_metrics
 
-    return f"{what}: {', '.join(rank_metrics())}"
+    return list(rank_metrics())
 
 
 def register(app: typer.Typer, run_app: typer.Typer) -> None:
@@ -62,16 +68,11 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         out: str = typer.Option("results/audit", help="Output folder: audit.nc, audit.md, figures."),
         allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=ALLOW_NONFINITE_HELP),
     ) -> None:
-        import time
-
-        from ..engine.dataset import write
-        from ..engine.files import OutputFolder
-        from ..engine.nonfinite import scan
-        from ..engine.progress import make_progress
         from ..errors import require
         from ..report.audit import audit_document
         from ..report.document import write_document
-        from ..studies.audit import audit, check_recommendations, plan, rank, rank_metrics, recommend
+        from ..studies.audit import AuditStudy, check_recommendations, rank, rank_metrics, recommend
+        from ._study import run_study_command
 
         names = rank_metrics()
         require(top >= 1, f"--top must be >= 1, got {top}")
@@ -80,36 +81,36 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         if budget is not None:
             require(budget > 0 and budget == budget and budget != float("inf"),
                     f"--budget must be a positive number, got {budget}")
-        folder = OutputFolder(out, "--out")
-        t0 = time.perf_counter()
-        cap, recipes, _ = plan(file, variants=variants, backend=backend, rows=rows, layers=layers, seed=seed,
-                               device=device)
-        labels = [lab for lab, _ in recipes]
+        from ..engine.files import OutputFolder
+
+        OutputFolder(out, "--out")  # --out checked before the capture is read
+        settings = {"budget": "" if budget is None else budget, "budget_metric": budget_metric, "rank_by": rank_by,
+                    "rank_metric": rank_metric}
+        study = AuditStudy(file, variants=variants, backend=backend, rows=rows, layers=layers, seed=seed,
+                           device=device, settings=settings)
+        labels = [lab for lab, _ in study.recipes]
         require(rank_by == "worst" or rank_by in labels, f"--rank-by {rank_by!r} is not an audited variant; use "
                 f"worst or one of {', '.join(labels)}")
-        with folder as path:
-            ds = audit(cap, variants=variants, backend=backend, rows=rows, layers=layers, seed=seed, device=device,
-                       progress=make_progress(), cache_dir=path / ".cells")
-            ds.attrs.update({"budget": "" if budget is None else budget, "budget_metric": budget_metric,
-                             "rank_by": rank_by, "rank_metric": rank_metric})
-            findings = scan(ds, sample_dims=("head",))
-            written = [write(ds, path / "audit.nc")]
-            written += write_document(audit_document(ds, top=top, budget=budget, budget_metric=budget_metric,
-                                                     rank_by=rank_by, rank_metric=rank_metric),
-                                      path, stem="audit", figure_dir="")
-        typer.echo(f"riskiest (layer, head) by {rank_metric} of {rank_by}:")
-        for r in rank(ds, by=rank_by, metric=rank_metric, top=min(top, 5)):
-            score = f"{r['score']:.3g}" if r["score"] == r["score"] else "non-finite"
-            typer.echo(f"  #{r['rank']} layer {r['layer']} head {r['head']}: {rank_metric} {score} "
-                       f"(worst {r['worst_variant']}); sink {r['sink_mass']:.2f}, P~ underflow "
-                       f"{r['p_underflow']:.3f}, K hot channel {r['k_hot']} (pair {r['k_hot_pair']})")
-        if budget is not None:
-            rec = recommend(ds, budget, metric=budget_metric)
-            typer.echo(f"budget {budget_metric} <= {budget:g}: " + ", ".join(
-                f"L{r['layer']}={r['recommended'] or 'none'}" for r in rec["layers"]))
-            typer.echo(f"whole model: {rec['overall'] or 'no single audited variant meets it everywhere'}")
-            problems = check_recommendations(ds, rec)
-            if problems:
-                typer.echo("recommendation check failed: " + "; ".join(problems), err=True)
-        typer.echo(wrote(written, f"({time.perf_counter() - t0:.1f} s)"))
-        finish(findings, allow_nonfinite, lambda m: typer.echo(m, err=True))
+
+        def render(ds, path, formats):
+            return write_document(audit_document(ds, top=top, budget=budget, budget_metric=budget_metric,
+                                                 rank_by=rank_by, rank_metric=rank_metric),
+                                  path, stem="audit", figure_dir="")
+
+        def console(ds):
+            typer.echo(f"riskiest (layer, head) by {rank_metric} of {rank_by}:")
+            for r in rank(ds, by=rank_by, metric=rank_metric, top=min(top, 5)):
+                score = f"{r['score']:.3g}" if r["score"] == r["score"] else "non-finite"
+                typer.echo(f"  #{r['rank']} layer {r['layer']} head {r['head']}: {rank_metric} {score} "
+                           f"(worst {r['worst_variant']}); sink {r['sink_mass']:.2f}, P~ underflow "
+                           f"{r['p_underflow']:.3f}, K hot channel {r['k_hot']} (pair {r['k_hot_pair']})")
+            if budget is not None:
+                rec = recommend(ds, budget, metric=budget_metric)
+                typer.echo(f"budget {budget_metric} <= {budget:g}: " + ", ".join(
+                    f"L{r['layer']}={r['recommended'] or 'none'}" for r in rec["layers"]))
+                typer.echo(f"whole model: {rec['overall'] or 'no single audited variant meets it everywhere'}")
+                problems = check_recommendations(ds, rec)
+                if problems:
+                    typer.echo("recommendation check failed: " + "; ".join(problems), err=True)
+
+        run_study_command(study, out, allow_nonfinite=allow_nonfinite, render=render, console=console)

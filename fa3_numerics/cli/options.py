@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import typer
 
 from ..errors import UsageError
+from ._registry_cache import cached
 
 ALLOW_NONFINITE_HELP = ("exit 0 even when results hold NaN or Inf (they are still reported in the warnings, "
                         "summary and report); without it such a run ends with exit code 3")
@@ -133,15 +134,35 @@ def with_options(extra: Callable[[], list[inspect.Parameter]]):
     return deco
 
 
-def dist_options(toml: dict | None = None, source: str = "") -> list[inspect.Parameter]:
-    """One option per distribution parameter name; help lists every family that has it.
-    ``toml``: the experiment's [params] table, whose values are the defaults shown."""
+DISTRIBUTIONS = "fa3_numerics.data.distributions"
+KEYS = "fa3_numerics.numerics.keys.core"  # loaded with the key registry's modules
+
+
+@cached(DISTRIBUTIONS)
+def dist_params() -> dict[str, list[str]]:
+    """Distribution parameter name -> one help line per family that has it (the registry's)."""
     from ..data import distributions
 
     helps: dict[str, list[str]] = {}
     for name, entry in distributions.available().items():
         for p, (default, text) in entry.params.items():
             helps.setdefault(p, []).append(f"{name.rstrip(':')}: {text} (default {default:g})")
+    return helps
+
+
+@cached(DISTRIBUTIONS)
+def dist_help() -> str:
+    """``--dist``'s help: the syntax and every registered family."""
+    from ..data import distributions
+    from ..data.dist_spec import SYNTAX
+
+    return f"input distribution: {SYNTAX}; registered: {', '.join(n.rstrip(':') for n in distributions.available())}"
+
+
+def dist_options(toml: dict | None = None, source: str = "") -> list[inspect.Parameter]:
+    """One option per distribution parameter name; help lists every family that has it.
+    ``toml``: the experiment's [params] table, whose values are the defaults shown."""
+    helps = dist_params()
     toml = toml or {}
     return [option(p, "; ".join(h) + ". A comma list sweeps.",
                    show_default=toml_default(toml, p, source) if p in toml else False) for p, h in helps.items()]
@@ -151,25 +172,28 @@ def factor_flag(name: str, help_text: str) -> str:
     """The option of an ablation factor: ``--NAME``, unless a distribution parameter already
     means something else by that name (``--p`` is the outlier probability everywhere), then the
     words its help starts with (``p``, "P handling: ..." -> ``--p-handling``)."""
-    from ..data import distributions
-
-    taken = {p for e in distributions.available().values() for p in e.params}
+    taken = set(dist_params())
     if name not in taken:
         return f"--{name.replace('_', '-')}"
     words = help_text.split(":")[0].strip().lower()
     return "--" + "-".join("".join(c if c.isalnum() else " " for c in words).split())
 
 
-def factor_options() -> list[inspect.Parameter]:
-    """One option per registered ablation factor: its levels for designs that vary it."""
+@cached(KEYS)
+def factor_list() -> list[tuple[str, str, list[str]]]:
+    """(name, help, level names) of every registered ablation factor."""
     from ..numerics.keys import factors
 
+    return [(name, f.help, list(f.level_names() or ())) for name, f in factors().items()]
+
+
+def factor_options() -> list[inspect.Parameter]:
+    """One option per registered ablation factor: its levels for designs that vary it."""
     out = []
-    for name, f in factors().items():
-        levels = f.level_names()
-        out.append(option(name, f"{f.help}; levels for the designs that vary it"
+    for name, help_text, levels in factor_list():
+        out.append(option(name, f"{help_text}; levels for the designs that vary it"
                                 + (f" ({', '.join(levels)})" if levels else "") + ", comma separated",
-                          flag=factor_flag(name, f.help), show_default="each design's, from the experiment TOML"))
+                          flag=factor_flag(name, help_text), show_default="each design's, from the experiment TOML"))
     return out
 
 

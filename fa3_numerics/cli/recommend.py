@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import typer
 
+from ._registry_cache import cached
 from .options import examples
 
 HELP = (
@@ -33,14 +34,20 @@ EXAMPLES = examples(
 )
 
 
-def register(app: typer.Typer, run_app: typer.Typer) -> None:
+@cached("fa3_numerics.studies.recommend_targets")
+def _targets() -> list[str]:
     from ..studies.recommend_targets import target_names
+
+    return list(target_names())
+
+
+def register(app: typer.Typer, run_app: typer.Typer) -> None:
 
     @app.command("recommend", help=HELP, short_help="Pick, explain and verify the recipe for a model and a target.",
                  epilog=EXAMPLES)
     def recommend_cmd(
         model: str = typer.Option("smollm2", "--model", "-m", help="Local HF model folder, .gguf file, or `smollm2`."),
-        target: str = typer.Option("fa3", "--target", "-t", help="What you deploy on: " + ", ".join(target_names())),
+        target: str = typer.Option("fa3", "--target", "-t", help="What you deploy on: " + ", ".join(_targets())),
         add: Optional[List[str]] = typer.Option(None, "--add", help="Add a candidate (preset or spec); repeatable."),
         drop: Optional[List[str]] = typer.Option(None, "--drop", help="Remove a candidate by name; repeatable."),
         text: Optional[Path] = typer.Option(None, "--text", help="Held-out text (with --calib-text); default: the two "

@@ -8,6 +8,7 @@ from typing import List, Optional
 import typer
 
 from ..errors import UsageError
+from ._registry_cache import cached
 from .options import ALLOW_NONFINITE_HELP, JSON_HELP, examples, finish, json_text, wrote
 
 REPORT_EXAMPLES = examples(
@@ -42,6 +43,7 @@ def parse_formats(text: str) -> tuple[str, ...]:
     return tuple(parts)
 
 
+@cached("fa3_numerics.numerics.metrics")
 def _metric_help() -> str:
     from ..numerics.metrics import metrics
 

@@ -7,8 +7,9 @@ from typing import Optional
 
 import typer
 
-from .options import ALLOW_NONFINITE_HELP, JSON_HELP, dist_options, examples, experiment_toml, json_text, \
-    parse_list, toml_default, with_options, wrote
+from ._registry_cache import cached
+from .options import ALLOW_NONFINITE_HELP, JSON_HELP, dist_help, dist_options, examples, experiment_toml, json_text, \
+    parse_list, toml_default, with_options
 
 # option -> help; one table so the CLI's help cannot drift from what the runner reads.
 HELP = {
@@ -52,12 +53,10 @@ def _default(key: str) -> str | bool:
 
 
 def _dist_help() -> str:
-    from ..data import distributions
-    from ..data.dist_spec import SYNTAX
-
-    return f"input distribution: {SYNTAX}; registered: {', '.join(n.rstrip(':') for n in distributions.available())}"
+    return dist_help()
 
 
+@cached("fa3_numerics.engine.backends")
 def _backend_help() -> str:
     from ..engine.backends import names
 

@@ -6,7 +6,8 @@ from typing import Optional
 
 import typer
 
-from .options import ALLOW_NONFINITE_HELP, examples, finish, parse_list, wrote
+from ._registry_cache import cached
+from .options import ALLOW_NONFINITE_HELP, examples, parse_list
 
 EXAMPLES = examples(
     "fa3-numerics validate --grid small --out validation/          # on a Hopper GPU with the fa3 kernel",
@@ -17,6 +18,7 @@ EXAMPLES = examples(
 )
 
 
+@cached("fa3_numerics.studies.validate")
 def _grid_help() -> str:
     from ..studies.validate import GRIDS
 
@@ -43,14 +45,12 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
     ):
         """Same inputs through the emulator and the kernel: F = RMSE(emu, kernel) / RMSE(kernel, f64), bit-identical share."""
         from ..engine.backends import check_device, get_backend
-        from ..engine.dataset import write
         from ..engine.files import OutputFolder
-        from ..engine.progress import make_progress
         from ..errors import require
-        from ..report.document import write_document
-        from ..report.validation import markdown_validation, validation_document
+        from ..report.validation import markdown_validation
         from ..engine.checks import check_rows
-        from ..studies.validate import accumulator_ranking, captured_cases, check_accs, findings, run_validation
+        from ..studies.validate import ValidationStudy, accumulator_ranking, captured_cases, check_accs
+        from ._study import run_study_command
         from ..studies.validate import grid as make_grid
         from ..studies.validate import with_dist
 
@@ -70,15 +70,12 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         kernel = get_backend(backend)
         why = kernel.check(device)
         require(why is None, f"backend {backend!r} cannot run on {device}: {why}")
-        with folder as path:
-            typer.echo(f"validate: {len(cases)} case(s), backend {backend} on {device}; writing to {path}", err=True)
-            ds = run_validation(cases, device=device, backend=backend, accs=accs, kernel=kernel,
-                                progress=make_progress())
-            written = [write(ds, path / "validation.nc")]
-            written += write_document(validation_document(ds), path, stem="validation", figure_dir="")
-        typer.echo(markdown_validation(ds))
-        rank = accumulator_ranking(ds)
-        if rank:
-            typer.echo(f"best accumulator model: {rank[0]['acc']} (max F {rank[0]['max_F']:.4f})")
-        typer.echo(wrote(written))
-        finish(findings(ds), allow_nonfinite, lambda m: typer.echo(m, err=True))
+        study = ValidationStudy(cases, device=device, backend=backend, accs=accs, kernel=kernel)
+
+        def console(ds):
+            typer.echo(markdown_validation(ds))
+            rank = accumulator_ranking(ds)
+            if rank:
+                typer.echo(f"best accumulator model: {rank[0]['acc']} (max F {rank[0]['max_F']:.4f})")
+
+        run_study_command(study, folder.path, allow_nonfinite=allow_nonfinite, console=console)

@@ -63,6 +63,7 @@ from ..engine.inputs import HIST_EDGES, DistInputs
 from ..engine.provenance import provenance
 from ..engine.runner import Job, Task, run_tasks
 from ..engine.sampling import ROWS_SAMPLING
+from ..engine.study import Study
 from ..errors import require
 from ..numerics.keys import factors
 from ..numerics.metrics import METRICS
@@ -483,5 +484,26 @@ def capture_item(path: str, layer: int = 0) -> DataItem:
     return DataItem(f"capture {Path(path).stem} layer {int(layer)}", f"capture-file:{path}", (("layer", int(layer)),))
 
 
-__all__ = ["FACTORS", "DEFAULT_LEVEL", "DataItem", "Design", "Ablation", "load_ablation", "run_ablation", "tasks",
+class AblationStudy(Study):
+    """A factorial ablation (``load_ablation``) on the ``engine.study`` protocol: its cells go through
+    ``run_tasks`` and the one cache; ``run_ablation`` assembles the dataset with its attribution."""
+
+    kind = "ablation"
+
+    def __init__(self, ab: "Ablation"):
+        self.ab = ab
+        self.stem = ab.name
+
+    def describe(self) -> str:
+        return f"{self.ab.name}: {len(self.ab.designs)} design(s), backend {self.ab.backend} on {self.ab.device}"
+
+    def run(self, ctx):
+        return run_ablation(self.ab, cache_dir=ctx.cache, workers=ctx.workers, scheduler=ctx.scheduler,
+                            progress=ctx.progress)
+
+    def assemble(self, results):
+        return results
+
+
+__all__ = ["AblationStudy", "FACTORS", "DEFAULT_LEVEL", "DataItem", "Design", "Ablation", "load_ablation", "run_ablation", "tasks",
            "factor_recipe", "variant_label", "with_tiles", "capture_item", "capture_info"]

@@ -38,6 +38,7 @@ from ..engine.checks import check_backend, check_rows
 from ..engine.inputs import CaptureInputs
 from ..engine.runner import Job, Task, run_tasks
 from ..engine.sampling import ROWS_SAMPLING, check_seed, effective_rows
+from ..engine.study import Study
 from ..errors import require
 from ..numerics.keys import keys
 from ..numerics.metrics import METRICS, metrics
@@ -331,5 +332,36 @@ def check_recommendations(ds, rec: dict) -> list[str]:
     return problems
 
 
-__all__ = ["DEFAULT_VARIANTS", "STAT_DEFINITIONS", "RANK_METRICS", "plan", "audit", "tasks", "recipe_cost", "rank",
+class AuditStudy(Study):
+    """An audit of a capture on the ``engine.study`` protocol: ``plan`` checks the capture and the
+    options when the study is made; each (layer, variant) cell is cached in OUT/.cells."""
+
+    kind = "audit"
+    stem = "audit"
+
+    def __init__(self, capture, *, variants=None, backend: str = "emulate", rows: int = 256, layers=None,
+                 seed: int = 0, device: str = "cpu", settings: dict | None = None):
+        self.cap, self.recipes, _ = plan(capture, variants=variants, backend=backend, rows=rows, layers=layers,
+                                         seed=seed, device=device)
+        self.options = dict(variants=variants, backend=backend, rows=rows, layers=layers, seed=seed, device=device)
+        self.settings = dict(settings or {})  # the report's budget and ranking, kept in the dataset
+
+    def describe(self) -> str:
+        return (f"audit: {len(self.recipes)} variant(s), backend {self.options['backend']} on "
+                f"{self.options['device']}")
+
+    def run(self, ctx):
+        return audit(self.cap, progress=ctx.progress, cache_dir=ctx.cache, **self.options)
+
+    def assemble(self, ds):
+        ds.attrs.update(self.settings)
+        return ds
+
+    def nonfinite(self, ds) -> list:
+        from ..engine.nonfinite import scan
+
+        return scan(ds, sample_dims=("head",))
+
+
+__all__ = ["AuditStudy", "DEFAULT_VARIANTS", "STAT_DEFINITIONS", "RANK_METRICS", "plan", "audit", "tasks", "recipe_cost", "rank",
            "rank_metrics", "recommend", "cost_order", "check_recommendations"]

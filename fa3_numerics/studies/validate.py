@@ -42,6 +42,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..engine.study import Study
 from ..errors import UsageError, require
 
 F_LIMIT = 0.01  # the bar for every FP8 case
@@ -492,5 +493,29 @@ def markdown_validation(ds) -> str:
     return render(ds)
 
 
-__all__ = ["Case", "GRIDS", "grid", "case_recipe", "with_dist", "captured_cases", "skips", "tasks", "run_validation",
+class ValidationStudy(Study):
+    """Emulator against kernel on the ``engine.study`` protocol (``fa3-numerics validate``): the
+    cases and the backend are checked when it is made; the dataset is ``validation.nc``."""
+
+    kind = "validation"
+    stem = "validation"
+
+    def __init__(self, cases: list[Case], *, device: str, backend: str, accs: list[str] | None, kernel):
+        self.cases, self.device, self.backend, self.accs, self.kernel = cases, device, backend, accs, kernel
+
+    def describe(self) -> str:
+        return f"validate: {len(self.cases)} case(s), backend {self.backend} on {self.device}"
+
+    def run(self, ctx):
+        return run_validation(self.cases, device=self.device, backend=self.backend, accs=self.accs,
+                              kernel=self.kernel, progress=ctx.progress)
+
+    def assemble(self, ds):
+        return ds
+
+    def nonfinite(self, ds) -> list:
+        return findings(ds)
+
+
+__all__ = ["ValidationStudy", "Case", "GRIDS", "grid", "case_recipe", "with_dist", "captured_cases", "skips", "tasks", "run_validation",
            "accumulator_ranking", "findings", "markdown_validation", "F_LIMIT", "F_AIM"]
