@@ -19,6 +19,7 @@ seqlens shorter than ``--rows``); the inputs' |x| histogram; provenance attrs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.resources
 import itertools
 import json
@@ -60,11 +61,12 @@ class Experiment:
     seqlen: list[int]
     head_dim: list[int]
     causal: list[bool]
-    batch: int = 1
-    heads: int = 16
-    kv_heads: int = 0
-    rows: int = 1024
-    seeds: list[int] = dataclasses.field(default_factory=lambda: [0])
+    # Left out: Table 3's (experiments/outliers.toml), the one place the defaults are written.
+    batch: int = dataclasses.field(default_factory=lambda: table3()["shape"]["batch"])
+    heads: int = dataclasses.field(default_factory=lambda: table3()["shape"]["heads"])
+    kv_heads: int = dataclasses.field(default_factory=lambda: table3()["shape"]["kv_heads"])
+    rows: int = dataclasses.field(default_factory=lambda: table3()["shape"]["rows"])
+    seeds: list[int] = dataclasses.field(default_factory=lambda: list(table3()["run"]["seeds"]))
     backend: str = "emulate"
     device: str = "cpu"
 
@@ -100,6 +102,35 @@ class Experiment:
     def cells(self) -> list[dict]:
         sw = self.sweeps()
         return [dict(zip(sw, combo)) for combo in itertools.product(*sw.values())]
+
+
+@functools.lru_cache(maxsize=1)
+def _table3_cached() -> str:
+    return json.dumps(_read_table3())
+
+
+def _read_table3() -> dict:
+    """experiments/outliers.toml, checked: the FA3 paper's Table 3 and every default."""
+    path, spec = read_toml("outliers")
+    shape = dict(spec.get("shape", {}))
+    for key in ("seqlen", "head_dim", "causal", "batch", "heads", "kv_heads", "rows"):
+        require(key in shape, f"{path}: [shape] must set {key} (it is every experiment's default)")
+    require("seeds" in spec.get("run", {}), f"{path}: [run] must set seeds (it is every experiment's default)")
+    for key in ("batch", "heads", "kv_heads", "rows"):
+        shape[key] = toml_values(shape[key], int, key, path.name)[0]
+    return {"shape": shape, "run": dict(spec["run"]), "params": dict(spec.get("params", {})),
+            "variants": list(spec.get("variants", [])), "dist": spec.get("dist", "outliers")}
+
+
+def table3() -> dict:
+    """The Table 3 definition (experiments/outliers.toml): shape, run, params, variants, dist; a
+    fresh copy each call."""
+    return json.loads(_table3_cached())
+
+
+def table3_variants() -> tuple[str, ...]:
+    """The paper's Table 3 rows, in order, as experiments/outliers.toml lists them."""
+    return tuple(table3()["variants"])
 
 
 def list_experiments() -> dict[str, Path]:
@@ -163,12 +194,17 @@ def load_experiment(name: str, overrides: dict | None = None) -> Experiment:
         spec["run"]["seeds"] = toml_values(spec["run"]["seeds"], int, "seeds", src)
     for k, v in spec.get("params", {}).items():
         spec["params"][k] = toml_values(v, float, k, src)
+    # A key an experiment leaves out takes Table 3's value: experiments/outliers.toml is the one
+    # definition of the defaults.
+    base = table3() if Path(name).stem != "outliers" else {"shape": {}, "run": {}, "params": {}}
+    shape = {**base["shape"], **shape}
+    run = {**base.get("run", {}), **spec.get("run", {})}
     kw = dict(
         name=Path(name).stem, description=spec.get("description", ""), dist=spec.get("dist", "outliers"),
         variants=list(spec.get("variants", list(PRESETS))), params={k: _as_list(v) for k, v in spec.get("params", {}).items()},
-        seqlen=_as_list(shape.get("seqlen", [8192])), head_dim=_as_list(shape.get("head_dim", [128])),
-        causal=_as_list(shape.get("causal", False)), batch=shape.get("batch", 1), heads=shape.get("heads", 16),
-        kv_heads=shape.get("kv_heads", 0), rows=shape.get("rows", 1024), seeds=_as_list(spec.get("run", {}).get("seeds", [0])),
+        seqlen=_as_list(shape["seqlen"]), head_dim=_as_list(shape["head_dim"]), causal=_as_list(shape["causal"]),
+        batch=shape["batch"], heads=shape["heads"], kv_heads=shape["kv_heads"], rows=shape["rows"],
+        seeds=_as_list(run["seeds"]),
     )
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     family = parse_dist(overrides.get("dist") or kw["dist"]).entry
@@ -329,4 +365,5 @@ class OutliersStudy(Study):
 
 
 __all__ = ["Experiment", "Results", "load_experiment", "list_experiments", "read_toml", "run_experiment",
-           "compute_experiment", "tasks", "SHAPE_SWEEPABLE", "OutliersStudy"]
+           "compute_experiment", "tasks", "SHAPE_SWEEPABLE", "OutliersStudy", "table3",
+           "table3_variants"]
