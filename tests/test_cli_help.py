@@ -47,10 +47,23 @@ def test_every_help_has_examples(path):
 
 def test_p_means_one_thing():
     outliers, ablation = _help("run", "outliers"), _help("run", "ablation")
-    option = lambda text, flag: re.search(rf"^\W*{flag}\s+<", text, flags=re.M)  # noqa: E731  an option's row
+    option = lambda text, flag: re.search(rf"^\W*{flag}\s+[A-Z<]", text, flags=re.M)  # noqa: E731  an option's row
     assert option(outliers, "--p") and "outliers: probability" in outliers
     assert option(ablation, "--p-handling") and not option(ablation, "--p")
     assert "--descale-rounding" in ablation  # `scale` is a distribution parameter too: renamed the same way
+
+
+def test_metavars_say_what_a_value_is():
+    """Typed metavars, never the Python type: comma lists that sweep say so."""
+    outliers = _help("run", "outliers")
+    row = lambda flag: re.search(rf"^\W*{flag}\s+(\S+)", outliers, flags=re.M).group(1)  # noqa: E731
+    assert row("--seqlen") == "INT,..." and row("--p") == "FLOAT,..." and row("--variants") == "SPECS"
+    assert row("--out") == "-o" or row("--out").startswith("-o")  # -o is --out on every command
+    for path in _commands():
+        text = _help(*path)
+        options = text[text.find("Options"):]
+        for python_type in ("<str>", "<int>", "<float>", "<list[str]>", "<path>"):
+            assert python_type not in options, (path, python_type)
 
 
 def test_defaults_say_where_they_come_from():

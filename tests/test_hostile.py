@@ -843,7 +843,7 @@ def test_ctrl_c_says_resume_only_where_a_rerun_resumes(tmp_path, cli, monkeypatc
 @pytest.mark.parametrize("args,words", [
     (["run", "outliers", "--batch", "1e308"], "Invalid value for '--batch'"),
     (["run", "outliers", "--nope"], "No such option: --nope"),
-    (["audit"], "Missing argument 'file'; see `"),
+    (["audit"], "Missing argument 'FILE'; see `"),
 ])
 def test_an_option_typer_cannot_parse_is_one_line_not_a_box(cli, args, words):
     code, out, err = cli(*args)

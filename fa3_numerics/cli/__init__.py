@@ -51,7 +51,7 @@ def build_app() -> typer.Typer:
         name="fa3-numerics",
         help="Numerical accuracy of FP8 attention (FlashAttention-3): emulate, measure, report.",
         no_args_is_help=True,
-        add_completion=False,
+        add_completion=True,  # --install-completion, --show-completion (bash, zsh, fish, PowerShell)
         pretty_exceptions_enable=False,
     )
     app.callback()(_options)
@@ -65,6 +65,10 @@ def build_app() -> typer.Typer:
     for mod in modules:
         if hasattr(mod, "register"):
             mod.register(app, run_app)
+    from . import _conventions
+    from .options import dist_params, factor_list
+
+    _conventions.apply(app, set(dist_params()) | {name for name, _, _ in factor_list()})
     for typer_app in (app, run_app):
         for cmd in typer_app.registered_commands:
             name = cmd.name or cmd.callback.__name__

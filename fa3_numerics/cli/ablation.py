@@ -27,7 +27,8 @@ HELP = {
     "capture": "add a capture file (from `fa3-numerics capture`) as data",
     "capture_layer": "layer of the capture file to use",
     "attribution": "also run the single-stage recipes of the error attribution",
-    "workers": "dask worker processes (default: one per CPU core, or per GPU); 0 = in this process",
+    "workers": "dask worker processes (0 = in this process, as every command's default; N: one per core is "
+               "usually best)",
     "scheduler": "address of an existing dask scheduler (tcp://host:8786) instead of a LocalCluster",
     "device": "cpu, cuda or cuda:N",
     "backend": "emulate (default) or another registered backend",
@@ -72,10 +73,10 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         designs: Optional[str] = typer.Option(None, help=HELP["designs"], show_default=f"all, from {SOURCE}"),
         data: Optional[str] = typer.Option(None, help=HELP["data"], show_default=f"all, from {SOURCE}"),
         capture: Optional[Path] = typer.Option(None, help=HELP["capture"]),
-        capture_layer: int = typer.Option(0, "--capture-layer", help=HELP["capture_layer"]),
+        capture_layer: int = typer.Option(0, "--layer", "--capture-layer", help=HELP["capture_layer"]),
         attribution: Optional[bool] = typer.Option(None, "--attribution/--no-attribution", help=HELP["attribution"],
                                                    show_default=_default("attribution")),
-        workers: Optional[int] = typer.Option(None, help=HELP["workers"], show_default="one per core"),
+        workers: int = typer.Option(0, help=HELP["workers"]),
         scheduler: Optional[str] = typer.Option(None, help=HELP["scheduler"]),
         device: str = typer.Option("cpu", help=HELP["device"]),
         backend: str = typer.Option("emulate", help=HELP["backend"]),
@@ -83,6 +84,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         report: Optional[str] = typer.Option(None, help=HELP["report"], show_default="--out"),
         fresh: bool = typer.Option(False, help=HELP["fresh"]),
         allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=ALLOW_NONFINITE_HELP),
+        format: str = typer.Option("html,md", "--format", help="report formats: html, md (comma list)"),
         **factor_levels,
     ):
         """Factorial ablation of FP8 attention recipes with error attribution, effects and a report.
@@ -96,8 +98,9 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         from ..errors import require
         from ..studies.ablation import AblationStudy, load_ablation
         from ._study import run_study_command
+        from .report import parse_formats
 
-        require(workers is None or workers >= 0, f"--workers must be >= 0, got {workers}")
+        require(workers >= 0, f"--workers must be >= 0, got {workers}")
         check_scheduler(scheduler)
         strs = lambda t, n: parse_list(t, str, n)  # noqa: E731
         overrides = {
@@ -119,13 +122,13 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             def render(ds, path, formats):
                 if report == "":
                     return []
-                return _report(ds, rep if rep is not None else path, path / f"{study.stem}.nc", t0)
+                return _report(ds, rep if rep is not None else path, path / f"{study.stem}.nc", t0, formats)
 
             run_study_command(study, out, fresh=fresh, workers=workers, scheduler=scheduler,
-                              allow_nonfinite=allow_nonfinite, render=render)
+                              allow_nonfinite=allow_nonfinite, render=render, formats=parse_formats(format))
 
 
-def _report(ds, folder: Path, nc: Path, t0: float) -> list[Path]:
+def _report(ds, folder: Path, nc: Path, t0: float, formats=("html", "md")) -> list[Path]:
     """The report of ``ds`` into ``folder``, with the command's wall time in its provenance."""
     from ..report.ablation import ablation_document
     from ..report.document import Bullets, write_document
@@ -135,4 +138,4 @@ def _report(ds, folder: Path, nc: Path, t0: float) -> list[Path]:
     prov = next(s for s in doc.sections if s.title == "Provenance")
     prov.blocks.append(Bullets([f"wall time of the command: {total:.0f} s ({ds.attrs['wall_seconds']:.0f} s the "
                                 "sweep, the rest the analysis and figures)"]))
-    return write_document(doc, folder, stem="report", figure_dir="", extra=extra)
+    return write_document(doc, folder, stem="report", figure_dir="", extra=extra, formats=tuple(formats))

@@ -67,6 +67,8 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
         out: str = typer.Option("results/audit", help="Output folder: audit.nc, audit.md, figures."),
         allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=ALLOW_NONFINITE_HELP),
+        fresh: bool = typer.Option(False, help="Ignore the cells cached by an earlier audit into the same --out."),
+        format: str = typer.Option("html,md", "--format", help="Report formats: html, md (comma list)."),
     ) -> None:
         from ..errors import require
         from ..report.audit import audit_document
@@ -95,7 +97,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         def render(ds, path, formats):
             return write_document(audit_document(ds, top=top, budget=budget, budget_metric=budget_metric,
                                                  rank_by=rank_by, rank_metric=rank_metric),
-                                  path, stem="audit", figure_dir="")
+                                  path, stem="audit", figure_dir="", formats=tuple(formats))
 
         def console(ds):
             typer.echo(f"riskiest (layer, head) by {rank_metric} of {rank_by}:")
@@ -113,4 +115,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                 if problems:
                     typer.echo("recommendation check failed: " + "; ".join(problems), err=True)
 
-        run_study_command(study, out, allow_nonfinite=allow_nonfinite, render=render, console=console)
+        from .report import parse_formats
+
+        run_study_command(study, out, allow_nonfinite=allow_nonfinite, render=render, console=console, fresh=fresh,
+                          formats=parse_formats(format))

@@ -65,6 +65,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         seed: int = typer.Option(0, help="Seed of the Hadamard rotations' signs."),
         allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Exit 0 despite non-finite values."),
         out: Path = typer.Option(Path("results/recommend"), help="Output folder."),
+        format: str = typer.Option("html,md", "--format", help="Report formats: html, md (comma list)."),
         fresh: bool = typer.Option(False, help="Start over in an --out an earlier run used (nothing is cached "
                                                "yet: accepted for the same options on every study)."),
     ) -> None:
@@ -75,4 +76,6 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                                add=add or (), drop=drop or (), budget_kl=budget_kl, budget_ppl=budget_ppl,
                                budget_top1=budget_top1, budget_factor=budget_factor, verify=verify,
                                mix_runs=mix_runs, backend=backend, device=device, seed=seed)
-        run_study_command(study, out, fresh=fresh, allow_nonfinite=allow_nonfinite)
+        from .report import parse_formats
+
+        run_study_command(study, out, fresh=fresh, allow_nonfinite=allow_nonfinite, formats=parse_formats(format))

@@ -64,7 +64,8 @@ def _backend_help() -> str:
 
 
 def run_and_write(name: str, overrides: dict, out: str, fresh: bool, workers: int = 0,
-                  scheduler: Optional[str] = None, allow_nonfinite: bool = False) -> None:
+                  scheduler: Optional[str] = None, allow_nonfinite: bool = False,
+                  formats: tuple[str, ...] = ("html", "md")) -> None:
     """``run NAME``: the experiment TOML's study through the one command tail. The report's
     imports happen beside the computation: in a forked process from the console script
     (``engine.report_process``), else in a thread (``engine.prefetch``); neither while dask's
@@ -88,7 +89,7 @@ def run_and_write(name: str, overrides: dict, out: str, fresh: bool, workers: in
     tail = ReportProcess.start(modules, guarded) if local and forks_allowed() else None
     fetch = prefetch(modules) if local and tail is None else None
     try:
-        run_study_command(study, out, fresh=fresh, workers=workers, scheduler=scheduler,
+        run_study_command(study, out, fresh=fresh, workers=workers, scheduler=scheduler, formats=formats,
                           allow_nonfinite=allow_nonfinite, clock=PhaseClock(),
                           finisher=tail.run if tail is not None else None)
     finally:
@@ -145,6 +146,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         workers: int = typer.Option(0, help=HELP["workers"]),
         scheduler: Optional[str] = typer.Option(None, help=HELP["scheduler"]),
         allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=ALLOW_NONFINITE_HELP),
+        format: str = typer.Option("html,md", "--format", help="report formats: html, md (comma list)"),
         **dist_params,
     ):
         """The FA3 paper's Table 3: FP8 and FP16 attention RMSE on Gaussian inputs with outliers.
@@ -161,7 +163,9 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             "batch": batch, "heads": heads, "kv_heads": kv_heads, "rows": rows, "dist": dist,
             "variants": None if variants is None else [variants], "device": device, "backend": backend,
         })
-        run_and_write("outliers", overrides, out, fresh, workers, scheduler, allow_nonfinite)
+        from .report import parse_formats
+
+        run_and_write("outliers", overrides, out, fresh, workers, scheduler, allow_nonfinite, parse_formats(format))
 
     @app.command("variants", epilog=examples("fa3-numerics variants",
                                              "fa3-numerics variants --json",

@@ -42,6 +42,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         acc: Optional[str] = typer.Option(None, help="emulator accumulator models, comma separated "
                                                      "(default: all: fp32, fp22, two-level)"),
         allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=ALLOW_NONFINITE_HELP),
+        format: str = typer.Option("html,md", "--format", help="report formats: html, md (comma list)"),
     ):
         """Same inputs through the emulator and the kernel: F = RMSE(emu, kernel) / RMSE(kernel, f64), bit-identical share."""
         from ..engine.backends import check_device, get_backend
@@ -78,4 +79,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             if rank:
                 typer.echo(f"best accumulator model: {rank[0]['acc']} (max F {rank[0]['max_F']:.4f})")
 
-        run_study_command(study, folder.path, allow_nonfinite=allow_nonfinite, console=console)
+        from .report import parse_formats
+
+        run_study_command(study, folder.path, allow_nonfinite=allow_nonfinite, console=console,
+                          formats=parse_formats(format))
