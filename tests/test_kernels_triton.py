@@ -34,7 +34,7 @@ def _gpu_reason() -> str | None:
     if not HAS_TRITON:
         return "triton is not installed"
     if not torch.cuda.is_available():
-        return "no CUDA GPU (the compiled kernels run on the device; kernels/device/triton_h200.py runs these there)"
+        return "no CUDA GPU (the compiled kernels run on the device; tools/device/triton_h200.py runs these there)"
     if torch.cuda.get_device_capability() < (8, 9):
         return "the GPU has no FP8 tensor cores (sm_89+ needed)"
     return None
@@ -435,7 +435,7 @@ def test_gpu_persistent_kernel_matches_tiled():
     sub-tiles kept in registers (2, 3, 4; written transposed on request) and read again (pipelined:
     the default for 224 rows; at the block's end: on request; one block behind, in the first pass's
     steps: the default for transposed outputs), their inputs kept and rotated again, and launches
-    with a register cap (more programs per SM). The sweep of kernels/device/triton_h200.py compares
+    with a register cap (more programs per SM). The sweep of tools/device/triton_h200.py compares
     one-tile blocks."""
     from fa3_numerics.kernels.triton_.rotate_quant import rotate_quantize
     from fa3_numerics.numerics.granularity import PerBlock, PerHead, PerTensor, PerToken

@@ -3,7 +3,7 @@
 Exposed: ``quantizer_checks``, ``attention_checks``, ``cast_checks``, ``gqa_check``, ``main``.
 
 Each check returns plain dicts of measured numbers; the callers assert the properties (tests)
-or commit the numbers (kernels/device/triton_h200.py). ``python -m
+or commit the numbers (tools/device/triton_h200.py). ``python -m
 fa3_numerics.kernels.triton_.selfcheck --json`` prints them all (the CPU tests run it in a
 subprocess with TRITON_INTERPRET=1, so that the kernels' module-level ``triton.jit`` sees the
 interpreter setting before anything else imports them).
