@@ -42,6 +42,16 @@ def test_every_module_is_in_a_layer():
     assert layers.unplaced(layers.default_roots(REPO)) == []
 
 
+def test_the_architecture_page_draws_every_layer():
+    text = (REPO / "docs" / "architecture.md").read_text()
+    drawing = text.split("## Layers", 1)[1].split("```")[1]
+    for layer in layers.LAYERS:
+        for prefix in layer.modules:
+            if prefix:
+                name = prefix.replace(".", "/")
+                assert f"{name}/" in drawing or f"{name}.py" in drawing, f"docs/architecture.md does not draw {prefix}"
+
+
 def test_device_scripts_live_outside_the_package():
     assert not (REPO / "kernels" / "device").exists()
     assert (REPO / "tools" / "device" / "h200.py").is_file()

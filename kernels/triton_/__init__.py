@@ -1,4 +1,4 @@
-"""Triton kernels beyond the public FA3 build (issue 12), importable without triton or a GPU.
+"""Triton kernels beyond the public FA3 build, importable without triton or a GPU.
 
 - ``rotate_quant``: fused random-Hadamard rotation + scaled FP8 quantization (per tensor, per
   (batch, kv-head), per block of tokens, per token), float64 path bit-identical to the
