@@ -119,13 +119,13 @@ def test_smem_kernel_is_the_default_only_where_no_launch_is_asked_for():
     float64 path, e5m2, shorter blocks and other granularities keep the tl kernel."""
     from fa3_numerics.kernels.triton_.rotate_quant import smem_candidate
 
-    base = dict(code=2, rows=224, rot="hadamard", reread=None, persistent=None, exact=False, fmt="e4m3",
+    base = dict(gran_code=2, rows=224, rot="hadamard", reread=None, persistent=None, exact=False, fmt="e4m3",
                 tuning=(0,) * 7)
     assert smem_candidate(**base)
     assert smem_candidate(**dict(base, rows=160))
     assert smem_candidate(**dict(base, rows=128, rot="none"))  # V: from 128 rows
     assert not smem_candidate(**dict(base, rows=96, rot="none"))
-    for change in (dict(rows=128), dict(code=1), dict(code=3), dict(reread=True), dict(reread="skewed"),
+    for change in (dict(rows=128), dict(gran_code=1), dict(gran_code=3), dict(reread=True), dict(reread="skewed"),
                    dict(persistent=True), dict(persistent=False), dict(exact=True), dict(fmt="e5m2"),
                    dict(tuning=(0, 0, 0, 2, 0, 0, 0)), dict(tuning=(0, 0, True, 0, 0, 0, 0)),
                    dict(tuning=(0, 0, 0, 0, 0, 0, 0, True))):

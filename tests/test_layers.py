@@ -55,6 +55,12 @@ def test_the_architecture_page_draws_every_layer():
 def test_device_scripts_live_outside_the_package():
     assert not (REPO / "kernels" / "device").exists()
     assert (REPO / "tools" / "device" / "h200.py").is_file()
+    # and the package never reaches out to them
+    scripts = {p.stem for p in (REPO / "tools" / "device").glob("*.py")}
+    for module, path, is_pkg in layers.package_modules(layers.default_roots(REPO)):
+        for line, name in layers.module_imports(path, module, is_pkg):
+            top = name.split(".")[0]
+            assert top != "tools" and top not in scripts, f"{module} imports {name} ({path}:{line})"
 
 
 # -- the checker itself, on a synthetic package ---------------------------------------------------
