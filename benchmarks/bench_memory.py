@@ -1,7 +1,7 @@
 """Peak memory of `fa3-numerics run outliers --seqlen 32768 --batch 1 --heads 1` on this machine.
 
 Runs the CLI in a child process and prints its peak resident set size (ru_maxrss), so the
-number covers everything the command allocates. Target (issue 2): at most 4 GB on CPU.
+number covers everything the command allocates. Target: at most 4 GB on CPU.
 
     python benchmarks/bench_memory.py [--rows N ...extra run args]
 """

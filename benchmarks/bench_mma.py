@@ -3,7 +3,7 @@
 
 Runs ``fa3-fp8-kernel`` (the public FA3 kernel's recipe with the tensor-core model on both
 GEMMs) and ``fa3-fp8-kernel,acc=fp32`` (float32 matmuls) on the same inputs, in one process,
-alternating, and prints the median time of each and their ratio (target <= 3, issue 9). The
+alternating, and prints the median time of each and their ratio (target <= 3). The
 prepare step (quantization) is shared and warmed first, so the ratio compares the attention
 arithmetic, which is where the model costs.
 

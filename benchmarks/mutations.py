@@ -4,7 +4,7 @@ Each mutation is a one-line change of the numerics (Python, the compiled C paths
 the kind a refactoring could introduce: the MMA k-step, the P offset, the KV order, the output
 format, the Hadamard signs, the causal alignment, the pow2 rounding direction, the e4m3
 rounding mode, saturation, the flush to zero, the FP22 truncation bits, the quad row-sum
-order, and the reverted fixes of issue 15's defects. For each, the repository is copied to a
+order, and the reverted fixes of the engine's defects. For each, the repository is copied to a
 temporary folder, the change applied there (the working tree is never edited), and the fast
 tests (``pytest -m "not slow" -x``) run against the copy with ``PYTHONPATH`` pointing at it and
 the compiled library cached apart (``FA3N_CACHE``), so that a C mutation is compiled. A
@@ -87,7 +87,7 @@ MUTATIONS = [
     M("mma-round-py", "MMA rounds the aligned terms to nearest instead of truncating (PyTorch)",
       (PKG + "mma.py", "total = torch.trunc(prod * inv_ulp.unsqueeze(-1)).sum(dim=-1)",
        "total = torch.round(prod * inv_ulp.unsqueeze(-1)).sum(dim=-1)")),
-    M("mma-nan-fix-reverted", "issue 15: MMA reference aligns in float32 again (NaN for a tiny accumulator)",
+    M("mma-nan-fix-reverted", "MMA reference aligns in float32 again (NaN for a tiny accumulator)",
       (PKG + "mma.py", "inv_ulp = torch.exp2(model.bits - emax)", "inv_ulp = torch.exp2(model.bits - emax).float()")),
     # -- the flash algorithm ---------------------------------------------------------------------
     M("poff-py", "P offset 8 -> 7 in the flash loop (both paths read it)",
@@ -132,14 +132,14 @@ MUTATIONS = [
     M("rescale-rn-c", "tile rescale exp2 rounded to nearest instead of toward zero (C)",
       (PKG + "_native.c", "    if ((double)__builtin_fabsf(y) > __builtin_fabs(r)) y = __builtin_nextafterf(y, 0.0f);\n",
        "")),
-    M("standard-mqa-fix-reverted", "issue 15: standard algorithm takes the head count from K (MQA crash)",
+    M("standard-mqa-fix-reverted", "standard algorithm takes the head count from K (MQA crash)",
       (PKG + "emulator.py", "    b, h = pre.q.values.shape[:2]\n    nk, dv = pre.seqlen_k, pre.v.values.shape[-1]",
        "    b, h = pre.k.values.shape[:2]\n    nk, dv = pre.seqlen_k, pre.v.values.shape[-1]")),
-    M("p-kept-in-bf16", "issue 9: baseline-fp8's softmax rows kept between its two passes in BF16, not their FP16",
+    M("p-kept-in-bf16", "baseline-fp8's softmax rows kept between its two passes in BF16, not their FP16",
       (PKG + "emulator.py", "kept[blk] = p_rows.to(keep_dtype)", "kept[blk] = p_rows.to(torch.bfloat16)")),
-    M("outlier-rate-halved", "issue 9: the paper distribution's outlier positions drawn at p / 2",
+    M("outlier-rate-halved", "the paper distribution's outlier positions drawn at p / 2",
       ("fa3_numerics/data/distributions/paper.py", ".geometric_(p, generator=g)", ".geometric_(p / 2, generator=g)")),
-    M("standard-masked-rows-fix-reverted", "issue 15 review: standard attention's rows that see no key give NaN again",
+    M("standard-masked-rows-fix-reverted", "standard attention's rows that see no key give NaN again",
       (PKG + "emulator.py", "dim=-1).masked_fill(~vis.any(dim=-1, keepdim=True), 0.0)", "dim=-1)")),
     M("p-exp2-rz-c", "P~ = exp2(.) rounded toward zero instead of to nearest (C)",
       (PKG + "_native.c", "row[c] = flush32((float)exp2_d((double)x), ftz);",
@@ -178,11 +178,11 @@ MUTATIONS = [
        "for (int64_t i = 0; i < d; i++) buf[i] = xr[i];")),
     M("hadamard-signs-constant", "random signs all +1 (no randomisation, matrix and butterflies alike)",
       (PKG + "rotation.py", ".to(torch.float64) * 2 - 1", ".to(torch.float64) * 0 + 1")),
-    # -- the engine's defences (issue 15) --------------------------------------------------------
-    M("badzip-fix-reverted", "issue 15: a truncated cache file raises BadZipFile again",
+    # -- the engine's defences ------------------------------------------------------------------
+    M("badzip-fix-reverted", "a truncated cache file raises BadZipFile again",
       ("fa3_numerics/engine/cache.py", "except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:",
        "except (OSError, ValueError, EOFError) as exc:")),
-    M("nonfinite-fix-reverted", "issue 15: the engine no longer refuses non-finite inputs",
+    M("nonfinite-fix-reverted", "the engine no longer refuses non-finite inputs",
       ("fa3_numerics/engine/runner.py", "    check_inputs(q, k, v, scale=scale, where=where)\n", "")),
 ]
 

@@ -30,11 +30,11 @@ def compile_kernel(*, d=128, tile=64, rot=2, gran=2, sub=4, reread=1, stages=2, 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from fa3_numerics.kernels.triton_ import rotate_quant as rq
+    from fa3_numerics.kernels.triton_ import quant_persistent
 
-    fn = rq._rq_persistent
+    fn = quant_persistent.rq_persistent
     names = fn.arg_names
-    ptr = {"X": "*bf16", "Y": "*fp8e4nv", "SIGNS": "*fp32", "HMAT": "*bf16", "SCAL": "*fp32", "AMAX": "*i32",
+    ptr = {"X": "*bf16", "Y": "*fp8e4nv", "SIGNS": "*fp32", "HADAMARD": "*bf16", "SQRT_D": "*fp32", "AMAX": "*i32",
            "DESC": "*fp32"}
     # strides of a (b, s, h, d) input and a (b, h, s, d) or (b, h, d, s) output: the ones that are 1
     # are specialised to constants by Triton's launcher, the others are multiples of 16.
@@ -89,7 +89,7 @@ def compile_smem_kernel(*, rows=224, keep_last=False, parts=2, stage_in_ring=Tru
     sig = {"x_desc": desc(gl.bfloat16, "bf16", [1, tile, pw]), "xl_desc": desc(gl.bfloat16, "bf16", [1, unit, pw]),
            "y_desc": desc(gl.float8e4nv, "fp8e4nv", [1, tile, pw]),
            "yl_desc": desc(gl.float8e4nv, "fp8e4nv", [1, unit, pw]),
-           "h_desc": desc(gl.bfloat16, "bf16", [pw, pw]), "SCAL": "*fp32", "DESC": "*fp32"}
+           "h_desc": desc(gl.bfloat16, "bf16", [pw, pw]), "SQRT_D": "*fp32", "DESC": "*fp32"}
     consts = dict(TILE=tile, PART=pw, NP=parts, SUB=sub, SHORT=rows - (sub - 1) * tile == unit, KEEP_LAST=keep_last,
                   STAGE_IN_RING=stage_in_ring, POW2=pow2, MUL=pow2 and mul, FMT_MAX=448.0, HEAD_FAST=head_fast, num_warps=4, sdn=1)
     for n in fn.arg_names:
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=0)
     ap.add_argument("--out-layout", default="bhsd")
     ap.add_argument("--kernel", default="tl", choices=("tl", "smem", "vsmem"),
-                    help="tl: rotate_quant._rq_persistent; smem: rotate_quant_smem._rq_block_smem (Gluon); "
+                    help="tl: quant_persistent.rq_persistent; smem: rotate_quant_smem._rq_block_smem (Gluon); "
                          "vsmem: vquant_smem._vq_block_smem (Gluon, V written (b, h, d, s))")
     ap.add_argument("--rows", type=int, default=224, help="smem: rows per block")
     ap.add_argument("--keep-last", action="store_true",

@@ -139,6 +139,10 @@ class Fa3Backend(Backend):
     def check(self, device: str) -> str | None:
         return kernel_problem(device)
 
+    def provenance(self) -> dict[str, str]:
+        _, module, version = load_kernel()
+        return {"kernel_module": module, "kernel_version": version}
+
     def supports(self, recipe: Recipe) -> str | None:
         alt = "--backend emulate"
         if recipe.algo != "flash":
@@ -230,6 +234,9 @@ class MockFa3Backend(Fa3Backend):
 
     def check(self, device: str) -> str | None:
         return None
+
+    def provenance(self) -> dict[str, str]:
+        return {}
 
 
 # -- the fast path a user would run, for throughput ----------------------------------------

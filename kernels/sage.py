@@ -121,6 +121,9 @@ class SageBackend(Backend):
     def check(self, device: str) -> str | None:
         return kernel_problem(device)
 
+    def provenance(self) -> dict[str, str]:
+        return {"kernel_module": "sageattention", "kernel_version": load_kernel()[1]}
+
     def supports(self, recipe: Recipe) -> str | None:
         alt = "use --backend emulate"
         want = {"algo": "flash", "qk": "int8", "p": "fp16", "v": "fp16", "ties": "away", "order": "forward",

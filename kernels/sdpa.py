@@ -1,7 +1,8 @@
 """PyTorch's scaled_dot_product_attention kernels as backends (``--backend sdpa[-KIND]``).
 
 Exposed: ``SdpaBackend`` and its pinned variants ``SdpaDefault``, ``SdpaFlash``,
-``SdpaCudnn``, ``SdpaEfficient``, ``SdpaMath``.
+``SdpaCudnn``, ``SdpaEfficient``, ``SdpaMath``; ``sdp_backend`` (a variant's kind -> PyTorch's
+``SDPBackend``, for callers that pin the same kernel around their own call).
 
 Each variant pins one kernel with ``torch.nn.attention.sdpa_kernel``: ``flash`` (PyTorch's
 FlashAttention-2), ``cudnn`` (cuDNN's fused attention), ``efficient`` (memory-efficient
@@ -27,7 +28,8 @@ from fa3_numerics.numerics.recipe import Recipe
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _sdp_backend(kind: str):
+def sdp_backend(kind: str):
+    """PyTorch's ``SDPBackend`` of a variant's ``kind`` (flash, cudnn, efficient, math)."""
     from torch.nn.attention import SDPBackend
 
     return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -90,7 +92,7 @@ class SdpaBackend(Backend):
             if self.kind:
                 from torch.nn.attention import sdpa_kernel
 
-                stack.enter_context(sdpa_kernel([_sdp_backend(self.kind)]))
+                stack.enter_context(sdpa_kernel([sdp_backend(self.kind)]))
             if reduced and hasattr(torch.backends.cuda, "allow_fp16_bf16_reduction_math_sdp"):
                 prev = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
                 torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)

@@ -49,7 +49,7 @@ def test_default_definition_loads():
     assert len(core.variants()) == 45
     assert "block|hadamard|offset8|fp32|e4m3|pow2" in ab.full and "head|none|offset8|fp22|e4m3|amax" in ab.full
     assert len(ab.seqlen) >= 3  # the seqlen trend needs several
-    # the field design (issue 11) runs on k-bias data; the designs before it keep their data
+    # the field design runs on k-bias data; the designs before it keep their data
     field = ab.designs[-1]
     assert len(field.variants()) == 48 and {"k-bias bias=8", "k-bias bias=20"} <= set(field.data)
     assert all(not any(x.startswith("k-bias") for x in d.data or []) and d.data for d in ab.designs[:-1])

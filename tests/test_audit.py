@@ -136,7 +136,7 @@ def test_sink_mass_is_the_reference_weight_on_first_tokens(small):
 def test_p_underflow_running_max_versus_final_max():
     """One huge score on key 0: against the final max (a single-pass softmax) every other P~ rounds
     to 0 in e4m3; the kernel visits the last KV tile first, whose running max is small, so the
-    keys in later tiles keep their P~ (BRIEF section 6: reverse order avoids P-collapse)."""
+    keys in later tiles keep their P~ (the reverse order avoids P collapsing to 0)."""
     n, bn = 400, 160
     q = torch.zeros(1, 1, n, D, dtype=torch.float64)
     q[..., 0] = 1.0

@@ -203,11 +203,27 @@ def test_fast_quantize_shapes_and_error():
         torch.testing.assert_close(ds.double(), (amax / 448).expand(2, 2), rtol=1e-6, atol=0)
 
 
-def test_fa3_backend_feeds_the_kernel_the_bytes_of_the_h200_fixture(monkeypatch):
-    """tests/data holds inputs and outputs of the real kernel (kernels/device/dump_fa3.py on an
+def _fixture_inputs(seed: int, batch: int, heads: int, seqlen: int, dim: int):
+    """The float64 Q, K, V the committed fixture was captured from. tools/device/dump_fa3.py drew
+    them, when it captured that file, from one CPU generator in this order per tensor (Q, K,
+    V): the N(0, 1) bulk, an N(0, sigma^2) term for every entry, then a uniform per entry
+    against p (p 0.001, sigma 10). The script now draws the library's ``outliers`` family (other
+    tensors from the same seed); the fixture keeps the bytes of that capture."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(3):
+        shape = (batch, heads, seqlen, dim)
+        base = torch.randn(shape, generator=g, dtype=torch.float64)
+        spike = torch.randn(shape, generator=g, dtype=torch.float64) * 10.0
+        out.append(base + spike * (torch.rand(shape, generator=g, dtype=torch.float64) < 0.001))
+    return out
+
+
+def test_fa3_backend_feeds_the_kernel_the_bytes_of_the_h200_fixture():
+    """tests/data holds inputs and outputs of the real kernel (tools/device/dump_fa3.py on an
     H200). From the same float64 inputs, the fa3 backend's quantization gives the same FP8
     bytes and descales, so its kernel calls reproduce that data."""
-    import importlib.util
+    import json
     from pathlib import Path
 
     from safetensors import safe_open
@@ -219,14 +235,11 @@ def test_fa3_backend_feeds_the_kernel_the_bytes_of_the_h200_fixture(monkeypatch)
     fixture = root / "tests" / "data" / "fa3_h200_s1000_h4_d128.safetensors"
     if not fixture.is_file():
         pytest.skip("kernel fixture not present")
-    spec = importlib.util.spec_from_file_location("dump_fa3", root / "kernels" / "device" / "dump_fa3.py")
-    dump = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(__import__("sys").modules, "dump_fa3", dump)  # dataclasses look their module up
-    spec.loader.exec_module(dump)
-    cfg = next(c for c in dump.CONFIGS if c.name == "s1000_h4_d128")
-    q, k, v = dump.make_qkv(cfg)
+    cfg = json.loads(safe_open(str(fixture), "pt").metadata()["config"])
+    assert (cfg["kv_heads"] or cfg["heads"]) == cfg["heads"] and (cfg["p"], cfg["sigma"]) == (0.001, 10.0)
+    q, k, v = _fixture_inputs(cfg["seed"], cfg["batch"], cfg["heads"], cfg["seqlen"], cfg["dim"])
     r = Recipe()  # FP8 e4m3, one descale per (batch, kv-head), no rotation: what the dump ran
-    ins = kernel_inputs(prepare(r, q, k, v, q_index=torch.arange(cfg.seqlen)), r, cfg.hk)
+    ins = kernel_inputs(prepare(r, q, k, v, q_index=torch.arange(cfg["seqlen"])), r, cfg["heads"])
     f = safe_open(str(fixture), "pt")
     for name in ("q", "k", "v"):
         assert torch.equal(ins[name].view(torch.uint8), f.get_tensor(f"{name}8")), name

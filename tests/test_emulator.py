@@ -3,7 +3,7 @@
 Two independent models are written here, from the kernel's description rather than from the
 emulator's code:
 
-- ``fa3_fp8_forward``: FA3's FP8 forward step by step (BRIEF section 3: per-head descales,
+- ``fa3_fp8_forward``: FA3's FP8 forward step by step (per-head descales,
   KV tiles last to first, running max, P~ = exp2(S scale_log2 - (m scale_log2 - 8)) as one
   FFMA, row sums over float32 P~ in the quad's order, P~ cast to e4m3 RNE saturating, O
   rescaled in float32 with the fast-math flush, BF16 output), one row at a time in numpy with
@@ -480,7 +480,7 @@ def test_standard_fp16_matches_pytorch_math_sdpa():
     assert after > 0.3, after
 
 
-# -- issue 9: heavy outliers, flush to zero, every head layout ---------------------------------
+# -- heavy outliers, flush to zero, every head layout -----------------------------------------
 
 
 @pytest.mark.parametrize("causal", [False, True])

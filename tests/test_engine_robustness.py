@@ -1,4 +1,4 @@
-"""The engine never loses or mixes results (issue 13): each fault found by trying bad input as a new
+"""The engine never loses or mixes results: each fault found by trying bad input as a new
 user would, with the behaviour that replaced the traceback or the silent wrong answer."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The engine's defences, as units (no CLI run): the cache and the refusal of unusable inputs.
 
-Each was a defect of issue 15 with no test: a truncated ``.cells/*.npz`` raised
+Each was a defect found with no test: a truncated ``.cells/*.npz`` raised
 ``zipfile.BadZipFile`` out of ``cache.load``; an Inf in K gave FP8 results that a saturating cast
 made finite while the float64 reference was NaN. The CLI behaviour around both is tested in
 test_engine_robustness.py."""

@@ -156,7 +156,7 @@ def e2m1_input_classes() -> np.ndarray:
 
 
 def test_e2m1_is_a_format_beside_the_table_not_in_it():
-    # recipes cannot name it until the emulator handles block scales (issue 11, phase 2)
+    # recipes cannot name it until the emulator handles its block scales
     assert "e2m1" not in FORMATS
     with pytest.raises(UsageError):
         get_format("e2m1")

@@ -3,7 +3,7 @@
 CPU: the refusal without a GPU or the package, the recipe per validation case and the shape
 skips; the emulator against an independent NumPy transcription of ``sageattn``; the emulator's
 quantizer, FP16 wgmma model and whole output against the kernel's own outputs from an H200
-(tests/data/sage1_h200.npz, from kernels/device/sage_h200.py: probes, Q codes of the paper-shape
+(tests/data/sage1_h200.npz, from tools/device/sage_h200.py: probes, Q codes of the paper-shape
 case, the n-333 case at 128 rows). GPU (skipped here): the backend against the emulator.
 """
 

@@ -34,7 +34,7 @@ def _gpu_reason() -> str | None:
     if not HAS_TRITON:
         return "triton is not installed"
     if not torch.cuda.is_available():
-        return "no CUDA GPU (the compiled kernels run on the device; kernels/device/triton_h200.py runs these there)"
+        return "no CUDA GPU (the compiled kernels run on the device; tools/device/triton_h200.py runs these there)"
     if torch.cuda.get_device_capability() < (8, 9):
         return "the GPU has no FP8 tensor cores (sm_89+ needed)"
     return None
@@ -119,13 +119,13 @@ def test_smem_kernel_is_the_default_only_where_no_launch_is_asked_for():
     float64 path, e5m2, shorter blocks and other granularities keep the tl kernel."""
     from fa3_numerics.kernels.triton_.rotate_quant import smem_candidate
 
-    base = dict(code=2, rows=224, rot="hadamard", reread=None, persistent=None, exact=False, fmt="e4m3",
+    base = dict(gran_code=2, rows=224, rot="hadamard", reread=None, persistent=None, exact=False, fmt="e4m3",
                 tuning=(0,) * 7)
     assert smem_candidate(**base)
     assert smem_candidate(**dict(base, rows=160))
     assert smem_candidate(**dict(base, rows=128, rot="none"))  # V: from 128 rows
     assert not smem_candidate(**dict(base, rows=96, rot="none"))
-    for change in (dict(rows=128), dict(code=1), dict(code=3), dict(reread=True), dict(reread="skewed"),
+    for change in (dict(rows=128), dict(gran_code=1), dict(gran_code=3), dict(reread=True), dict(reread="skewed"),
                    dict(persistent=True), dict(persistent=False), dict(exact=True), dict(fmt="e5m2"),
                    dict(tuning=(0, 0, 0, 2, 0, 0, 0)), dict(tuning=(0, 0, True, 0, 0, 0, 0)),
                    dict(tuning=(0, 0, 0, 0, 0, 0, 0, True))):
@@ -435,7 +435,7 @@ def test_gpu_persistent_kernel_matches_tiled():
     sub-tiles kept in registers (2, 3, 4; written transposed on request) and read again (pipelined:
     the default for 224 rows; at the block's end: on request; one block behind, in the first pass's
     steps: the default for transposed outputs), their inputs kept and rotated again, and launches
-    with a register cap (more programs per SM). The sweep of kernels/device/triton_h200.py compares
+    with a register cap (more programs per SM). The sweep of tools/device/triton_h200.py compares
     one-tile blocks."""
     from fa3_numerics.kernels.triton_.rotate_quant import rotate_quantize
     from fa3_numerics.numerics.granularity import PerBlock, PerHead, PerTensor, PerToken

@@ -36,3 +36,29 @@ def test_bootstrap_interval_brackets_and_is_reproducible():
     lo, hi = bootstrap_ci("rmse", v)
     assert lo < pooled("rmse", v) < hi
     assert (lo, hi) == bootstrap_ci("rmse", v)
+
+
+def test_fidelity_known_values_and_the_finite_positions():
+    from fa3_numerics.numerics.metrics import compare_outputs, fidelity
+
+    g = torch.Generator().manual_seed(0)
+    kernel = torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64)
+    ref = kernel - 2.0  # RMSE(kernel, ref) = 2
+    emu = kernel + 0.5  # RMSE(emu, kernel) = 0.5
+    emu.view(-1)[:6] = kernel.view(-1)[:6]  # 6 positions bit-identical, 0 there
+    f = fidelity(emu, kernel, ref)
+    n = kernel.numel()
+    assert math.isclose(f["F"], math.sqrt(0.25 * (n - 6) / n) / 2.0, rel_tol=1e-12)
+    assert f["identical"] == 6 / n and f["finite"] == n == f["positions"]
+    # The same F as the per-sample sums the validation pools (compare_outputs)
+    c = compare_outputs(emu, kernel, ref)
+    assert math.isclose(f["F"], math.sqrt(c["vs_se"].sum() / c["vs_ref_se"].sum()), rel_tol=1e-12)
+    # Any shape; a NaN of the emulator is left out of F (and is not identical), never hidden as a 0
+    e2 = emu.reshape(-1).clone()
+    e2[-1] = float("nan")
+    f2 = fidelity(e2, kernel.reshape(-1), ref.reshape(-1))
+    assert f2["finite"] == n - 1 and f2["identical"] == 6 / n and math.isfinite(f2["F"])
+    # The emulator is the kernel: F = 0; the kernel equals the reference but the emulator does not: Inf
+    assert fidelity(kernel, kernel, ref)["F"] == 0.0
+    assert fidelity(emu, kernel, kernel)["F"] == math.inf
+    assert math.isnan(fidelity(torch.full((3,), float("nan")), kernel.reshape(-1)[:3], ref.reshape(-1)[:3])["F"])

@@ -34,7 +34,7 @@ def _gpu_reason() -> str | None:
     if not HAS_TRITON:
         return "triton is not installed"
     if not torch.cuda.is_available():
-        return "no CUDA GPU (the kernel runs on the device; kernels/device/h200.py --parts mma runs it there)"
+        return "no CUDA GPU (the kernel runs on the device; tools/device/h200.py --parts mma runs it there)"
     return None
 
 

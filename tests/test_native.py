@@ -71,7 +71,7 @@ def test_mma_broadcasts_lead_dims_like_reference():
     assert torch.equal(fast(a, b, None, a_min_exp=-6, b_min_exp=-6), hopper_fp8_mma_reference(a, b))
 
 
-# -- the compiled MMA model, bit for bit (issue 9: the float form of _native.c) --------------------
+# -- the compiled MMA model, bit for bit (the float form of _native.c) -----------------------------
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
     """The float32 encodings: equal bits means equal values, the same sign of zero, the same NaN."""
@@ -263,7 +263,7 @@ CASES = [
     (2, 2, 300, 64, False, "fa3-fp8-kernel,ftz=0"),
     (4, 1, 256, 64, True, "baseline-fp8"),
     (2, 2, 256, 64, False, "baseline-fp16"),
-    # Recipes of the field (issue 11): integer, microscaling and two-level P after the C step,
+    # Recipes of the field: integer, microscaling and two-level P after the C step,
     # the smooth=qk bias before it, FlashAttention's per-tile normalisation around it.
     (2, 2, 300, 64, True, "fa1-fp16"),
     (4, 2, 300, 64, False, "sage1"),

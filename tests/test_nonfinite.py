@@ -1,4 +1,4 @@
-"""Non-finite results are never silent (issue 9, section 2): counted, warned about, flagged in every
+"""Non-finite results are never silent: counted, warned about, flagged in every
 summary and report, shown as "non-finite (k of n samples)", and exit code 3 unless allowed."""
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def test_table3_proxy_agrees_with_the_paper():
     Tolerance, per row of the table: 3 standard errors of the RMSE over the 16 heads (outliers
     make heads differ: 5-15% here), plus 8% systematic: the paper gives two digits (up to 2.6%
     rounding) and the real FA3 kernel on an H200 lands within 5% of the paper at this shape
-    (BRIEF section 2). The paper's conclusions are checked as paired ratios (same inputs, so
+    (reports/h200/report.md). The paper's conclusions are checked as paired ratios (same inputs, so
     most of the head-to-head noise cancels): FA3 FP8 / baseline FP8 = 0.38, no incoherent
     processing / FA3 FP8 = 2.6, no block quantization / FA3 FP8 = 1.02, FA2 / FA3 FP16 = 1,
     baseline FP16 / FA3 FP16 = 1.7; tolerance 3 standard errors of the log ratio plus 0.1

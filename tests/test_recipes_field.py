@@ -1,4 +1,4 @@
-"""Recipes of the field (issue 11) in the emulator: INT8/INT4, MXFP8/NVFP4, smoothing, FA1, FP16
+"""Recipes of the field in the emulator: INT8/INT4, MXFP8/NVFP4, smoothing, FA1, FP16
 accumulation, and the presets sage1/2/3, fa1-fp16, fa3-mxfp8.
 
 References are independent of the emulator: float64 attention on operands quantized here with

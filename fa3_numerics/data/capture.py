@@ -587,7 +587,7 @@ def save_capture(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta
     rename). The temp files a killed capture of the same name left beside it are removed first."""
     from safetensors.torch import save_file
 
-    from ..engine.files import atomic_path, clean_dead_temps
+    from ..files import atomic_path, clean_dead_temps
 
     path = Path(path)
     tensors = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}

@@ -80,6 +80,11 @@ class Backend:
         """Output rows ``q_index`` ([B, H, R, Dv], float64). ``softmax_scale`` None = 1/sqrt(head_dim)."""
         raise NotImplementedError
 
+    def provenance(self) -> dict[str, str]:
+        """Where the results come from, for a dataset's attributes (e.g. ``kernel_module``,
+        ``kernel_version``); studies ask the backend rather than import its module."""
+        return {}
+
 
 class EmulateBackend(Backend):
     name = "emulate"

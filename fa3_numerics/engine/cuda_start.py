@@ -7,7 +7,7 @@ primary context, about 0.3 s on the H200 machine. Importing torch takes 1.2 s th
 GPU. The thread calls the driver through ctypes, which releases the GIL for each call, so the two
 overlap; torch's runtime later finds the driver started and adopts the same primary context.
 (Starting CUDA through torch in a thread overlapped little: torch's own start holds the GIL,
-``kernels/device/cli_profile.sh``.) Only the console script does this, and only when its
+``tools/device/cli_profile.sh``.) Only the console script does this, and only when its
 arguments name a CUDA device. Any failure is left to the command itself, which reports a missing
 GPU with its fix.
 """

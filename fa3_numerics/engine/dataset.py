@@ -177,7 +177,7 @@ def summary_table(ds: xr.Dataset, metric: str = "rmse", level: float = 0.95) -> 
 
 
 # The FA3 paper's Table 3 setting; its values are compared only where a cell matches it.
-# The paper gives no shape: seqlen 8192 is inferred from the H200 measurements (BRIEF sec. 2),
+# The paper gives no shape: seqlen 8192 is inferred from the H200 measurements (reports/h200/),
 # and errors grow with seqlen, so other lengths are not compared.
 PAPER_SETTING = {"p": 0.001, "sigma": 10.0, "head_dim": 128, "causal": False, "seqlen": 8192}
 

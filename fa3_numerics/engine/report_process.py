@@ -6,7 +6,7 @@ Exposed: ``ReportProcess``.
 A run's last steps import xarray, h5netcdf, scipy.stats and matplotlib: about 1.5 s of Python on
 the H200 machine, where the paper-shape Table 3 computes in 1.7 s. Imported in a thread beside
 the runs (``engine.prefetch``) they compete with the runs' kernel launches for the GIL: the runs
-took 1.1 s longer and the imports hid only 0.35 s (``kernels/device/cli_profile.sh``). A forked
+took 1.1 s longer and the imports hid only 0.35 s (``tools/device/cli_profile.sh``). A forked
 process imports them on another core, with a GIL of its own. It is forked before the run's first
 tensor operation and never uses CUDA or torch's thread pools itself.
 

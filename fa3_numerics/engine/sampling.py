@@ -1,48 +1,15 @@
 """How a study picks query rows and seeds, and the matmul settings every computation runs under.
 
 Exposed: ``ROWS_SEED``, ``ROWS_SAMPLING``, ``SEED_MAX``, ``rows_seed``, ``query_rows``,
-``effective_rows``, ``check_seed``, ``deterministic_matmuls``.
-
-Query rows of attention are independent given K and V, so a study may evaluate a seeded random
-sample of ``rows`` rows per (batch, head) over the full key length: exact outputs for those rows
-at a fraction of the cost. The sample derives from the seed that also draws the inputs and the
-rotation, by the rule recorded in every dataset (``ROWS_SAMPLING``).
+``effective_rows``, ``check_seed`` (from ``fa3_numerics.data.sampling``, where the data layer
+uses them too), ``deterministic_matmuls``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..errors import require
-
-ROWS_SEED = "seed * 1000003 + 17"
-ROWS_SAMPLING = f"torch.randperm(seqlen, generator=manual_seed({ROWS_SEED}))[:rows]"
-# Seeds are 32-bit: seed * 1000003 + 17 then fits the 64-bit generator state with room to spare.
-SEED_MAX = 2 ** 32 - 1
-
-
-def rows_seed(seed: int) -> int:
-    return seed * 1000003 + 17
-
-
-def check_seed(seed: int, option: str = "--seeds") -> None:
-    require(isinstance(seed, int) and 0 <= seed <= SEED_MAX,
-            f"{option} must be integers in [0, {SEED_MAX}], got {seed}")
-
-
-def effective_rows(seqlen: int, rows: int) -> int:
-    """Rows actually evaluated: ``rows``, or every row when 0 or at least ``seqlen``."""
-    return seqlen if not rows or rows >= seqlen else rows
-
-
-def query_rows(seqlen: int, rows: int, seed: int, device: str | torch.device = "cpu") -> torch.Tensor:
-    """Sorted indices of the query rows to evaluate (every row when ``rows`` is 0 or >= seqlen)."""
-    if rows and rows < seqlen:
-        g = torch.Generator().manual_seed(rows_seed(seed))
-        idx = torch.randperm(seqlen, generator=g)[:rows].sort().values
-    else:
-        idx = torch.arange(seqlen)
-    return idx.to(device)
+from ..data.sampling import ROWS_SAMPLING, ROWS_SEED, SEED_MAX, check_seed, effective_rows, query_rows, rows_seed
 
 
 def deterministic_matmuls() -> None:
@@ -50,3 +17,7 @@ def deterministic_matmuls() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
+
+
+__all__ = ["ROWS_SEED", "ROWS_SAMPLING", "SEED_MAX", "rows_seed", "query_rows", "effective_rows", "check_seed",
+           "deterministic_matmuls"]

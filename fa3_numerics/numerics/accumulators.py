@@ -93,7 +93,7 @@ def accumulator_names() -> list[str]:
     return list(_REGISTRY)
 
 
-# -- SageAttention v1: FP16 accumulation of P V (issue 11) -------------------------------------
+# -- SageAttention v1: FP16 accumulation of P V ----------------------------------------------
 # Registered after the ``ACCUMULATORS`` snapshot above on purpose: that dict is the list of
 # models of the FA3 kernel's accumulator that ``validate`` runs by default, and FP16
 # accumulation is not one (the FA3 FP8 kernel accumulates in FP22/FP32). ``get_accumulator``

@@ -9,7 +9,7 @@ given the quantized K and V, so evaluating a random subset of rows gives the exa
 of those rows at a fraction of the cost.
 
 The ``flash`` algorithm follows the FA3 FP8 forward kernel (Dao-AILab/flash-attention,
-hopper/; BRIEF section 3): KV tiles of kBlockN keys visited last to first; the running max
+hopper/): KV tiles of kBlockN keys visited last to first; the running max
 is updated with the current tile before exponentiating; P~ = exp2(S * scale_log2 -
 (m * scale_log2 - offset)) computed as one fused multiply-add, so P~ lies in [0, 2^offset];
 the row sum is taken over FP32 P~ before P~ is cast (round to nearest even, saturating);
@@ -22,7 +22,7 @@ recipe's S and softmax formats (the Table 3 baselines).
 All matmuls are float32 with TF32 off; where the kernel fuses a multiply and an add the
 emulator evaluates it in float64 and rounds once.
 
-Recipes of the field (issue 11) run through the same loop:
+Recipes of the field run through the same loop:
 
 - formats by family (``numerics/operands.py``): INT8/INT4 Q and K multiply as exact integer
   codes (a float32 GEMM of codes is exact, ``intformats.float32_gemm_is_exact``) with their
@@ -91,7 +91,7 @@ def _p_keep_bytes(dev: torch.device) -> int:
     free, _ = torch.cuda.mem_get_info(dev)
     return max(keep, free // 4)
 
-# -- progress hook (issue 14; read by fa3_numerics.engine.progress) ---------------------------
+# -- progress hook (read by fa3_numerics.engine.progress) ------------------------------------
 # A caller that shows progress within one emulation sets PROGRESS to f(done, total, unit); it is
 # called after each KV tile (flash) or block of query rows (standard) and never changes a number.
 # A context variable, not a parameter, so that no backend's signature changes for it.

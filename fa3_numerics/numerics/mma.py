@@ -1,7 +1,8 @@
 """A model of Hopper's FP8 tensor-core matrix multiply-accumulate (wgmma, e4m3/e5m2 inputs).
 
 Exposed: ``MmaModel``, ``FP8_MMA``, ``BF16_MMA``, ``model_for``, ``hopper_mma``,
-``hopper_fp8_mma``, ``hopper_fp8_mma_reference``, ``operand_parts``, ``K_STEP``, ``MANTISSA_BITS``.
+``hopper_fp8_mma``, ``hopper_fp8_mma_reference``, ``operand_parts``, ``K_STEP``, ``MANTISSA_BITS``,
+``DEVICE_MMA``, ``register_device_mma``, ``device_mma``.
 
 Hopper's FP8 MMA does not accumulate in full float32 ("FP22": SageAttention2, arXiv
 2411.10958; DeepSeek-V3 "around 14 bits"). The model below was fitted to the packaged FA3
@@ -34,11 +35,12 @@ where exponents would leave the float32 range), a compiled fast path
 (``fa3_numerics.numerics.native``: C with OpenMP on the CPU, built on first use) that
 ``hopper_fp8_mma`` uses when it is available, and a Triton kernel for CUDA tensors
 (``kernels/triton_/mma_model.py``; tests/test_mma_triton.py), which ``hopper_fp8_mma`` and
-``hopper_mma`` (both models) use when triton imports. Each fast path hands non-finite operands
+``hopper_mma`` (both models) use when triton imports. The core does not import it: it is found
+through the ``DEVICE_MMA`` registry (``device_mma``), where the kernels package registers it. Each fast path hands non-finite operands
 to the reference.
 
 The 16-bit tensor core (BF16/FP16 operands, wgmma k16) follows the same scheme with other
-constants, fitted to the FA3 BF16 kernel on an H200 (kernels/device/dump_stress.py probes:
+constants, fitted to the FA3 BF16 kernel on an H200 (tools/device/dump_stress.py probes:
 Sk = 1 exposes S = q.k in float32 through the log-sum-exp): k-steps of 16 products, terms
 truncated at 2^(emax - 25), the sum truncated to 23 bits after its leading bit (the float32
 precision, truncated rather than rounded). It reproduces 85% of those float32 S values
@@ -183,7 +185,7 @@ def hopper_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, 
         return d if c is None else c + d
     if model == FP8_MMA:
         return hopper_fp8_mma(a, b, c, a_min_exp=a_fmt.emin, b_min_exp=b_fmt.emin)
-    fast = _triton_mma(a.device)
+    fast = _device_fast(a.device)
     if fast is not None:
         d = fast(a, b, c, a_min_exp=a_fmt.emin, b_min_exp=b_fmt.emin, model=model)
         if d is not None:
@@ -191,17 +193,59 @@ def hopper_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, 
     return hopper_fp8_mma_reference(a, b, c, a_min_exp=a_fmt.emin, b_min_exp=b_fmt.emin, model=model)
 
 
-def _triton_mma(device: torch.device):
-    """The Triton kernel of the model (``kernels/triton_/mma_model.py``: same numbers as the
-    reference) when it can run on ``device`` (CUDA, triton importable, FA3N_TRITON_MMA not 0),
-    else None. Imported on first use: triton's import costs a second that CPU runs never pay."""
+#: name -> "module:function" of a fast implementation of the model on a device: the function
+#: takes a torch.device and returns the implementation (``mma(a, b, c, a_min_exp=, b_min_exp=,
+#: model=)``, same numbers as the reference, None for operands it hands back) or None where it
+#: cannot run. The core names no implementation: plug-ins register one here or through an entry
+#: point of the group ``DEVICE_MMA_GROUP`` (the Triton kernel of kernels/triton_/mma_model.py is
+#: registered that way in pyproject.toml), read on the first CUDA call.
+DEVICE_MMA: dict[str, str] = {}
+DEVICE_MMA_GROUP = "fa3_numerics.device_mma"
+_device_mma_loaded = False
+
+
+def register_device_mma(name: str, target: str) -> None:
+    """Register a device implementation of the model: ``target`` is "module:function" (see
+    ``DEVICE_MMA``); it is imported on first use."""
+    DEVICE_MMA[name] = target
+
+
+def device_mma_names() -> list[str]:
+    """Every registered device implementation, entry points included."""
+    global _device_mma_loaded
+    if not _device_mma_loaded:
+        _device_mma_loaded = True
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group=DEVICE_MMA_GROUP):
+            DEVICE_MMA.setdefault(ep.name, ep.value)
+    return list(DEVICE_MMA)
+
+
+def device_mma(device) -> tuple[str, object] | None:
+    """(name, implementation) of the first registered device implementation that runs on
+    ``device``, else None (then the compiled C or the reference computes the model). CPU
+    tensors never ask: the registered implementations (and triton's import, a second) are for
+    CUDA only."""
+    device = torch.device(device)
     if device.type != "cuda":
         return None
-    try:
-        from fa3_numerics.kernels.triton_ import mma_model
-    except ImportError:
-        return None
-    return mma_model.mma if mma_model.available(device) else None
+    import importlib
+
+    for name in device_mma_names():
+        mod, fn = DEVICE_MMA[name].split(":")
+        try:
+            impl = getattr(importlib.import_module(mod), fn)(device)
+        except ImportError:
+            continue
+        if impl is not None:
+            return name, impl
+    return None
+
+
+def _device_fast(device):
+    found = device_mma(device)
+    return found[1] if found is not None else None
 
 
 def hopper_fp8_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, *,
@@ -215,7 +259,7 @@ def hopper_fp8_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = No
         d = fast(a, b, c, a_min_exp=a_min_exp, b_min_exp=b_min_exp)
         if d is not None:  # None: a non-finite operand, which only the reference propagates
             return d
-    gpu = _triton_mma(a.device)
+    gpu = _device_fast(a.device)
     if gpu is not None:
         d = gpu(a, b, c, a_min_exp=a_min_exp, b_min_exp=b_min_exp, model=FP8_MMA)
         if d is not None:  # None: a non-finite operand or a float32 overflow mid-chain

@@ -140,7 +140,7 @@ _FLASH16 = Recipe(algo="flash", qk="fp16", v="fp16", p="fp16", out="fp16", p_off
 # lowers the error on this data by ~15% (try `fa3-fp8-no-incoherent,pow2=0`).
 _FA3_FP8 = Recipe(algo="flash", qk="e4m3", v="e4m3", p="e4m3", gran=PerBlock(), pow2=True, rot="hadamard", out="bf16")
 
-# Recipes of the field beside FA3's (issue 11). Each description cites what it follows, says
+# Recipes of the field beside FA3's. Each description cites what it follows, says
 # what is not public and what was chosen, and which hardware runs it. Facts from the papers and
 # from thu-ml/SageAttention (sageattention/core.py, csrc/qattn/, sageattention3_blackwell/).
 _SAGE2 = Recipe(qk="int8", gran=parse_granularity("thread"), bm=64, bn=128, smooth="qk", p="e4m3", p_offset=8.807,
@@ -201,7 +201,7 @@ _FIELD = [
            "float32 accumulation, 128x128 tiles last to first. Requires: sm100 (block-scaled MMA)"),
 ]
 
-# Backward presets (issue 25): a forward and the backward that reads its O and LSE, from public facts;
+# Backward presets: a forward and the backward that reads its O and LSE, from public facts;
 # each description says what is inferred. Forwards take acc=fp32 for CPU speed (add acc=fp22,bwd.acc=fp22
 # for the Hopper MMA model in both passes).
 _BF16_BWD = dict(bwd_s="bf16", bwd_dv="bf16", bwd_dp="bf16", bwd_ds="bf16", bwd_dq="bf16", bwd_dk="bf16",

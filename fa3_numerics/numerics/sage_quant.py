@@ -54,7 +54,7 @@ def smooth_k_in(k: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 # Where the H200's 1 / y (Triton's div.full.f32) differs from the correctly rounded float32
-# reciprocal, per 23-bit mantissa of y (kernels/device/sage_h200.py, part ``rcp``); absent, the
+# reciprocal, per 23-bit mantissa of y (tools/device/sage_h200.py, part ``rcp``); absent, the
 # reciprocal is modelled as correctly rounded.
 RCP_TABLE = Path(__file__).with_name("sage_rcp.npz")
 _RCP: dict = {}

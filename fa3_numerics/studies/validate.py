@@ -425,15 +425,8 @@ def run_validation(cases: list[Case], *, device: str = "cuda", backend: str = "f
                   "dist": ", ".join(sorted({c.data()[0] for c in cases})),
                   "rows": f"all query rows, or the case's `rows`: {ROWS_SAMPLING}",
                   "rotation_seed": "case seed", "data_seed": "case seed (torch.Generator on CPU, float64)"})
-    try:  # provenance only
-        if name == "fa3":
-            from fa3_numerics.kernels.fa3 import load_kernel
-
-            attrs["kernel_module"], attrs["kernel_version"] = load_kernel()[1:]
-        elif name == "sage1":
-            from fa3_numerics.kernels.sage import load_kernel as load_sage
-
-            attrs["kernel_module"], attrs["kernel_version"] = "sageattention", load_sage()[1]
+    try:  # provenance only: the kernel module and version, from the backend itself
+        attrs.update(getattr(kernel, "provenance", dict)())
     except Exception:  # noqa: BLE001
         pass
     ds.attrs.update({k: (v if isinstance(v, (str, int, float)) else json.dumps(v)) for k, v in attrs.items()})

@@ -1,8 +1,11 @@
-"""Triton kernels beyond the public FA3 build (issue 12), importable without triton or a GPU.
+"""Triton kernels beyond the public FA3 build, importable without triton or a GPU.
 
 - ``rotate_quant``: fused random-Hadamard rotation + scaled FP8 quantization (per tensor, per
   (batch, kv-head), per block of tokens, per token), float64 path bit-identical to the
-  emulator's ``prepare``, float32 fast path on the tensor cores.
+  emulator's ``prepare``, float32 fast path on the tensor cores: which kernel runs a call and
+  with which launch (the tuning tables). One module per kernel: ``quant_persistent`` (the fast
+  path) with its block walkers ``quant_blocks``, ``quant_tiled`` (the float64 path); what they
+  share: ``quant_device`` (Triton functions), ``quant_launch`` (``QuantOut``, layouts, grids).
 - ``rotate_quant_smem``, ``vquant_smem``: Gluon kernels (sm_90: TMA, wgmma) for per-block scales
   whose block is held in shared memory between its amax and its cast: FA3's 224-row K tile
   (rotated) and V tiles written (b, h, d, s); ``rotate_quant.rotate_quantize`` picks them where

@@ -1,6 +1,6 @@
 """The Hopper tensor-core MMA model (``fa3_numerics.numerics.mma``) as a Triton kernel, for CUDA.
 
-Exposed: ``available``, ``mma``, ``mma_raw``, ``Tile``, ``STATS``.
+Exposed: ``available``, ``for_device``, ``mma``, ``mma_raw``, ``Tile``, ``STATS``.
 
 ``mma(a, b, c, a_min_exp=, b_min_exp=, model=)`` computes exactly what
 ``mma.hopper_fp8_mma_reference`` computes (D = C + A @ B, aligned truncating sums per k-step),
@@ -48,7 +48,7 @@ There the fma.rz is replaced by a truncating conversion of the exact scaled prod
 integers; the interpreter has no libdevice); ``mma_raw(..., trunc_cvt=True)`` runs that variant
 on the GPU too, so the device tests check every combination.
 
-Speed on the H200 (kernels/device/h200.py --parts mma; reports/h200/): one call at the
+Speed on the H200 (tools/device/h200.py --parts mma; reports/h200/): one call at the
 emulator's shapes (32 heads x 1024 rows, K or N = 224, 0.94e9 products) takes about 1.0 ms,
 ~1e12 products/s, and ``fa3-fp8-kernel`` with the model costs 1.5-2.5x the ``acc=fp32``
 emulator (it was 36.8x with the PyTorch reference).
@@ -426,3 +426,9 @@ def mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, *, a_mi
             f64 = True
             continue
         return d
+
+
+def for_device(device):
+    """``mma`` where it runs on ``device`` (``available``), else None: the entry registered in
+    ``fa3_numerics.numerics.mma.DEVICE_MMA`` (pyproject's ``fa3_numerics.device_mma`` group)."""
+    return mma if available(device) else None

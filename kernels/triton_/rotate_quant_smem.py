@@ -3,7 +3,7 @@
 Exposed: ``rotate_quantize_smem`` (``rotate_quant.rotate_quantize(..., reread="smem")``),
 ``smem_problem``, ``split_matrices``.
 
-Why a second kernel: in ``rotate_quant._rq_persistent`` a block longer than two 64-row sub-tiles
+Why a second kernel: in ``quant_persistent.rq_persistent`` a block longer than two 64-row sub-tiles
 (FA3's FP8 K tile: 224 rows at head_dim 128) must wait for its amax before any row can be cast.
 Triton's ``tl`` gives no hold on the pipeline's shared-memory buffers, so the block's rows are
 either kept rotated in registers (one program per SM fits) or loaded a second time from L2 (half
@@ -41,7 +41,7 @@ import torch
 
 from fa3_numerics.errors import UsageError
 
-from .rotate_quant import _dims, _programs, fit_per_sm
+from .quant_launch import dims, fit_per_sm, programs
 
 try:  # Gluon ships with triton >= 3.5; absent, smem_problem says so
     from triton.experimental import gluon
@@ -54,7 +54,7 @@ except ImportError:  # pragma: no cover - exercised where triton is absent or ol
 
 
 if gluon is not None:
-    from .rotate_quant import _item  # work item -> (batch, head, block): the tl kernel's, scalar arithmetic
+    from .quant_device import work_item  # work item -> (batch, head, block): the tl kernel's, scalar arithmetic
 
     @gluon.jit
     def _unit(J: gl.constexpr, C: gl.constexpr, SUB: gl.constexpr, NP: gl.constexpr, SHORT: gl.constexpr):
@@ -77,7 +77,7 @@ if gluon is not None:
                PART: gl.constexpr, NP: gl.constexpr, SUB: gl.constexpr, SHORT: gl.constexpr,
                HEAD_FAST: gl.constexpr):
         """TMA loads of the NP column parts of sub-tile J of item t into its units; barrier J."""
-        b, h, blk = _item(t, H, NBLK, HEAD_FAST)
+        b, h, blk = work_item(t, H, NBLK, HEAD_FAST)
         r0 = blk * R + J * TILE
         o = b * XOB + h * XOH
         c_ = h * XCH
@@ -132,7 +132,7 @@ if gluon is not None:
     def _block_descale(am, FMT_MAX: gl.constexpr, POW2: gl.constexpr):
         """A block's amax -> (descale, its float32 reciprocal), as quant.amax_to_scale: amax / max,
         1 where that is 0 or not finite, with POW2 rounded up to a power of two (as
-        rotate_quant._descale)."""
+        quant_device.tile_descale)."""
         s = gl.div_rn(am, am * 0.0 + FMT_MAX)
         s = gl.where((s > 0) & (s < float("inf")), s, 1.0)
         if POW2:
@@ -145,7 +145,7 @@ if gluon is not None:
     @gluon.jit
     def _scale_cast(y, d32, r, OUT: gl.constexpr):
         """y / descale correctly rounded (reciprocal and one Markstein correction, as
-        rotate_quant._scale_cast DIV 2), then the saturating FP8 cast (cvt.rn.satfinite)."""
+        quant_device.scale_cast DIV 2), then the saturating FP8 cast (cvt.rn.satfinite)."""
         v = y * r
         lay: gl.constexpr = y.type.layout
         rt = gl.full(y.shape, r, gl.float32, lay)  # splats (registers), not v * 0 + r per element
@@ -184,7 +184,7 @@ if gluon is not None:
                 tma.async_copy_shared_to_global(y_desc, [yo, r0, yc + c * PART], st)
 
     @gluon.jit
-    def _rq_block_smem(x_desc, xl_desc, y_desc, yl_desc, h_desc, SCAL, DESC, sdb, sdh, sdn,
+    def _rq_block_smem(x_desc, xl_desc, y_desc, yl_desc, h_desc, SQRT_D, DESC, sdb, sdh, sdn,
                        H, N, R, NBLK, TOTAL, XOB, XOH, XCH, YOB, YOH, YCH,
                        TILE: gl.constexpr, PART: gl.constexpr, NP: gl.constexpr, SUB: gl.constexpr,
                        SHORT: gl.constexpr, KEEP_LAST: gl.constexpr, STAGE_IN_RING: gl.constexpr,
@@ -229,10 +229,10 @@ if gluon is not None:
                                                        instr_shape=[16, PART, 16])
         zero = gl.zeros([TILE, PART], gl.float32, mma)
         rows = gl.arange(0, TILE, layout=gl.SliceLayout(1, mma))
-        inv = gl.load(SCAL + 1)  # 1/sqrt(d) in float32
+        inv = gl.load(SQRT_D + 1)  # 1/sqrt(d) in float32
         for k in range(nb):
             t = pid + k * nprog
-            b, h, blk = _item(t, H, NBLK, HEAD_FAST)
+            b, h, blk = work_item(t, H, NBLK, HEAD_FAST)
             b0 = blk * R
             lim = gl.minimum(R, N - b0)  # rows of this block (fewer at the sequence's end)
             # pass 1: the block's amax. Row maxima before the multiply by 1/sqrt(d): rounding is
@@ -358,22 +358,21 @@ def _view3(t: torch.Tensor, layout: str) -> tuple[torch.Tensor, int, int, int]:
     return t.view(b * h, n, d), h, 1, 0
 
 
-def rotate_quantize_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, scal: torch.Tensor, *, layout: str,
-                         out_layout: str,
-                         rows: int, pow2: bool, seed: int, fmt_max: float, keep_last: bool = False, parts: int = 2,
-                         stage_in_ring: bool = True, progs_per_sm: int = 0, head_fast: bool | None = None,
-                         max_regs: int = 0, pow2_mul: bool = True) -> str:
+def rotate_quantize_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, sqrt_d: torch.Tensor, *,
+                         layout: str, out_layout: str, rows: int, pow2: bool, seed: int, fmt_max: float,
+                         keep_last: bool = False, parts: int = 2, stage_in_ring: bool = True, progs_per_sm: int = 0,
+                         head_fast: bool | None = None, max_regs: int = 0, pow2_mul: bool = True) -> str:
     """Fill ``y`` (FP8, ``out_layout``) and ``desc`` (float32 (b, h, blocks)) for per-block scales of
-    ``rows`` rows (a multiple of 32); ``scal``: [sqrt(d), 1/sqrt(d)] in float32 on the device (as
-    ``rotate_quant._constants`` makes it); returns the launch description. ``parts``: column parts of
-    the split rotation (2 or 4); ``keep_last``: the last sub-tile stays rotated in registers
-    between the passes (230 registers at 224 rows: 2 programs per SM) instead of rotated twice
-    (168: 3 per SM, faster on the H200); ``stage_in_ring``: with a 32-row last sub-tile, cast
+    ``rows`` rows (a multiple of 32); ``sqrt_d``: [sqrt(d), 1/sqrt(d)] in float32 on the device (as
+    ``quant_launch.rotation_constants`` makes it); returns the launch description. ``parts``:
+    column parts of the split rotation (2 or 4); ``keep_last``: the last sub-tile stays rotated in
+    registers between the passes (230 registers at 224 rows: 2 programs per SM) instead of rotated
+    twice (168: 3 per SM, faster on the H200); ``stage_in_ring``: with a 32-row last sub-tile, cast
     first in pass 2, its buffers stage the FP8 tiles (no staging buffer: 72 KB at 224 rows
     instead of 80). ``pow2_mul``: power-of-two descales cast with one multiply by
     (1/sqrt(d)) / descale (exact) instead of the corrected division. ``progs_per_sm`` defaults to
     what the compiled kernel's registers and shared memory fit."""
-    b, h, n, d = _dims(x, layout)
+    b, h, n, d = dims(x, layout)
     if parts not in (2, 4):
         raise UsageError(f"parts={parts}: the split rotation takes 2 or 4 column parts")
     tile, pw = _TILE, d // parts
@@ -398,7 +397,7 @@ def rotate_quantize_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, s
     hd = _SPLIT_CACHE[hkey]
     if head_fast is None:
         head_fast = layout == "bshd"
-    args = (xd, xld, yd, yld, hd, scal, desc, desc.stride(0), desc.stride(1), desc.stride(2),
+    args = (xd, xld, yd, yld, hd, sqrt_d, desc, desc.stride(0), desc.stride(1), desc.stride(2),
             h, n, rows, nblk, total, xob, xoh, xch, yob, yoh, ych)
     kw = dict(TILE=tile, PART=pw, NP=parts, SUB=sub, SHORT=bool(short), KEEP_LAST=bool(keep_last),
               STAGE_IN_RING=bool(stage_in_ring), POW2=bool(pow2), MUL=bool(pow2 and pow2_mul),
@@ -411,7 +410,7 @@ def rotate_quantize_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, s
     # without a compiled kernel's resources: 255 registers a thread and the shared memory above
     est = min(65536 // (256 * 32 * kw["num_warps"]), (228 * 1024) // (smem + 1024))
     pps = progs_per_sm or resident(_rq_block_smem, args, kw, est)
-    grid = (_programs(x.device, total, pps),)
+    grid = (programs(x.device, total, pps),)
     _rq_block_smem[grid](*args, **kw)
     return (f"gluon smem tile{tile} x{sub}{' short-last' if short else ''}{' keep-last' if keep_last else ''}"
             f"{' staged-in-ring' if in_ring else ''} "

@@ -3,7 +3,7 @@
 Exposed: ``quantizer_checks``, ``attention_checks``, ``cast_checks``, ``gqa_check``, ``main``.
 
 Each check returns plain dicts of measured numbers; the callers assert the properties (tests)
-or commit the numbers (kernels/device/triton_h200.py). ``python -m
+or commit the numbers (tools/device/triton_h200.py). ``python -m
 fa3_numerics.kernels.triton_.selfcheck --json`` prints them all (the CPU tests run it in a
 subprocess with TRITON_INTERPRET=1, so that the kernels' module-level ``triton.jit`` sees the
 interpreter setting before anything else imports them).
@@ -98,6 +98,7 @@ def attention_checks(device: str = "cpu", *, cases=ATT_CASES, accs=("fp32",), se
                      sigma=10.0) -> list[dict]:
     """Kernel vs emulator (each accumulator model) vs float64 on the same inputs, every row."""
     from fa3_numerics.engine.backends import EmulateBackend, get_backend
+    from fa3_numerics.numerics.metrics import fidelity
     from fa3_numerics.numerics.recipe import Recipe
     from fa3_numerics.numerics.reference import reference_attention
 
@@ -116,8 +117,9 @@ def attention_checks(device: str = "cpu", *, cases=ATT_CASES, accs=("fp32",), se
         for a in accs:
             eo = emu.attention(dataclasses.replace(r, acc=a), q, k, v, causal=causal, q_index=rows,
                                rotation_seed=seed, cache=cache if backend != "triton-fused" else {})
-            row[f"F_{a}"] = float(((eo - ko) ** 2).mean().sqrt()) / rk
-            row[f"identical_{a}"] = float((eo == ko).double().mean())
+            fid = fidelity(eo, ko, ref)  # over the outputs finite in all three; ``finite`` says if any is not
+            row[f"F_{a}"] = fid["F"]
+            row[f"identical_{a}"] = fid["identical"]
             row[f"rmse_emulator_{a}"] = float(((eo - ref) ** 2).mean().sqrt())
         out.append(row)
     return out

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .rotate_quant import _dims, _programs
+from .quant_launch import dims, programs
 from .rotate_quant_smem import _MAX_ROWS, _view3, hopper_bf16_problem, resident
 
 try:  # Gluon ships with triton >= 3.5; absent, vsmem_problem says so
@@ -39,14 +39,14 @@ _UNIT = 32  # rows of a ring unit: 8 KB of BF16 at head_dim 128, 4 KB of FP8 sta
 
 
 if gluon is not None:
-    from .rotate_quant import _item
+    from .quant_device import work_item
     from .rotate_quant_smem import _block_descale, _scale_cast
 
     @gluon.jit
     def _issue_v(x_desc, xs, bars, t, pred, H, NBLK, R, XOB, XOH, XCH, J: gl.constexpr, U: gl.constexpr,
                  HEAD_FAST: gl.constexpr):
         """TMA load of unit J (rows J U .. J U + U - 1) of item t into its buffer; barrier J."""
-        b, h, blk = _item(t, H, NBLK, HEAD_FAST)
+        b, h, blk = work_item(t, H, NBLK, HEAD_FAST)
         bar = bars.index(J)
         mbarrier.expect(bar, x_desc.block_type.nbytes, pred)
         tma.async_copy_global_to_shared(x_desc, [b * XOB + h * XOH, blk * R + J * U, h * XCH], bar, xs.index(J), pred)
@@ -77,7 +77,7 @@ if gluon is not None:
             _issue_v(x_desc, xs, bars, pid, nb > 0, H, NBLK, R, XOB, XOH, XCH, j, U, HEAD_FAST)
         for k in range(nb):
             t = pid + k * nprog
-            b, h, blk = _item(t, H, NBLK, HEAD_FAST)
+            b, h, blk = work_item(t, H, NBLK, HEAD_FAST)
             # pass 1: the block's amax, elementwise maxima in registers and one reduction
             run = gl.zeros([U, D], gl.float32, LX)
             for j in gl.static_range(SUB):
@@ -140,7 +140,7 @@ def quantize_v_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, *, lay
     memory fit (3 at 224 rows: 56 KB of ring, 8 KB of staging and the layout change's scratch).
     ``pow2_mul``: power-of-two descales cast with one multiply by the reciprocal (exact) instead of
     the corrected division."""
-    b, h, n, d = _dims(x, layout)
+    b, h, n, d = dims(x, layout)
     u = _UNIT
     sub = rows // u
     nblk = -(-n // rows)
@@ -161,7 +161,7 @@ def quantize_v_smem(x: torch.Tensor, y: torch.Tensor, desc: torch.Tensor, *, lay
         # without a compiled kernel's resources: the ring, the staging tiles and the conversion's scratch
         est = (228 * 1024) // (sub * u * d * 2 + 2 * d * u + u * d + 2048)
         progs_per_sm = resident(_vq_block_smem, args, kw, est)
-    grid = (_programs(x.device, total, progs_per_sm),)
+    grid = (programs(x.device, total, progs_per_sm),)
     _vq_block_smem[grid](*args, **kw)
     return (f"gluon smem-v unit{u} x{sub} w4 pps{progs_per_sm}{' pow2-mul' if kw['MUL'] else ''}"
             + ("" if head_fast else " seq-first"))

@@ -1,4 +1,4 @@
-"""Run the recipe study (issue 11) and write its report: ``python reports/recipes/run.py``.
+"""Run the recipe study and write its report: ``python reports/recipes/run.py``.
 
 Every number in reports/recipes/ comes from the commands below, run through the package's own
 CLI; their command lines, wall times and the machine's load are written to ``timings.json``.

@@ -329,7 +329,7 @@ def check_against_capture(path: str | os.PathLike, layer: int, *, seed: int = 1,
     """Generate one draw at the captured length and compare it with the captured layer: amax profiles
     of Q and K, and the RMSE (pooled over heads) of each variant against float64 on both."""
     from ..capture import load_capture
-    from ...engine.sampling import query_rows
+    from ..sampling import query_rows
     from ...numerics.emulator import emulate
     from ...numerics.metrics import per_sample, pooled
     from ...numerics.recipe import parse_recipes

@@ -2,7 +2,7 @@
 samples combine.
 
 Exposed: ``Metric``, ``register_metric``, ``metrics``, ``get_metric``, ``METRICS``, ``Terms``,
-``per_sample``, ``compare_outputs``, ``pooled``, ``nonfinite_samples``, ``bootstrap_ci``, ``pool_rule``;
+``per_sample``, ``compare_outputs``, ``fidelity``, ``pooled``, ``nonfinite_samples``, ``bootstrap_ci``, ``pool_rule``;
 intervals come from ``bootstrap`` (``scipy.stats.bootstrap``, BCa).
 
 Every metric is computed per sample (one (batch, head) of one seed) over the evaluated
@@ -173,6 +173,31 @@ compare_outputs.NAMES = ("vs_se", "vs_n", "vs_identical", "vs_nonfinite_here", "
                          "vs_ref_se")
 
 
+def fidelity(emulated: torch.Tensor, kernel: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """The fidelity of an emulation to a kernel, over tensors of any (equal) shape:
+
+    - ``F`` = RMSE(emulated, kernel) / RMSE(kernel, ref) over the positions finite in all three
+      (0: the emulator is the kernel; NaN when none is finite; Inf when the kernel equals the
+      reference but the emulator does not);
+    - ``identical``: the share of all positions where the two are bit-identical and finite;
+    - ``rmse_diff``, ``rmse_kernel``: F's numerator and denominator; ``finite``: the positions
+      they are taken over; ``positions``: all of them.
+
+    The studies' validation pools the same sums per (batch, head) sample (``compare_outputs``)."""
+    flat = [t.reshape(1, 1, -1, 1) for t in (emulated, kernel, ref)]
+    c = compare_outputs(*flat)
+    n = float(c["vs_n"].sum())
+    diff = math.sqrt(float(c["vs_se"].sum()) / n) if n else math.nan
+    den = math.sqrt(float(c["vs_ref_se"].sum()) / n) if n else math.nan
+    if not (math.isfinite(diff) and math.isfinite(den)):
+        f = math.nan
+    else:
+        f = diff / den if den > 0 else (0.0 if diff == 0 else math.inf)
+    total = emulated.numel()
+    return {"F": f, "identical": float(c["vs_identical"].sum()) / total if total else math.nan,
+            "rmse_diff": diff, "rmse_kernel": den, "finite": int(n), "positions": int(total)}
+
+
 def _pool(metric: str) -> str:
     m = _REGISTRY.get(metric) or metrics().get(metric)
     return m.pool if m is not None else "mean"
@@ -219,4 +244,4 @@ def bootstrap_ci(metric: str, values: np.ndarray, *, level: float = 0.95, n_boot
 _load()
 
 __all__ = ["Metric", "Terms", "register_metric", "unregister_metric", "metrics", "get_metric", "METRICS",
-           "per_sample", "compare_outputs", "pooled", "nonfinite_samples", "bootstrap_ci", "pool_rule", "POOLS"]
+           "per_sample", "compare_outputs", "fidelity", "pooled", "nonfinite_samples", "bootstrap_ci", "pool_rule", "POOLS"]

@@ -2,12 +2,12 @@
 # The device calls of the sage1 backend: dumps of SageAttention 1's kernel for fitting the sage1
 # preset (sage_h200.py), then `fa3-numerics validate --backend sage1` on the grids given in
 # SAGE_GRIDS (small,stress and, with a capture in .capture/, captured) and the GPU tests.
-# Device tool: run(command="bash kernels/device/sage_h200.sh", carry=[".whl", ".capture"]) from this
+# Device tool: run(command="bash tools/device/sage_h200.sh", carry=[".whl", ".capture"]) from this
 # checkout's root. .whl/ (git-ignored): sageattention-1.0.6, h5netcdf-1.8.2, gguf-0.19.0
 # (pip download --no-deps); .capture/smollm2.safetensors from
 # `fa3-numerics capture --model smollm2 --tokens 512 --layers 0,3,7,12,19,24,29`.
 set -o pipefail
-source kernels/device/setup_device.sh
+source tools/device/setup_device.sh
 OUT=${OUT:-reports/h200/sage1}
 mkdir -p "$OUT"
 export TRITON_CACHE_DIR=/tmp/tcache
@@ -15,7 +15,7 @@ CAP=.capture/smollm2.safetensors
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 fa3-numerics backends --device cuda 2>&1 | grep -i -E "sage1|name"
 if [ -n "${SAGE_DUMP:-}" ]; then
-  python3 kernels/device/sage_h200.py --out "$OUT" --capture "$CAP" --parts "$SAGE_DUMP" 2>&1 | tee /tmp/sage-dump.log
+  python3 tools/device/sage_h200.py --out "$OUT" --capture "$CAP" --parts "$SAGE_DUMP" 2>&1 | tee /tmp/sage-dump.log
 fi
 # The measured reciprocal of Triton's division joins the emulator's model (numerics/sage_quant.py).
 if [ -f "$OUT/rcp.npz" ] && [ -n "${SAGE_RCP:-}" ]; then

@@ -2,10 +2,11 @@
 
 For each configuration this script
 
-1. draws Q, K, V in float64 on the CPU with ``torch.Generator().manual_seed(seed)`` from the
-   paper's distribution (for q, k, v in that order: ``base = randn``, ``spike = randn * sigma``,
-   ``mask = rand < p``, ``x = base + spike * mask``; shapes (batch, heads, seqlen, dim) for q and
-   (batch, kv_heads, seqlen, dim) for k and v);
+1. draws Q, K, V in float64 on the CPU from the paper's distribution as the library draws it
+   (``fa3_numerics.data.distributions``, family ``outliers``, the config's p, sigma and seed;
+   shapes (batch, heads, seqlen, dim) for q and (batch, kv_heads, seqlen, dim) for k and v), so
+   that ``fidelity_from_dumps.py`` regenerates them from the config; files record it as
+   ``inputs`` in their metadata;
 2. quantises them to FP8 e4m3 with one descale per (batch, kv_head): ``descale = amax / 448``
    (for q the amax is taken over all query heads of a KV group, because the kernel's
    ``q_descale`` has shape (batch, kv_heads)), then ``clamp(x / descale, -448, 448)`` and a cast to
@@ -26,7 +27,7 @@ Run it on the device machine with the device tool, after ``pip download``-ing th
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH && \
-    PYTHONUNBUFFERED=1 python3 kernels/device/dump_fa3.py --out "$OUT"
+    PYTHONUNBUFFERED=1 python3 tools/device/dump_fa3.py --out "$OUT"
 
 Without CUDA (or with ``--mock``) the kernel is replaced by a float32 stand-in so that the CPU
 parts and the file layout can be checked anywhere; files written that way are marked
@@ -46,8 +47,12 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from common import sync
 
 FP8_MAX = 448.0
+# How Q, K and V are drawn, written into every file's metadata; fidelity_from_dumps.py refuses
+# files drawn another way (the script's own draw order before it used the library's).
+INPUTS = "fa3_numerics.data.distributions outliers (library draw)"
 
 
 @dataclass
@@ -84,20 +89,12 @@ CONFIGS = [
 # ----------------------------------------------------------------------------- data
 
 
-def paper_tensor(gen: torch.Generator, shape, p: float, sigma: float) -> torch.Tensor:
-    base = torch.randn(shape, generator=gen, dtype=torch.float64)
-    spike = torch.randn(shape, generator=gen, dtype=torch.float64) * sigma
-    mask = torch.rand(shape, generator=gen, dtype=torch.float64) < p
-    return base + spike * mask
-
-
 def make_qkv(cfg: Config):
-    """Float64 Q (b, h, s, d), K and V (b, hk, s, d), drawn on the CPU."""
-    gen = torch.Generator().manual_seed(cfg.seed)
-    q = paper_tensor(gen, (cfg.batch, cfg.heads, cfg.seqlen, cfg.dim), cfg.p, cfg.sigma)
-    k = paper_tensor(gen, (cfg.batch, cfg.hk, cfg.seqlen, cfg.dim), cfg.p, cfg.sigma)
-    v = paper_tensor(gen, (cfg.batch, cfg.hk, cfg.seqlen, cfg.dim), cfg.p, cfg.sigma)
-    return q, k, v
+    """Float64 Q (b, h, s, d), K and V (b, hk, s, d), drawn on the CPU by the library."""
+    from common import paper_qkv
+
+    return paper_qkv(cfg.batch, cfg.heads, cfg.seqlen, cfg.dim, cfg.seed, kv_heads=cfg.hk, p=cfg.p,
+                     sigma=cfg.sigma)
 
 
 def descale_per_kv_head(x: torch.Tensor, hk: int) -> torch.Tensor:
@@ -171,11 +168,6 @@ def call_kernel(fn, q, k, v, scale, causal, descales=None):
     return o, lse
 
 
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
 # ----------------------------------------------------------------------------- runs
 
 
@@ -226,7 +218,7 @@ def run_config(cfg: Config, fn, dev):
                "q_descale": dq, "k_descale": dk, "v_descale": dv, **out}
     t["gen_s"] = t_gen
     t["total_s"] = time.perf_counter() - t0
-    meta = {"config": json.dumps(asdict(cfg)), "softmax_scale": repr(scale)}
+    meta = {"config": json.dumps(asdict(cfg)), "softmax_scale": repr(scale), "inputs": INPUTS}
     return tensors, meta, t
 
 
@@ -240,6 +232,8 @@ def run_config(cfg: Config, fn, dev):
 #  sk1    : Sk = 1, so the row max is the single score and lse reveals S = q.k in fp32
 #           (tests how the Q.K^T product is accumulated over the head dim).
 def run_probes(fn, dev, seed=0):
+    from fa3_numerics.data.distributions.paper import outliers_like
+
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(seed + 1234)
     tensors, timings = {}, {}
@@ -265,8 +259,8 @@ def run_probes(fn, dev, seed=0):
 
     # onehot: batch 1, 2048 queries, 2 heads, Sk = 128, d = 128; random q, k as in the paper.
     b, sq, h, sk, d = 1, 2048, 2, 128, 128
-    qraw = paper_tensor(gen, (b, sq, h, d), 0.001, 10.0)
-    kraw = paper_tensor(gen, (b, sk, h, d), 0.001, 10.0)
+    qraw = outliers_like((b, sq, h, d), gen, 0.001, 10.0)
+    kraw = outliers_like((b, sk, h, d), gen, 0.001, 10.0)
     dq = (qraw.abs().amax(dim=(1, 3)) / FP8_MAX).to(torch.float32)
     dk = (kraw.abs().amax(dim=(1, 3)) / FP8_MAX).to(torch.float32)
     q8 = fp8(qraw / dq.double()[:, None, :, None])

@@ -11,11 +11,11 @@ moved to the GPU), every query row, dO drawn N(0, 1) from ``seed * 1000003 + 29`
    quantized tensors.
 
 For each gradient G in O, dQ, dK, dV it prints and writes F = RMSE(emulator, kernel) / RMSE(kernel, fp64)
-(the project's fidelity ratio; target <= 0.01 for the cuDNN preset in issue 25) and both errors against
+(the project's fidelity ratio, ``numerics.metrics.fidelity``; target <= 0.01 for the cuDNN preset) and both errors against
 float64 autograd, to ``$OUT/backward_h200.json``. The cuDNN check needs the wheel carried in ``.whl/``::
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/nvidia_cudnn_frontend-*.whl
-    PYTHONPATH=/tmp/site:. python3 kernels/device/backward_h200.py --out "$OUT"
+    PYTHONPATH=/tmp/site:. python3 tools/device/backward_h200.py --out "$OUT"
 
 Without CUDA it refuses in one line (exit 2). Nothing here has run on the device yet: the emulator side
 runs on the CPU in tests/test_backward.py; the kernel calls follow the cudnn-frontend documentation
@@ -35,25 +35,24 @@ import torch
 
 
 def _inputs(batch, heads, kv_heads, seqlen, d, seed, device):
-    from fa3_numerics.data import distributions
+    from common import paper_qkv
 
-    shape = distributions.AttnShape(batch, heads, seqlen, d, kv_heads=kv_heads)
-    q, k, v = distributions.generate("outliers", shape, seed, p=0.001, sigma=10.0)
+    q, k, v = paper_qkv(batch, heads, seqlen, d, seed, kv_heads=kv_heads)
     g = torch.Generator().manual_seed(seed * 1000003 + 29)
     do = torch.randn(q.shape, generator=g, dtype=torch.float64)
     return tuple(t.to(device) for t in (q, k, v, do))
 
 
-def _rmse(a, b):
-    return float((a.double() - b.double()).pow(2).mean().sqrt())
-
-
 def _fidelity(emu: dict, ker: dict, ref: dict) -> dict:
+    """Per output (O, dQ, dK, dV): the library's F, bit-identical share and both errors against float64."""
+    from fa3_numerics.numerics.metrics import fidelity
+
     out = {}
     for name in ("o", "dq", "dk", "dv"):
         e, k, r = emu[name], ker[name], ref[name]
-        out[name] = {"F": _rmse(e, k) / _rmse(k, r), "rmse_kernel": _rmse(k, r), "rmse_emulator": _rmse(e, r),
-                     "identical": float((e.double() == k.double()).double().mean())}
+        f = fidelity(e, k, r)
+        out[name] = {"F": f["F"], "rmse_kernel": f["rmse_kernel"], "identical": f["identical"],
+                     "rmse_emulator": float((e.double() - r.double()).pow(2).mean().sqrt())}
     return out
 
 

@@ -1,5 +1,5 @@
 """Impact on the H200: SmolLM2 with the real FA3 kernel in its attention layers, beside the
-emulator's prediction of the same passes (issue 10, ``reports/h200/impact/``).
+emulator's prediction of the same passes (``reports/h200/impact/``).
 
 Three subcommands, because what the run needs (the 98 MB model and the 28 MB kernel wheel) is
 larger than what one device call carries (64 MiB, the working tree included):
@@ -14,7 +14,7 @@ working tree leaves of a call's 64 MiB (measured with ``git ls-files``). It prin
 carried part to ``--to`` (default /tmp/stage); once every part is there, rebuild the files,
 check each sha256, and leave them in ``--to``/files. Standard library only.
 
-``run`` (on the device, last call, after ``kernels/device/setup_device.sh`` installed the staged
+``run`` (on the device, last call, after ``tools/device/setup_device.sh`` installed the staged
 wheels and the project, as ``RUN_COMMAND`` does): for the fa3
 backend (the compiled kernel) and the emulator (on the GPU), ``fa3_numerics.studies.impact.impact``
 over the same tokens and recipes: every layer, one layer at a time, decode with static per-head and
@@ -31,13 +31,13 @@ Writes into ``--out`` (the device tool's $OUT; at most 8 files come back): ``imp
 ``compare.md``, ``timings.json`` and, through ``tee``, ``log.txt``. Each file is written as soon
 as its part finishes, so a timeout still returns what was done.
 
-The lead's calls (device tool), after ``python kernels/device/impact_h200.py split`` here (it
+The lead's calls (device tool), after ``python tools/device/impact_h200.py split`` here (it
 prints the number of parts N)::
 
-    run(command="python3 kernels/device/impact_h200.py stage --parts .scratch/stage-0", carry=[".scratch/stage-0"])
+    run(command="python3 tools/device/impact_h200.py stage --parts .scratch/stage-0", carry=[".scratch/stage-0"])
     ... one call per part, .scratch/stage-1 .. stage-<N-1>, back to back ...
     run(command="set -o pipefail; mkdir -p .whl && cp /tmp/stage/files/*.whl .whl/ && source "
-                "kernels/device/setup_device.sh && python3 kernels/device/impact_h200.py run --out $OUT 2>&1 | "
+                "tools/device/setup_device.sh && python3 tools/device/impact_h200.py run --out $OUT 2>&1 | "
                 "tee $OUT/log.txt", timeout_s=600)
 """
 
@@ -54,18 +54,14 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-T0 = time.perf_counter()
+from common import REPO, T0, ensure_package, log, versions
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STAGED = Path("/tmp/stage")
 # Recipes the public kernel runs (per-(batch, kv-head) or per-tensor descales, BF16), the same
 # on both backends so every number has its emulated twin.
 BF16_SPEC = "qk=bf16,v=bf16,p=bf16,out=bf16,poff=0"
 KERNEL_VARIANTS = ["fa3-fp8-kernel", "fa3-fp8-kernel-hadamard", "fa3-fp8-kernel,gran=tensor", BF16_SPEC]
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
 
 
 def sha256(path: Path) -> str:
@@ -77,9 +73,9 @@ def sha256(path: Path) -> str:
 
 
 def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    from fa3_numerics.files import atomic_write
+
+    atomic_write(path, text)
 
 
 # ----------------------------------------------------------------------------- split / stage
@@ -90,7 +86,7 @@ MARGIN = 3 * 2**20        # room for files the tree gains between split and the 
 # The last call: the staged wheels go where the shared device set-up installs them from, the set-up
 # installs them and the project (pip install -e .), then the run.
 RUN_COMMAND = ("set -o pipefail; mkdir -p .whl && cp /tmp/stage/files/*.whl .whl/ && source "
-               "kernels/device/setup_device.sh && python3 kernels/device/impact_h200.py run --out $OUT 2>&1 | "
+               "tools/device/setup_device.sh && python3 tools/device/impact_h200.py run --out $OUT 2>&1 | "
                "tee $OUT/log.txt")
 
 
@@ -105,7 +101,6 @@ def tree_bytes() -> int:
 
 def split(dest: Path, wheels: Path) -> None:
     """Pack the GGUF and the wheels into parts that each fit one call beside the working tree."""
-    sys.path.insert(0, str(REPO))
     from fa3_numerics.data.capture import smollm2_path
 
     src = smollm2_path()
@@ -140,7 +135,7 @@ def split(dest: Path, wheels: Path) -> None:
     print(f"{len(blob) / 2**20:.1f} MiB in {n} parts of {size / 2**20:.1f} MiB (the tree leaves {room / 2**20:.1f} "
           f"MiB per call): {', '.join(names)}")
     for i in range(n):
-        print(f'run(command="python3 kernels/device/impact_h200.py stage --parts .scratch/stage-{i}", '
+        print(f'run(command="python3 tools/device/impact_h200.py stage --parts .scratch/stage-{i}", '
               f'carry=[".scratch/stage-{i}"])')
     print(f'run(command="{RUN_COMMAND}", timeout_s=600)')
 
@@ -176,37 +171,19 @@ def stage(parts_dir: Path, to: Path) -> None:
 # ----------------------------------------------------------------------------- run
 
 
-def ensure_package() -> None:
-    """The project must be installed (``pip install -e .``; ``kernels/device/setup_device.sh`` does it):
-    kernels/ resolves as fa3_numerics.kernels only through pyproject's package-dir mapping."""
-    try:
-        import fa3_numerics.kernels.fa3  # noqa: F401
-    except ModuleNotFoundError as exc:
-        sys.exit(f"error: {exc}; install the project first: source kernels/device/setup_device.sh (pip install "
-                 "--no-deps -e . after the wheels)")
-
-
 def environment(args, kernel: str) -> dict:
     import torch
 
-    from fa3_numerics.engine.backends import available_backends
+    from fa3_numerics.engine.backends import available_backends, get_backend
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": str(torch.version.cuda),
            "device": args.device, "mock": args.mock, "kernel_backend": kernel, "host": platform.node()}
     if args.device.startswith("cuda"):
         env.update(gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()))
-    for name in ("transformers", "gguf", "h5netcdf", "xarray", "fa3-fwd"):
-        try:
-            from importlib.metadata import version
-
-            env[name] = version(name)
-        except Exception:  # noqa: BLE001 - absent packages are reported, not fatal
-            env[name] = "absent"
+    env.update(versions(("transformers", "gguf", "h5netcdf", "xarray", "fa3-fwd")))
     env["backends"] = available_backends(args.device)
     if not args.mock and env["backends"].get("fa3") is None:
-        from fa3_numerics.kernels.fa3 import load_kernel
-
-        env["kernel_module"], env["kernel_version"] = load_kernel()[1:]
+        env.update(get_backend("fa3").provenance())
     return env
 
 
@@ -224,6 +201,7 @@ def direct_compare(model_arg: str, tokens: int, variants: list[str], kernel: str
 
     from fa3_numerics.data import capture as cap
     from fa3_numerics.engine.backends import get_backend
+    from fa3_numerics.numerics.metrics import fidelity
     from fa3_numerics.numerics.recipe import parse_recipes
     from fa3_numerics.studies.impact_model import ModelRunner, recipe_attn, score
 
@@ -234,7 +212,7 @@ def direct_compare(model_arg: str, tokens: int, variants: list[str], kernel: str
     rk = ModelRunner(m, ids, backend=be_k, device=device, seed=seed)
     ref = rk.reference()
     re_ = ModelRunner(m, ids, backend=be_e, device=device, seed=seed)
-    re_.ref, re_._layer_tuple = ref, rk._layer_tuple
+    re_.ref = ref  # the emulator's passes are scored against the kernel run's reference
     res = {"logits": {}, "attention": {}}
     n_layers = rk.num_layers
     for label, recipe in parse_recipes(";".join(variants)):
@@ -259,9 +237,8 @@ def direct_compare(model_arg: str, tokens: int, variants: list[str], kernel: str
             ok = be_k.attention(recipe, q, k, v, cache={}, **kw)
             oe = be_e.attention(recipe, q, k, v, cache={}, **kw)
             o64 = ref.attn[layer].to(ok.device)
-            den = float((ok - o64).pow(2).mean().sqrt())
-            per.append({"layer": layer, "F": float((oe - ok).pow(2).mean().sqrt()) / den if den > 0 else math.nan,
-                        "bit_identical": float((oe == ok).double().mean()),
+            fid = fidelity(oe, ok, o64)
+            per.append({"layer": layer, "F": fid["F"], "bit_identical": fid["identical"],
                         "rel_l2_kernel": float((ok - o64).norm() / o64.norm())})
         res["attention"][label] = per
         log(f"direct {label}: KL(emulator || kernel) mean {res['logits'][label]['kl_emu_kernel_mean']:.3g}, top-1 "

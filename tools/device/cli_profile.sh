@@ -3,8 +3,8 @@
 # repeated runs (FA3N_TIMINGS, which synchronizes the GPU at each step); the report written by a
 # forked process (default), in this process with its imports in a thread (FA3N_FORKS=0)
 # or after the runs (and FA3N_PREFETCH=0); import times; CUDA's start.
-# Device tool: run(command="bash kernels/device/cli_profile.sh", carry=[".whl"], timeout_s=300)
-source kernels/device/setup_device.sh
+# Device tool: run(command="bash tools/device/cli_profile.sh", carry=[".whl"], timeout_s=300)
+source tools/device/setup_device.sh
 OUT=${OUT:-/tmp/cliprof}; mkdir -p "$OUT"
 ARGS="run outliers --p 0.001 --device cuda --rows 0 --batch 2 --heads 16 --seqlen 8192 --out /tmp/t3cli --fresh"
 fa3-numerics $ARGS >/dev/null 2>&1  # first run: cold caches, bytecode

@@ -16,7 +16,7 @@ Writes into ``--out`` (the device tool's $OUT; at most 8 files come back):
 - ``ptx.tar.gz``   the PTX and TTGIR Triton compiled for these kernels (the instructions:
                    division, FMA contraction, exp2, the MMA and its accumulator type)
 
-Run with ``bash kernels/device/sage_h200.sh`` (carry the folder holding ``.whl/``: the
+Run with ``bash tools/device/sage_h200.sh`` (carry the folder holding ``.whl/``: the
 sageattention and h5netcdf wheels).
 """
 
@@ -33,13 +33,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import log
 
-T0 = time.perf_counter()
 ROWS = 128
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
 
 
 def probes(out: Path, rep: dict) -> None:
@@ -150,7 +146,7 @@ def _draw(c):
 
 def grids(out: Path, rep: dict, names: list[str], capture: str | None) -> None:
     from fa3_numerics.engine.backends import get_backend
-    from fa3_numerics.engine.sampling import query_rows
+    from fa3_numerics.data.sampling import query_rows
     from fa3_numerics.studies.validate import captured_cases, case_recipe, grid, skips
 
     kernel = get_backend("sage1")
@@ -192,13 +188,13 @@ def ptx(out: Path, rep: dict) -> None:
     rep["ptx"] = f"{len(files)} files from {cache}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--grids", default="small,stress,captured")
     ap.add_argument("--capture", default=None)
     ap.add_argument("--parts", default="probes,quant,grids,ptx")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False

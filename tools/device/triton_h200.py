@@ -1,10 +1,10 @@
-"""One device call for the Triton kernels (issue 12): self-checks, fused-quantizer fidelity and
+"""One device call for the Triton kernels: self-checks, fused-quantizer fidelity and
 bandwidth, validation of the emulator against the Triton FP8 kernel, Table 3 on hardware with
 block quantization, throughput beside FA3, and the accuracy-against-speed figure.
 
 Run on the H200 (carry .whl: fa3-fwd for the FA3 rows, h5netcdf for the .nc files)::
 
-    bash kernels/device/triton_h200.sh            # writes into $OUT
+    bash tools/device/triton_h200.sh            # writes into $OUT
 
 Files written into ``--out`` (at most 8), each as soon as its part finishes:
 
@@ -20,7 +20,7 @@ Files written into ``--out`` (at most 8), each as soon as its part finishes:
 - ``accuracy_speed.png`` RMSE against TFLOP/s (median, 10-90% range over repeats)
 - ``log.txt``          (written by the shell wrapper)
 
-Functions for ``kernels/device/h200.py`` (each takes an ``Out`` with ``section``, ``timings``,
+Functions for ``tools/device/h200.py`` (each takes an ``Out`` with ``section``, ``timings``,
 ``save_timings``, ``dir`` and ``error``, plus ``args`` and ``Sizes``; their report sections are
 keyed ``triton_*``): ``triton_tests``, ``triton_checks``, ``triton_quantizer``,
 ``triton_quant_sweep``, ``triton_validation``, ``triton_block_validation``, ``triton_table3``,
@@ -40,131 +40,16 @@ import os
 import platform
 import sys
 import time
-import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-T0 = time.perf_counter()
+from common import (REPO, T0, Out, Sizes, ensure_package, event_times, graph_times, log, paper_qkv, quantile,
+                    to_bshd, write_csv)
+
 HBM_SPEC_TBS = 4.8
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
-
-
-class Out:
-    """Report sections and a JSON of numbers, rewritten after every part (a timeout keeps them)."""
-
-    ORDER = ["head", "env", "triton_tests", "triton_checks", "triton_quant", "triton_quant_sweep", "triton_validation",
-             "triton_block_validation", "triton_table3", "triton_throughput", "errors"]
-
-    def __init__(self, folder: Path):
-        self.dir = Path(folder)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.sections: dict[str, str] = {}
-        self.timings: dict = {}
-
-    def section(self, key: str, text: str) -> None:
-        self.sections[key] = text
-        keys = self.ORDER + [k for k in self.sections if k not in self.ORDER]
-        self._atomic("report.md", "\n\n".join(self.sections[k] for k in keys if k in self.sections) + "\n")
-
-    def save_timings(self) -> None:
-        self._atomic("results.json", json.dumps(self.timings, indent=1, default=str))
-
-    def _atomic(self, name: str, text: str) -> None:
-        tmp = self.dir / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, self.dir / name)
-
-    def error(self, part: str, exc: BaseException) -> None:
-        log(f"{part} FAILED: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-        prev = self.sections.get("errors", "## Errors\n")
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        self.section("errors", prev + f"\n- {part}: `{type(exc).__name__}: {first[:300]}`")
-        self.timings.setdefault("errors", {})[part] = f"{type(exc).__name__}: {exc}"[:2000]
-        self.save_timings()
-
-
-@dataclasses.dataclass
-class Sizes:
-    t3_batch: int = 2
-    t3_heads: int = 16
-    t3_seqlen: int = 8192
-    t3_rows: int = 1024
-    tp_batch: int = 4
-    tp_heads: int = 16
-    tp_seqlen: int = 8192
-    tp_rows: int = 1024
-    tp_reps: int = 30
-    grid: str = "small"
-
-
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    if not rows:
-        return
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    tmp = path.with_name("." + path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, path)
-
-
-def _bench(fn, reps: int) -> list[float]:
-    """Seconds of ``fn()`` per repeat (CUDA events), after warm-up."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return out
-
-
-def _bench_graph(fn, calls: int = 10, reps: int = 10) -> list[float]:
-    """Seconds per ``fn()`` with the host's launch cost taken out: ``calls`` calls captured in one
-    CUDA graph, the graph replayed ``reps`` times (CUDA events around each replay). This is the
-    device time a pipeline sees when the host runs ahead of the GPU."""
-    import torch
-
-    fn()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3 / calls)
-    del g
-    return out
-
-
-def _q(xs: list[float], f: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(f * (len(s) - 1)))))]
+REPORT_ORDER = ["head", "env", "triton_tests", "triton_checks", "triton_quant", "triton_quant_sweep",
+                "triton_validation", "triton_block_validation", "triton_table3", "triton_throughput", "errors"]
+# The validation grid of this call (one; ``--grid``): the first of ``Sizes.grids``.
+TRITON_SIZES = dataclasses.replace(Sizes(), tp_reps=30, grids=("small",))
 
 
 # ----------------------------------------------------------------------------- parts
@@ -196,13 +81,13 @@ def environment(out: Out, args) -> dict:
     # The ceiling the quantizer's bandwidth is judged against: a device-to-device copy.
     n = 1 << 30
     bufs = [torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(2)]
-    ts = _bench(lambda: bufs[1].copy_(bufs[0]), 20)
-    env["copy_tbs"] = 2 * n / _q(ts, 0.5) / 1e12
-    env["copy_tbs_graph"] = 2 * n / _q(_bench_graph(lambda: bufs[1].copy_(bufs[0]), 5, 5), 0.5) / 1e12
+    ts = event_times(lambda: bufs[1].copy_(bufs[0]), 20)
+    env["copy_tbs"] = 2 * n / quantile(ts, 0.5) / 1e12
+    env["copy_tbs_graph"] = 2 * n / quantile(graph_times(lambda: bufs[1].copy_(bufs[0]), 5, 5), 0.5) / 1e12
     # A copy moving as many bytes as the quantizer of a 4x8192x16x128 BF16 tensor (201 MB), graph-timed.
     m = 4 * 8192 * 16 * 128 * 3 // 2
-    ts = _bench_graph(lambda: bufs[1][:m].copy_(bufs[0][:m]), 10, 10)
-    env["copy_tbs_201MB_graph"] = 2 * m / _q(ts, 0.5) / 1e12
+    ts = graph_times(lambda: bufs[1][:m].copy_(bufs[0][:m]), 10, 10)
+    env["copy_tbs_201MB_graph"] = 2 * m / quantile(ts, 0.5) / 1e12
     bufs.clear()
     out.timings["env"] = env
     out.save_timings()
@@ -300,7 +185,7 @@ def triton_quantizer(out: Out, args=None, sz: Sizes | None = None) -> list[dict]
     from fa3_numerics.kernels.triton_.rotate_quant import min_bytes, rotate_quantize
     from fa3_numerics.numerics.granularity import PerBlock, PerHead, PerTensor, PerToken
 
-    sz = sz or Sizes()
+    sz = sz or TRITON_SIZES
     t0 = time.perf_counter()
     fid = selfcheck.quantizer_checks("cuda", shape=(2, 16, 2048, 128), impls=("butterfly", "dot"))
     fid += _k_tile_fidelity()
@@ -327,15 +212,15 @@ def triton_quantizer(out: Out, args=None, sz: Sizes | None = None) -> list[dict]
                     call = lambda: rotate_quantize(x, layout="bshd", gran=gran, rot=rot, seed=0, exact=exact,  # noqa: E731,B023
                                                    impl=impl, out_layout="bhsd", **kw)  # noqa: B023
                     o = call()
-                    ts = _bench(call, 20)
-                    tg = _bench_graph(call, 10, 10) if not exact else ts
-                    t, t_e = _q(tg, 0.5), _q(ts, 0.5)
+                    ts = event_times(call, 20)
+                    tg = graph_times(call, 10, 10) if not exact else ts
+                    t, t_e = quantile(tg, 0.5), quantile(ts, 0.5)
                     reads = 2 if gname in ("head", "tensor") else 1
                     mb = min_bytes(x, o)
                     actual = mb + (reads - 1) * x.numel() * x.element_size()
                     r = {"granularity": gname, "mode": mname, "rot": rot, "shape": f"{b}x{n}x{h}x{d} bf16",
                          "kernel": o.launch,
-                         "ms": t * 1e3, "ms_p10": _q(tg, 0.1) * 1e3, "ms_p90": _q(tg, 0.9) * 1e3, "ms_per_call": t_e * 1e3,
+                         "ms": t * 1e3, "ms_p10": quantile(tg, 0.1) * 1e3, "ms_p90": quantile(tg, 0.9) * 1e3, "ms_per_call": t_e * 1e3,
                          "timing": "cuda graph, 10 calls" if not exact else "per call",
                          "min_bytes": mb, "bytes_moved": actual, "passes_over_input": reads, "traffic_over_min": actual / mb,
                          "tbs_min_bytes": mb / t / 1e12, "tbs_moved": actual / t / 1e12,
@@ -348,7 +233,7 @@ def triton_quantizer(out: Out, args=None, sz: Sizes | None = None) -> list[dict]
                     out.error(f"quantizer {label}", exc)
     out.timings["quantizer"] = rows
     out.save_timings()
-    _write_csv(out.dir / "quant.csv", rows)
+    write_csv(out.dir / "quant.csv", rows)
     lines = ["## Fused rotate-and-quantize: fidelity against prepare() (batch 2, 16 heads, seqlen 2048, dim 128, "
              "outliers p 0.01)", "", "| granularity | group | pow2 | rot | mode | bytes identical | values equal | "
              "descales identical | differing / elements |", "|---|---|---|---|---|---|---|---|---|"]
@@ -410,8 +295,8 @@ def triton_validation(out: Out, args=None, sz: Sizes | None = None, deadline: fl
     from fa3_numerics.kernels.triton_.backend import TritonBackend, TritonTwoLevelBackend
     from fa3_numerics.studies.validate import accumulator_ranking, markdown_validation, run_validation
 
-    sz = sz or Sizes()
-    cases = validation_cases(sz.grid)
+    sz = sz or TRITON_SIZES
+    cases = validation_cases(sz.grids[0])
     res, dss = {}, []
     for i, kern in enumerate((TritonBackend(), TritonTwoLevelBackend())):
         t = time.perf_counter()
@@ -434,7 +319,7 @@ def triton_validation(out: Out, args=None, sz: Sizes | None = None, deadline: fl
         dss.append((kern.name, ds))
         log(f"validation {kern.name}: {rank}")
         _write_validation(out, dss)
-    parts = [f"## Validation: the emulator against the Triton FP8 kernel (grid `{sz.grid}` FP8 cases + stress + "
+    parts = [f"## Validation: the emulator against the Triton FP8 kernel (grid `{sz.grids[0]}` FP8 cases + stress + "
              f"heavy outliers), F = RMSE(emulator, kernel) / RMSE(kernel, float64)"]
     for name, ds in dss:
         rank = res[name]["ranking"]
@@ -492,9 +377,8 @@ def triton_block_validation(out: Out, args=None, sz: Sizes | None = None) -> Non
 
 # Launch configurations of the quantizer sweep: (name, granularity, rot, out layout, kwargs).
 # {} = the committed default launch (its configuration is read back from QuantOut.launch).
-# "old": the one-program-per-tile kernel of runs 2-3 (persistent=False, IEEE division): the bytes
-# every other row is compared with. Blocks in the persistent kernel: in one tile (run 5),
-# in 64-row sub-tiles kept in registers ("kept") or read again from L2 ("reread": as more
+# "old": the one-program-per-tile kernel (persistent=False, IEEE division): the bytes every other
+# row is compared with. Blocks in the persistent kernel: in one tile, in 64-row sub-tiles kept in registers ("kept") or read again from L2 ("reread": as more
 # pipelined steps; "reread-sync": at the block's last step).
 def _sweep_configs(which: str = "full"):
     from fa3_numerics.numerics.granularity import PerBlock, PerHead, PerTensor, PerToken
@@ -503,10 +387,9 @@ def _sweep_configs(which: str = "full"):
     B128, B224 = ("block128", PerBlock(128), "hadamard", "bhsd"), ("block224", PerBlock(224), "hadamard", "bhsd")
     V128, V224 = ("vblock128", PerBlock(128), "none", "bhds"), ("vblock224", PerBlock(224), "none", "bhds")
     if which == "probe":
-        # Probe p15: the defaults of this session for FA3's 224-row K and V tiles (the shared-
-        # memory kernels: K's short last sub-tile rotated twice, V in vquant_smem), power-of-two
-        # and amax descales, beside the tl kernel's launches. (p13: one multiply against the
-        # division, keep_last; p14: V's tl launches; see the report.)
+        # Where a 224-row block's time goes: the defaults for FA3's 224-row K and V tiles (the
+        # shared-memory kernels: K's short last sub-tile rotated twice, V in vquant_smem),
+        # power-of-two and amax descales, beside the tl kernel's launches.
         p2 = dict(pow2=True)
         K2, V2 = ("block224-pow2", PerBlock(224), "hadamard", "bhsd"), ("vblock224-pow2", PerBlock(224), "none", "bhds")
         return [
@@ -523,7 +406,7 @@ def _sweep_configs(which: str = "full"):
         ("token", PerToken(), "hadamard", "bhsd", dict(old, tile=64, num_warps=4)),
         (*B128, dict(old, num_warps=8)),
         (*B224, dict(old, num_warps=8)),
-        (*V128, dict(old, num_warps=8)),  # the default for V blocks of 128 rows (b, h, d, s) until run 9
+        (*V128, dict(old, num_warps=8)),  # the tl kernel's V blocks of 128 rows (b, h, d, s), before the skewed reread
         (*V224, dict(old, num_warps=8)),
         # committed defaults
         ("token", PerToken(), "hadamard", "bhsd", {}),
@@ -534,16 +417,16 @@ def _sweep_configs(which: str = "full"):
         (*B224, {}),
         (*V128, {}),
         (*V224, {}),
-        # alternatives (runs 8-10): blocks read again one block behind, in the first pass's steps
+        # alternatives: blocks read again one block behind, in the first pass's steps
         # (reread="skewed"), or with their inputs kept in registers and rotated again
         # (reread="inputs"); register caps (max_regs) that let 3 (168 registers) or 4 (128)
         # programs share an SM; warps, stages and item order
-        (*B224, dict(reread=True, stages=4)),  # run 7's default
+        (*B224, dict(reread=True, stages=4)),  # the reread default before the register cap
         (*B224, dict(reread="skewed")),
         (*B224, dict(reread="inputs")),
         (*B224, dict(reread=True, num_warps=8, stages=2, max_regs=128)),
         (*B224, dict(reread=True, max_regs=168, stages=2, head_fast=False)),
-        (*V224, dict(reread=True)),  # run 7's default
+        (*V224, dict(reread=True)),  # V's reread before the skewed mode
         (*V224, dict(reread="skewed", max_regs=168)),
         (*V224, dict(reread="skewed", stages=5)),
         (*V224, dict(reread="skewed", num_warps=8, stages=4)),
@@ -554,7 +437,7 @@ def _sweep_configs(which: str = "full"):
         (*B128, dict(reread="skewed")),
         (*B128, dict(reread="inputs")),
         # the shared-memory kernels (rotate_quant_smem for K, vquant_smem for V: the defaults for
-        # these tiles since runs 13-16) against the tl kernel's launches, and their variants
+        # these tiles) against the tl kernel's launches, and their variants
         (*B224, dict(reread=True)), (*B224, dict(reread="smem", keep_last=True)),
         (*B224, dict(reread="smem", parts=4)), (*B128, dict(reread="smem")),
         (*V224, dict(reread="skewed", sub_tile=32, stages=6)), (*V128, dict(reread="skewed", stages=3, max_regs=168)),
@@ -575,7 +458,7 @@ def _cfg_label(kw: dict, launch: str = "") -> str:
 
 
 def triton_quant_sweep(out: Out, args=None, sz: Sizes | None = None) -> None:
-    """Launch configurations of the fast quantizer (the tiled kernel of runs 2-3, the persistent
+    """Launch configurations of the fast quantizer (the tiled kernel, the persistent
     kernel's committed defaults and alternatives): device time from CUDA-graph replays and
     per-call time with the host's launch, bytes identical to the IEEE-division tiled kernel; the
     fastest per granularity (identical bytes only) is recorded. The quant and end-to-end parts
@@ -584,7 +467,7 @@ def triton_quant_sweep(out: Out, args=None, sz: Sizes | None = None) -> None:
 
     from fa3_numerics.kernels.triton_.rotate_quant import min_bytes, rotate_quantize
 
-    sz = sz or Sizes()
+    sz = sz or TRITON_SIZES
     b, n, h, d = sz.tp_batch, sz.tp_seqlen, sz.tp_heads, 128
     x = torch.randn(b, n, h, d, generator=torch.Generator(device="cuda").manual_seed(2), device="cuda").to(torch.bfloat16)
     env = out.timings.get("env", {})
@@ -618,20 +501,20 @@ def triton_quant_sweep(out: Out, args=None, sz: Sizes | None = None) -> None:
             ref = refs.get(gname)
             same = float((o.values.view(torch.uint8) == ref.values.view(torch.uint8)).double().mean()) if ref is not None else float("nan")
             dsame = bool(torch.equal(o.descale, ref.descale)) if ref is not None else None
-            te = _bench(call, 20)
-            tg = _bench_graph(call, 10, 10)
+            te = event_times(call, 20)
+            tg = graph_times(call, 10, 10)
             passes = 2 if gname in ("head", "tensor", "vhead") else 1
             mb = min_bytes(x, o)
             persistent = o.launch.startswith("persistent")
             moved = mb + (passes - 1) * x.numel() * 2
-            t, t_e = _q(tg, 0.5), _q(te, 0.5)
+            t, t_e = quantile(tg, 0.5), quantile(te, 0.5)
             r = {"granularity": gname, "rot": rot, "in_layout": lay, "out_layout": olay, "config": _cfg_label(kw, o.launch),
                  "kernel": "persistent" if persistent else "tiled", "default": int(not kw), "launch": o.launch,
                  "kwargs": json.dumps(kw),
                  "order": "seq-first" if "seq-first" in o.launch else "heads-first",
                  "scale": "x * (1/descale)" if kw.get("recip") else "x / descale",
                  "passes_over_input": passes, "min_bytes": mb, "bytes_moved": moved,
-                 "ms": t * 1e3, "ms_p10": _q(tg, 0.1) * 1e3, "ms_p90": _q(tg, 0.9) * 1e3, "ms_per_call": t_e * 1e3,
+                 "ms": t * 1e3, "ms_p10": quantile(tg, 0.1) * 1e3, "ms_p90": quantile(tg, 0.9) * 1e3, "ms_per_call": t_e * 1e3,
                  "tbs_moved": moved / t / 1e12, "pct_copy": 100 * moved / t / 1e12 / copy,
                  "pct_spec": 100 * moved / t / 1e12 / HBM_SPEC_TBS, "tbs_min_bytes": mb / t / 1e12,
                  "traffic_over_min": moved / mb, "pct_copy_per_call": 100 * moved / t_e / 1e12 / copy,
@@ -647,7 +530,7 @@ def triton_quant_sweep(out: Out, args=None, sz: Sizes | None = None) -> None:
             out.error(f"quant sweep {label}", exc)
     out.timings["quant_sweep"] = {"rows": rows, "best": best}
     out.save_timings()
-    _write_csv(out.dir / "quant_sweep.csv", rows)
+    write_csv(out.dir / "quant_sweep.csv", rows)
     lines = [f"## Fused quantizer: launch configurations (BF16 {b}x{n}x{h}x{d} in (b, s, h, d); Hadamard except v*; "
              "v* = V: no rotation, FP8 out (b, h, d, s); device time = median of 10 replays of a CUDA graph of 10 calls; "
              "per call = median of 20 single calls with the host's launch)", "",
@@ -665,7 +548,7 @@ def triton_quant_sweep(out: Out, args=None, sz: Sizes | None = None) -> None:
 
 
 def _experiment(variants, backend, sz: Sizes, rows=None):
-    from fa3_numerics.engine.experiment import Experiment
+    from fa3_numerics.studies.outliers import Experiment
 
     return Experiment(name="outliers", description="FA3 paper Table 3 on the Triton FP8 kernel (device run)",
                       dist="outliers", variants=list(variants), params={}, seqlen=[sz.t3_seqlen], head_dim=[128],
@@ -680,9 +563,9 @@ def triton_table3(out: Out, args=None, sz: Sizes | None = None) -> None:
     import xarray as xr
 
     from fa3_numerics.engine.dataset import summary_table, write
-    from fa3_numerics.engine.experiment import run_experiment
+    from fa3_numerics.studies.outliers import run_experiment
 
-    sz = sz or Sizes()
+    sz = sz or TRITON_SIZES
     plan = [("emulate", T3_ROWS), ("emulate", [f"{v},acc=fp22" for v in T3_ROWS[:3]]), ("triton", T3_ROWS),
             ("triton-two-level", T3_ROWS[:3]), ("triton-fused", T3_ROWS[:3])]
     rows, dss = [], []
@@ -738,26 +621,21 @@ def triton_throughput(out: Out, args=None, sz: Sizes | None = None, subset: bool
     fastest configuration)."""
     import torch
 
+    from fa3_numerics.data.sampling import query_rows
     from fa3_numerics.kernels.triton_.attention import attention_fp8, plan_tiles
     from fa3_numerics.kernels.triton_.rotate_quant import rotate_quantize
     from fa3_numerics.numerics.granularity import PerBlock, PerHead
     from fa3_numerics.numerics.reference import reference_attention
 
-    sz = sz or Sizes()
+    sz = sz or TRITON_SIZES
     b, h, n, d = sz.tp_batch, sz.tp_heads, sz.tp_seqlen, 128
-    g = torch.Generator(device="cuda").manual_seed(1)
-
-    def draw():  # the paper's distribution, drawn on the device in float32, layout (b, s, h, d)
-        x = torch.randn(b, n, h, d, generator=g, device="cuda")
-        spike = torch.randn(b, n, h, d, generator=g, device="cuda") * 10.0
-        return x + spike * (torch.rand(b, n, h, d, generator=g, device="cuda") < 0.001)
-
-    q32, k32, v32 = draw(), draw(), draw()
-    rows_idx = torch.randperm(n, generator=torch.Generator().manual_seed(17))[: sz.tp_rows].sort().values.cuda()
-    to64 = lambda x: x.transpose(1, 2).to(torch.float64)  # noqa: E731
-    refs = {c: reference_attention(to64(q32), to64(k32), to64(v32), q_index=rows_idx, causal=c) for c in (False, True)}
-    qb, kb, vb = (x.to(torch.bfloat16) for x in (q32, k32, v32))
-    del q32, k32, v32
+    # The paper's distribution (seed 1), float64 on the GPU; the kernels read its BF16 cast in
+    # (b, s, h, d), the reference the float64 draws.
+    q64, k64, v64 = paper_qkv(b, h, n, d, 1, device="cuda")
+    rows_idx = query_rows(n, sz.tp_rows, 1, device="cuda")
+    refs = {c: reference_attention(q64, k64, v64, q_index=rows_idx, causal=c) for c in (False, True)}
+    qb, kb, vb = (to_bshd(x, torch.bfloat16) for x in (q64, k64, v64))
+    del q64, k64, v64
 
     def rmse(o, causal, layout):
         o = (o.transpose(1, 2) if layout == "bshd" else o).index_select(2, rows_idx).to(torch.float64)
@@ -805,25 +683,25 @@ def triton_throughput(out: Out, args=None, sz: Sizes | None = None, subset: bool
         try:
             o = call()
             err = rmse(o, causal, layout)
-            tk = _bench(call, sz.tp_reps)
-            tp = _bench(prep, sz.tp_reps) if prep is not None else [0.0] * len(tk)
+            tk = event_times(call, sz.tp_reps)
+            tp = event_times(prep, sz.tp_reps) if prep is not None else [0.0] * len(tk)
             flops = 4.0 * b * h * n * n * d / (2 if causal else 1)
             tot = sorted(a + c for a, c in zip(sorted(tk), sorted(tp)))
             tpg = None
             if prep is not None:
                 try:  # the three quantizer launches' device time, host launch cost taken out
-                    tpg = _q(_bench_graph(prep, 5, 10), 0.5)
+                    tpg = quantile(graph_times(prep, 5, 10), 0.5)
                 except Exception as exc:  # noqa: BLE001
                     out.error(f"graph prep {label}", exc)
             r = {"variant": label, "backend": backend, "causal": int(causal), "recipe": recipe, "plan": plan, "rmse": err,
-                 "kernel_ms": _q(tk, 0.5) * 1e3, "preprocess_ms": _q(tp, 0.5) * 1e3,
-                 "tflops_kernel": flops / _q(tk, 0.5) / 1e12,
-                 "tflops_kernel_p10": flops / _q(tk, 0.9) / 1e12, "tflops_kernel_p90": flops / _q(tk, 0.1) / 1e12,
-                 "tflops_with_preprocess": flops / _q(tot, 0.5) / 1e12,
-                 "tflops_with_preprocess_p10": flops / _q(tot, 0.9) / 1e12,
-                 "tflops_with_preprocess_p90": flops / _q(tot, 0.1) / 1e12, "reps": sz.tp_reps,
+                 "kernel_ms": quantile(tk, 0.5) * 1e3, "preprocess_ms": quantile(tp, 0.5) * 1e3,
+                 "tflops_kernel": flops / quantile(tk, 0.5) / 1e12,
+                 "tflops_kernel_p10": flops / quantile(tk, 0.9) / 1e12, "tflops_kernel_p90": flops / quantile(tk, 0.1) / 1e12,
+                 "tflops_with_preprocess": flops / quantile(tot, 0.5) / 1e12,
+                 "tflops_with_preprocess_p10": flops / quantile(tot, 0.9) / 1e12,
+                 "tflops_with_preprocess_p90": flops / quantile(tot, 0.1) / 1e12, "reps": sz.tp_reps,
                  "preprocess_ms_graph": tpg * 1e3 if tpg is not None else float("nan"),
-                 "tflops_with_preprocess_graph": flops / (_q(tk, 0.5) + (tpg or 0.0)) / 1e12}
+                 "tflops_with_preprocess_graph": flops / (quantile(tk, 0.5) + (tpg or 0.0)) / 1e12}
             results.append(r)
             log(f"throughput {label} causal={causal}: kernel {r['kernel_ms']:.3f} ms {r['tflops_kernel']:.0f} TFLOP/s, "
                 f"with prep {r['tflops_with_preprocess']:.0f} (prep {r['preprocess_ms']:.3f} ms per call; graph-timed prep "
@@ -856,7 +734,7 @@ def triton_throughput(out: Out, args=None, sz: Sizes | None = None, subset: bool
                 try:
                     call = tri_call(qo, ko, vo, False, pl.block_n, plan=pl)
                     call()
-                    sweep.append((_q(_bench(call, 10), 0.5), pl))
+                    sweep.append((quantile(event_times(call, 10), 0.5), pl))
                     log(f"plan {pl}: {sweep[-1][0] * 1e3:.3f} ms")
                 except Exception as exc:  # noqa: BLE001
                     out.error(f"plan {pl}", exc)
@@ -880,7 +758,7 @@ def triton_throughput(out: Out, args=None, sz: Sizes | None = None, subset: bool
     out.timings["throughput"] = {"shape": [b, h, n, d], "reps": sz.tp_reps, "results": results,
                                  "flops": "4 b h n^2 d (halved when causal)"}
     out.save_timings()
-    _write_csv(out.dir / "throughput.csv", results)
+    write_csv(out.dir / "throughput.csv", results)
     fa3_fp8 = {r["causal"]: r["tflops_kernel"] for r in results if r["variant"].startswith("FA3 FP8 per-head (")}
     lines = [f"## Throughput (batch {b}, seqlen {n}, {h} heads, dim {d}; BF16 inputs in (b, s, h, d); median of "
              f"{sz.tp_reps} CUDA-event timings, 10-90% range in brackets)", "",
@@ -896,7 +774,8 @@ def triton_throughput(out: Out, args=None, sz: Sizes | None = None, subset: bool
                      f"{r['tflops_with_preprocess_graph']:.0f} | {r['rmse']:.3e} |")
     lines += ["", "prep = the fused Triton rotate-and-quantize of Q, K and V from BF16 (float32 path), timed the same "
               "way; `fused` rows add it. RMSE over "
-              f"{sz.tp_rows} sampled query rows per head against float64 attention on the float32 draws."]
+              f"{sz.tp_rows} sampled query rows per head against float64 attention on the float64 draws "
+              "(library distribution `outliers`, seed 1) whose BF16 cast the kernels read."]
     try:
         throughput_figure(results, out.dir / "accuracy_speed.png", (b, h, n, d))
         lines += ["", "![accuracy against speed](accuracy_speed.png)"]
@@ -946,15 +825,6 @@ def throughput_figure(results, path: Path, shape) -> None:
 # ----------------------------------------------------------------------------- main
 
 
-def ensure_package() -> None:
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(REPO / "kernels" / "device"))
-    import h200  # noqa: F401 - maps kernels/ to fa3_numerics.kernels when not installed
-
-    h200.ensure_package()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "reports/h200/triton"))
@@ -976,9 +846,9 @@ def main(argv=None) -> int:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    out = Out(Path(args.out))
-    sz = dataclasses.replace(Sizes(), grid=args.grid, tp_reps=args.reps)
-    out.section("head", "# Triton FP8 kernels on the H200 (issue 12)\n\nWritten by `kernels/device/triton_h200.py "
+    out = Out(Path(args.out), REPORT_ORDER, numbers="results.json")
+    sz = dataclasses.replace(TRITON_SIZES, grids=(args.grid,), tp_reps=args.reps)
+    out.section("head", "# Triton FP8 kernels on the H200\n\nWritten by `tools/device/triton_h200.py "
                         f"--parts {args.parts}`; every number below was measured in this run.")
     parts = args.parts.split(",")
     try:

@@ -14,7 +14,7 @@ timeout still returns what was done (at most 8 files come back):
 - ``throughput.csv``, ``accuracy_speed.png`` (part ``throughput``, off by default: the numbers
   of the last run are kept in reports/h200/)
 
-Run on the device machine with ``bash kernels/device/h200.sh`` (carry .whl: the fa3-fwd and
+Run on the device machine with ``bash tools/device/h200.sh`` (carry .whl: the fa3-fwd and
 h5netcdf wheels; the script installs them and the project). ``--mock`` runs every part on the
 CPU at toy sizes with a float32 stand-in for the kernel (results labelled as such).
 """
@@ -30,84 +30,13 @@ import platform
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-T0 = time.perf_counter()
+from common import (MOCK_SIZES, REPO, T0, Out, Sizes, ensure_package, log, median_seconds, paper_qkv, sync,
+                    to_bshd, versions, write_csv)
 
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
-
-
-def ensure_package() -> None:
-    """The project must be installed (``pip install -e .``, as h200.sh does): the kernels/ and
-    experiments/ folders resolve as fa3_numerics.kernels and fa3_numerics.experiments only
-    through pyproject's package-dir mapping."""
-    try:
-        import fa3_numerics.kernels.fa3  # noqa: F401
-    except ModuleNotFoundError as exc:
-        sys.exit(f"error: {exc}; install the project first: pip install --no-deps -e . (h200.sh does)")
-
-
-# ----------------------------------------------------------------------------- output
-
-
-class Out:
-    def __init__(self, folder: Path):
-        self.dir = folder
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.sections: dict[str, str] = {}
-        self.timings: dict = {}
-
-    def section(self, key: str, text: str) -> None:
-        self.sections[key] = text
-        self.write_report()
-
-    def write_report(self) -> None:
-        order = ["head", "env", "table3", "table3_time", "cli", "table3_fp22", "validation", "mma", "throughput", "extra",
-                 "devices", "tests", "errors"]
-        body = "\n\n".join(self.sections[k] for k in order if k in self.sections)
-        self._atomic("report.md", body + "\n")
-
-    def save_timings(self) -> None:
-        self._atomic("timings.json", json.dumps(self.timings, indent=1, default=str))
-
-    def _atomic(self, name: str, text: str) -> None:
-        tmp = self.dir / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, self.dir / name)
-
-    def error(self, part: str, exc: BaseException) -> None:
-        tb = traceback.format_exc()
-        log(f"{part} FAILED: {type(exc).__name__}: {exc}\n{tb}")
-        prev = self.sections.get("errors", "## Errors\n")
-        self.section("errors", prev + f"\n- {part}: `{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}`")
-        self.timings.setdefault("errors", {})[part] = f"{type(exc).__name__}: {exc}"
-        self.save_timings()
-
-
-# ----------------------------------------------------------------------------- parts
-
-
-@dataclasses.dataclass
-class Sizes:
-    t3_batch: int = 2
-    t3_heads: int = 16
-    t3_seqlen: int = 8192
-    t3_rows: int = 1024
-    tp_batch: int = 4
-    tp_heads: int = 16
-    tp_seqlen: int = 8192
-    tp_rows: int = 1024
-    tp_reps: int = 20
-    grids: tuple = ("small", "stress", "captured")
-    paper_cases: bool = True
-
-
-MOCK_SIZES = Sizes(t3_batch=1, t3_heads=2, t3_seqlen=512, t3_rows=64, tp_batch=1, tp_heads=2, tp_seqlen=512,
-                   tp_rows=64, tp_reps=2, grids=("tiny",), paper_cases=False)
+REPORT_ORDER = ["head", "env", "table3", "table3_time", "cli", "table3_fp22", "validation", "mma", "throughput",
+                "extra", "devices", "tests", "errors"]
 
 # Recipes of the public kernel, beside the paper's rows.
 BF16_SPEC = "qk=bf16,v=bf16,p=bf16,out=bf16,poff=0"
@@ -117,25 +46,17 @@ KERNEL_ROWS = ["fa3-fp8-kernel", "fa3-fp8-kernel-hadamard", "fa3-fp8-kernel,gran
 def environment(out: Out, args, fa3_name: str) -> dict:
     import torch
 
-    from fa3_numerics.engine.backends import available_backends
+    from fa3_numerics.engine.backends import available_backends, get_backend
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": str(torch.version.cuda),
            "device": args.device, "mock": args.mock, "host": platform.node()}
     if args.device.startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name()
         env["capability"] = list(torch.cuda.get_device_capability())
-    for name in ("xarray", "numpy", "h5netcdf", "seaborn", "fa3-fwd"):
-        try:
-            from importlib.metadata import version
-
-            env[name] = version(name)
-        except Exception:  # noqa: BLE001
-            env[name] = "absent"
+    env.update(versions(("xarray", "numpy", "h5netcdf", "seaborn", "fa3-fwd")))
     env["backends"] = available_backends(args.device)
     if not args.mock and env["backends"].get("fa3") is None:
-        from fa3_numerics.kernels.fa3 import load_kernel
-
-        env["kernel_module"], env["kernel_version"] = load_kernel()[1:]
+        env.update(get_backend("fa3").provenance())
     env["fa3_backend_used"] = fa3_name
     try:
         from fa3_numerics.numerics.recipe import Recipe
@@ -167,20 +88,13 @@ def experiment(variants, backend, device, sz: Sizes, rows=None):
                       rows=sz.t3_rows if rows is None else rows, seeds=[0], backend=backend, device=device)
 
 
-def _sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def run_exp(exp, device):
     from fa3_numerics.studies.outliers import run_experiment
 
-    _sync(device)
+    sync(device)
     t = time.perf_counter()
     ds = run_experiment(exp, cache_dir=None, progress=lambda m: log("  " + m))
-    _sync(device)
+    sync(device)
     return ds, time.perf_counter() - t
 
 
@@ -282,14 +196,14 @@ def table3(out: Out, args, sz: Sizes, fa3_name: str) -> None:
     from fa3_numerics.data import distributions
     from fa3_numerics.engine.inputs import input_histogram
 
-    _sync(dev)
+    sync(dev)
     tg = time.perf_counter()
     qkv = distributions.generate("outliers", distributions.AttnShape(sz.t3_batch, sz.t3_heads, sz.t3_seqlen, 128), 0,
                                  device=dev, p=0.001, sigma=10.0)
-    _sync(dev)
+    sync(dev)
     t_gen = time.perf_counter() - tg
     input_histogram(*qkv)
-    _sync(dev)
+    sync(dev)
     t_hist = time.perf_counter() - tg - t_gen
     del qkv
     out.timings["table3_seconds"].update({"generate_s": round(t_gen, 3), "histogram_s": round(t_hist, 3),
@@ -423,30 +337,31 @@ def mma_speed(out: Out, args) -> None:
 
     from fa3_numerics.data import distributions
     from fa3_numerics.numerics.emulator import emulate
-    from fa3_numerics.numerics.mma import _triton_mma
+    from fa3_numerics.numerics.mma import device_mma
     from fa3_numerics.numerics.recipe import Recipe
 
     dev = args.device
     shape = distributions.AttnShape(2, 16, 8192, 128) if dev.startswith("cuda") else distributions.AttnShape(1, 2, 512, 128)
     q, k, v = distributions.generate("outliers", shape, 0, device=dev, p=0.001, sigma=10.0)
     rows = torch.arange(0, shape.seqlen, 8, device=dev)
-    # Which implementation of the model runs: the Triton kernel on CUDA (kernels/triton_/mma_model.py),
-    # the compiled C on the CPU, else the PyTorch reference.
-    gpu = _triton_mma(torch.device(dev)) is not None
-    impl = "Triton kernel (kernels/triton_/mma_model.py)" if gpu else (
+    # Which implementation of the model runs: the one registered for CUDA (numerics.mma.DEVICE_MMA: the
+    # Triton kernel of kernels/triton_/mma_model.py), the compiled C on the CPU, else the PyTorch reference.
+    found = device_mma(dev)
+    gpu = found is not None
+    impl = f"registered device implementation `{found[0]}`" if gpu else (
         "compiled C (numerics/_native.c)" if dev == "cpu" else "PyTorch reference")
     res = {}
     for spec in ("fa3-fp8-kernel,acc=fp32", "fa3-fp8-kernel"):
         r = Recipe.from_str(spec)
         emulate(r, q, k, v, q_index=rows[:64])  # warm-up (on CUDA: compiles the Triton kernels)
-        _sync(dev)
+        sync(dev)
         t = time.perf_counter()
         emulate(r, q, k, v, q_index=rows)
-        _sync(dev)
+        sync(dev)
         res[spec] = round(time.perf_counter() - t, 3)
     ratio = res["fa3-fp8-kernel"] / res["fa3-fp8-kernel,acc=fp32"]
     stats = {}
-    if gpu:
+    if gpu and found[0] == "triton":
         from fa3_numerics.kernels.triton_ import mma_model
 
         stats = dict(mma_model.STATS)
@@ -463,34 +378,10 @@ def mma_speed(out: Out, args) -> None:
     log(f"mma speed {res} ratio {ratio:.2f} impl {impl} {stats}")
 
 
-def _events_median(fn, reps: int, device: str) -> float:
-    """Median seconds of ``fn()`` over ``reps`` runs after 3 warm-ups (CUDA events on a GPU)."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    times = []
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-    else:
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2]
-
-
 def throughput(out: Out, args, sz: Sizes, fa3_name: str) -> None:
     import torch
 
+    from fa3_numerics.data.sampling import query_rows
     from fa3_numerics.engine.backends import get_backend
     from fa3_numerics.kernels.fa3 import Fa3Backend, fast_quantize, flash_attn
     from fa3_numerics.numerics.reference import reference_attention
@@ -501,20 +392,13 @@ def throughput(out: Out, args, sz: Sizes, fa3_name: str) -> None:
     scale = 1.0 / math.sqrt(d)
     fa3 = get_backend(fa3_name)
     fn = fa3.kernel_fn if isinstance(fa3, Fa3Backend) and fa3.kernel_fn is not None else None
-    g = torch.Generator(device=dev).manual_seed(1)
-
-    def draw():  # the paper's distribution, drawn on the device in float32, layout (b, s, h, d)
-        x = torch.randn(b, n, h, d, generator=g, device=dev)
-        spike = torch.randn(b, n, h, d, generator=g, device=dev) * 10.0
-        mask = torch.rand(b, n, h, d, generator=g, device=dev) < 0.001
-        return x + spike * mask
-
-    q32, k32, v32 = draw(), draw(), draw()
-    rows = torch.randperm(n, generator=torch.Generator().manual_seed(17))[: sz.tp_rows].sort().values.to(dev)
-    to64 = lambda x: x.transpose(1, 2).to(torch.float64)  # noqa: E731
-    ref = reference_attention(to64(q32), to64(k32), to64(v32), q_index=rows)
-    qb, kb, vb = (x.to(torch.bfloat16) for x in (q32, k32, v32))
-    del q32, k32, v32
+    # The paper's distribution (seed 1), float64 on the device; the kernels read its BF16 cast in
+    # (b, s, h, d) as a model hands it over, the reference the float64 draws.
+    q64, k64, v64 = paper_qkv(b, h, n, d, 1, device=dev)
+    rows = query_rows(n, sz.tp_rows, 1, device=dev)
+    ref = reference_attention(q64, k64, v64, q_index=rows)
+    qb, kb, vb = (to_bshd(x, torch.bfloat16) for x in (q64, k64, v64))
+    del q64, k64, v64
 
     def rmse(o):
         o = o.transpose(1, 2).index_select(2, rows).to(torch.float64)
@@ -540,9 +424,9 @@ def throughput(out: Out, args, sz: Sizes, fa3_name: str) -> None:
             else:
                 qq, kk, vv, ds = prep(gran, rot)
                 call = lambda: flash_attn(qq, kk, vv, softmax_scale=scale, causal=False, descales=ds, fn=fn)  # noqa: E731,B023
-                t_pre = _events_median(lambda: prep(gran, rot), sz.tp_reps, dev)  # noqa: B023
+                t_pre = median_seconds(lambda: prep(gran, rot), sz.tp_reps)  # noqa: B023
             err = rmse(call())
-            t_k = _events_median(call, sz.tp_reps, dev)
+            t_k = median_seconds(call, sz.tp_reps)
             results.append({"variant": label, "backend": fa3_name, "rmse": err, "kernel_ms": t_k * 1e3,
                             "preprocess_ms": t_pre * 1e3, "tflops_kernel": flops / t_k / 1e12,
                             "tflops_with_preprocess": flops / (t_k + t_pre) / 1e12})
@@ -556,16 +440,16 @@ def throughput(out: Out, args, sz: Sizes, fa3_name: str) -> None:
         try:
             from torch.nn.attention import sdpa_kernel
 
-            from fa3_numerics.kernels.sdpa import _sdp_backend
+            from fa3_numerics.kernels.sdpa import sdp_backend
 
             qt, kt, vt = (x.transpose(1, 2) for x in (qb, kb, vb))
 
             def call():
-                with sdpa_kernel([_sdp_backend(be.kind)]):
+                with sdpa_kernel([sdp_backend(be.kind)]):
                     return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, scale=scale).transpose(1, 2)
 
             err = rmse(call())
-            t_k = _events_median(call, sz.tp_reps, dev)
+            t_k = median_seconds(call, sz.tp_reps)
             results.append({"variant": label, "backend": backend, "rmse": err, "kernel_ms": t_k * 1e3,
                             "preprocess_ms": 0.0, "tflops_kernel": flops / t_k / 1e12,
                             "tflops_with_preprocess": flops / t_k / 1e12})
@@ -579,13 +463,7 @@ def throughput(out: Out, args, sz: Sizes, fa3_name: str) -> None:
     if not results:
         out.section("throughput", "## Throughput\n\nno hardware variant could run here.")
         return
-    import csv
-
-    with open(out.dir / ".throughput.csv.tmp", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(results[0]))
-        w.writeheader()
-        w.writerows(results)
-    os.replace(out.dir / ".throughput.csv.tmp", out.dir / "throughput.csv")
+    write_csv(out.dir / "throughput.csv", results)
     lines = [f"## Throughput (batch {b}, seqlen {n}, {h} heads, dim {d}, non-causal; FLOPs = 4 b h n^2 d; "
              f"median of {sz.tp_reps} runs, CUDA events)", "",
              "| variant | backend | kernel ms | TFLOP/s (kernel) | our pre-processing ms | TFLOP/s (with it) | RMSE vs float64 |",
@@ -595,7 +473,8 @@ def throughput(out: Out, args, sz: Sizes, fa3_name: str) -> None:
                      f"{r['preprocess_ms']:.3f} | {r['tflops_with_preprocess']:.4g} | {r['rmse']:.3e} |")
     lines += ["", "Pre-processing = our rotation (the random Hadamard matrix applied as one float32 matmul, TF32 off) and "
               "quantization (amax, scale, saturating e4m3 cast) of Q, K and V from BF16, timed the same way. "
-              f"RMSE over {sz.tp_rows} sampled query rows per head against float64 on the float32 draws."]
+              f"RMSE over {sz.tp_rows} sampled query rows per head against float64 attention on the float64 draws "
+              "(library distribution `outliers`, seed 1) whose BF16 cast the kernels read."]
     try:
         figure(results, out.dir / "accuracy_speed.png", (b, h, n, d), args.mock)
         lines += ["", "![accuracy against speed](accuracy_speed.png)"]
@@ -657,7 +536,7 @@ def extra_all_rows(out: Out, args, sz: Sizes) -> None:
 
 
 def emulator_devices(out: Out, args) -> None:
-    """Issue item 5: the same emulator code on CUDA and on the CPU, same inputs (TF32 off)."""
+    """The same emulator code on CUDA and on the CPU, same inputs (TF32 off)."""
     import torch
 
     from fa3_numerics.data import distributions
@@ -733,10 +612,10 @@ def main(argv=None) -> int:
     sz = MOCK_SIZES if args.mock else Sizes()
     if args.grids:
         sz = dataclasses.replace(sz, grids=tuple(args.grids.split(",")))
-    out = Out(Path(args.out))
+    out = Out(Path(args.out), REPORT_ORDER)
     fa3_name = "fa3-mock" if args.mock else "fa3"
     out.section("head", "# fa3-numerics on real hardware: Table 3, validation, throughput\n\n"
-                        f"Written by `kernels/device/h200.py`{' --mock (CPU dry run: NOT hardware results)' if args.mock else ''}.")
+                        f"Written by `tools/device/h200.py`{' --mock (CPU dry run: NOT hardware results)' if args.mock else ''}.")
     deadline = T0 + args.budget
     parts = set(args.parts.split(","))
     try:

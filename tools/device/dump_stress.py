@@ -18,7 +18,7 @@ At most 8 files of at most 16 MiB come back from the device tool; configurations
 grouped into few files. Run on the device machine (carry .whl with the fa3-fwd wheel)::
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 kernels/device/dump_stress.py --out $OUT
+    PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 tools/device/dump_stress.py --out $OUT
 
 ``--mock`` runs the float32 stand-in on the CPU to check the script (files marked mock).
 """
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dump_fa3 import (Config, call_kernel, load_kernel, make_qkv, mock_attn, run_config, sync,  # noqa: E402
+from dump_fa3 import (INPUTS, Config, call_kernel, load_kernel, make_qkv, mock_attn, run_config, sync,  # noqa: E402
                       to_kernel_layout, u8)
 
 FP8_CONFIGS = [
@@ -162,7 +162,7 @@ def main(argv=None):
     for name, tensors in groups.items():
         path = os.path.join(args.out, f"stress_{name}.safetensors")
         md = dict(meta, configs=json.dumps(configs), timings=json.dumps(timings),
-                  fp8_storage="q8/k8/v8: uint8 view of float8_e4m3fn bytes, (b, s, h, d)")
+                  fp8_storage="q8/k8/v8: uint8 view of float8_e4m3fn bytes, (b, s, h, d)", inputs=INPUTS)
         save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=md)
         total += os.path.getsize(path)
         print(f"wrote {path} ({os.path.getsize(path) / 2**20:.2f} MiB)", flush=True)

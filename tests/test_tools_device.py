@@ -1,0 +1,191 @@
+"""The device scripts (tools/device/, outside the package): each imports and parses its arguments
+on a CPU, the shell wrappers name files that exist, and the shared helpers (tools/device/common.py)
+and the dump tooling do what the scripts rely on."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TOOLS = REPO / "tools" / "device"
+SCRIPTS = sorted(p.stem for p in TOOLS.glob("*.py"))
+
+
+@pytest.fixture(autouse=True)
+def _on_path(monkeypatch):
+    # The scripts run as ``python3 tools/device/X.py``: their folder is first on sys.path.
+    monkeypatch.syspath_prepend(str(TOOLS))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _forget_scripts():
+    # Their plain module names (common, h200, ...) must not stay importable for other tests.
+    yield
+    for name in SCRIPTS:
+        mod = sys.modules.get(name)
+        if mod is not None and Path(getattr(mod, "__file__", "") or "").parent == TOOLS:
+            del sys.modules[name]
+
+
+def _load(name: str):
+    return importlib.import_module(name)
+
+
+def test_every_script_is_listed():
+    assert {"common", "h200", "triton_h200", "impact_h200", "sage_h200", "sage_diag", "backward_h200", "dump_fa3",
+            "dump_stress", "fidelity_from_dumps"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_imports_without_a_gpu(name):
+    mod = _load(name)
+    assert mod.__file__ and Path(mod.__file__).parent == TOOLS
+
+
+@pytest.mark.parametrize("name", [s for s in SCRIPTS if s != "common"])
+def test_script_parses_help(name, capsys):
+    mod = _load(name)
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--help"])
+    assert exc.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", [s for s in SCRIPTS if s != "common"])
+def test_scripts_import_no_private_names(name):
+    # Public names only: ``from X import _y`` or ``X._y`` of another module would break silently
+    # when the library renames its internals.
+    text = (TOOLS / f"{name}.py").read_text()
+    assert not re.search(r"^\s*from\s+\S+\s+import\s+.*\b_[a-z]\w*", text, re.M), name
+    assert not re.search(r"\b(?:mma|sdpa|fa3|rq|rs|impact_model|validate)\._[a-z]\w*", text), name
+
+
+@pytest.mark.parametrize("sh", sorted(p.name for p in TOOLS.glob("*.sh")))
+def test_shell_wrappers_parse_and_name_existing_files(sh):
+    path = TOOLS / sh
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    for ref in re.findall(r"(?:tools|kernels)/device/[\w.]+", path.read_text()):
+        assert (REPO / ref).is_file(), f"{sh} names {ref}, which does not exist"
+
+
+# -- common.py ------------------------------------------------------------------------------------
+
+def test_quantile_is_the_nearest_rank():
+    common = _load("common")
+    xs = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert common.quantile(xs, 0.5) == 3.0 and common.quantile(xs, 0.0) == 1.0 and common.quantile(xs, 1.0) == 5.0
+    assert common.quantile(xs, 0.9) == 5.0 and common.quantile(xs, 0.1) == 1.0
+
+
+def test_event_times_on_the_cpu_times_each_call(monkeypatch):
+    common = _load("common")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    calls = []
+    ts = common.event_times(lambda: calls.append(1), 4, warmup=2)
+    assert len(ts) == 4 and len(calls) == 6 and all(t >= 0 for t in ts)
+
+
+def test_out_writes_sections_in_order_and_the_numbers(tmp_path):
+    common = _load("common")
+    out = common.Out(tmp_path / "o", ["head", "b", "a"], numbers="results.json")
+    out.section("a", "A")
+    out.section("extra", "X")
+    out.section("head", "H")
+    assert (tmp_path / "o" / "report.md").read_text() == "H\n\nA\n\nX\n"
+    out.timings["x"] = 1
+    try:
+        raise ValueError("bad part\nsecond line")
+    except ValueError as exc:
+        out.error("part", exc)
+    assert json.loads((tmp_path / "o" / "results.json").read_text())["errors"]["part"].startswith("ValueError")
+    assert "- part: `ValueError: bad part`" in (tmp_path / "o" / "report.md").read_text()
+    assert not [p for p in (tmp_path / "o").iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_write_csv_keeps_every_column(tmp_path):
+    import csv
+
+    common = _load("common")
+    common.write_csv(tmp_path / "t.csv", [{"a": 1}, {"a": 2, "b": 3}])
+    rows = list(csv.DictReader(open(tmp_path / "t.csv")))
+    assert rows == [{"a": "1", "b": ""}, {"a": "2", "b": "3"}]
+
+
+def test_paper_inputs_are_the_library_distribution():
+    from fa3_numerics.data import distributions
+
+    common = _load("common")
+    q, k, v = common.paper_qkv(1, 4, 64, 32, 3, kv_heads=2, p=0.01, sigma=5.0)
+    ref = distributions.generate("outliers", distributions.AttnShape(1, 4, 64, 32, kv_heads=2), 3, p=0.01, sigma=5.0)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), ref))
+    assert q.shape == (1, 4, 64, 32) and k.shape == (1, 2, 64, 32) and q.dtype == torch.float64
+    b = common.to_bshd(q, torch.bfloat16)
+    assert b.shape == (1, 64, 4, 32) and b.is_contiguous() and torch.equal(b[0, 5, 2], q[0, 2, 5].to(torch.bfloat16))
+
+
+# -- the dump tooling -------------------------------------------------------------------------------
+
+def _mock_dump(tmp_path, cfg):
+    from safetensors.torch import save_file
+
+    dump = _load("dump_fa3")
+    tensors, meta, _ = dump.run_config(cfg, dump.mock_attn, torch.device("cpu"))
+    path = tmp_path / f"fa3_{cfg.name}.safetensors"
+    save_file({k: x.contiguous() for k, x in tensors.items()}, str(path), metadata=meta)
+    return path, tensors, meta
+
+
+def test_fidelity_from_dumps_regenerates_the_inputs_of_a_dump(tmp_path):
+    dump = _load("dump_fa3")
+    fid = _load("fidelity_from_dumps")
+    cfg = dump.Config("tiny", seqlen=96, heads=4, kv_heads=2, dim=64, p=0.01)
+    path, tensors, meta = _mock_dump(tmp_path, cfg)
+    assert meta["inputs"] == dump.INPUTS
+    q, k, v = fid._paper_inputs(json.loads(meta["config"]), tensors, path)
+    assert torch.equal(q, dump.make_qkv(cfg)[0]) and k.shape == (1, 2, 96, 64)
+
+
+def test_fidelity_from_dumps_refuses_a_dump_drawn_another_way(tmp_path):
+    # The committed H200 fixture was drawn by the script's former draw order: its regenerated
+    # inputs do not give its bytes, so the reference would be of other tensors.
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    fixture = REPO / "tests" / "data" / "fa3_h200_s1000_h4_d128.safetensors"
+    if not fixture.is_file():
+        pytest.skip("kernel fixture not present")
+    fid = _load("fidelity_from_dumps")
+    cfg = json.loads(safe_open(str(fixture), "pt").metadata()["config"])
+    with pytest.raises(SystemExit, match="drawn another way"):
+        fid._paper_inputs(cfg, load_file(str(fixture)), fixture)
+
+
+def test_fidelity_from_dumps_says_when_there_is_nothing_to_read(tmp_path, capsys):
+    fid = _load("fidelity_from_dumps")
+    assert fid.main([str(tmp_path)]) == 2
+    assert "no fa3_s*.safetensors dumps" in capsys.readouterr().err
+
+
+def test_backward_script_refuses_without_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _load("backward_h200").main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_the_scripts_use_the_library_not_copies():
+    # One timing helper, one Out/Sizes/log, the library's distribution and F.
+    for name in SCRIPTS:
+        if name == "common":
+            continue
+        text = (TOOLS / f"{name}.py").read_text()
+        for copy in ("def log(", "class Out", "class Sizes", "Event(enable_timing", "def _bench", "def paper_tensor",
+                     "spike = torch.randn"):
+            assert copy not in text, f"{name}.py defines its own {copy!r}"
