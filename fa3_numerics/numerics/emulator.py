@@ -445,13 +445,25 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
         tick(n_tiles, n_tiles, "KV tiles")
     if fa1:
         o = acc * v_end.to(torch.float32) if v_end is not None else acc
-        return quantize_dequantize(o, recipe.out, torch.float64)
+        return write_out(o, recipe)
     # The kernel's final quad reduction (shuffle-xor by 2, then by 1).
     row_sum = _quad_total(rs4)
     if stats is not None:
         stats["lse"] = _log_sum_exp(m, row_sum, sl2, offset)
     inv = torch.where((row_sum > 0) & torch.isfinite(row_sum), 1.0 / row_sum, torch.zeros_like(row_sum))
     o = acc * (inv * v_end).to(torch.float32) if v_end is not None else acc * inv
+    return write_out(o, recipe)
+
+
+def write_out(o: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """float32 O rounded to the output format (float64 out). With ``oscale=amax`` O is written
+    in FP8 with one descale for the tensor, amax(O) / fmt.max, as cuDNN's sdpa_fp8 writes it on
+    Hopper with TransformerEngine's scale_o = 448 / amax_o (``keys/oscale.py``)."""
+    if recipe.oscale == "amax":
+        from .granularity import PerTensor
+        from .quant import quantize
+
+        return quantize(o.to(torch.float64), recipe.out, PerTensor()).dequantize(torch.float64)
     return quantize_dequantize(o, recipe.out, torch.float64)
 
 

@@ -434,6 +434,16 @@ def run_validation(cases: list[Case], *, device: str = "cuda", backend: str = "f
             from fa3_numerics.kernels.sage import load_kernel as load_sage
 
             attrs["kernel_module"], attrs["kernel_version"] = "sageattention", load_sage()[1]
+        elif name == "cudnn-fp8":
+            from fa3_numerics.kernels.cudnn import load_kernel as load_cudnn
+
+            attrs["kernel_module"], attrs["kernel_version"] = "cudnn", load_cudnn()[1]
+        elif name == "torchao-fp8":
+            from fa3_numerics.kernels.fa3 import load_kernel as load_fa3
+            from fa3_numerics.kernels.torchao import load_quantizer
+
+            attrs["kernel_module"] = f"torchao quantizer + {load_fa3()[1]}"
+            attrs["kernel_version"] = f"{load_quantizer()[1]}, {load_fa3()[2]}"
     except Exception:  # noqa: BLE001
         pass
     ds.attrs.update({k: (v if isinstance(v, (str, int, float)) else json.dumps(v)) for k, v in attrs.items()})
