@@ -98,13 +98,21 @@ def load_quantizer():
     return _KERNEL["fn"], _KERNEL["version"]
 
 
-def reference_descales(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """torchao's descale rule on any device, in PyTorch: float32 (B, kv_heads) = amax / 448 over each
-    (batch, kv-head group) of x ([B, H, S, D], the BF16 values), 1 where amax <= 1e-12. Its Triton
-    kernel divides with ``div.full.f32``; IEEE division here (they agree but for an ulp, rarely)."""
-    b, h = x.shape[:2]
+def reference_descales(x: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's scale rule on any device, in PyTorch: float32 (scale, descale), each (B, kv_heads),
+    over each (batch, kv-head group) of x ([B, H, S, D], the BF16 values): scale = 448 / amax,
+    descale = amax / 448 as its Triton kernel divides (``div.full.f32``: x * recip32(y), the model
+    ``sage_quant`` measured on the H200), both 1 where amax <= 1e-12."""
+    from fa3_numerics.numerics.sage_quant import recip32
+
+    b = x.shape[0]
     a = x.to(torch.float32).abs().reshape(b, kv_heads, -1).amax(dim=-1)
-    return torch.where(a > EPS, a / FP8_MAX, torch.ones_like(a)).to(torch.float32)
+    ok = a > EPS
+    safe = torch.where(ok, a, torch.ones_like(a))
+    scale = (FP8_MAX * recip32(safe).double()).to(torch.float32)
+    descale = (a.double() * recip32(torch.full_like(a, FP8_MAX)).double()).to(torch.float32)
+    one = torch.ones_like(a)
+    return torch.where(ok, scale, one), torch.where(ok, descale, one)
 
 
 def kernel_inputs(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
@@ -130,7 +138,7 @@ class TorchaoFp8Backend(Backend):
     def supports(self, recipe: Recipe) -> str | None:
         alt = "use --backend emulate"
         want = {"algo": "flash", "qk": "e4m3", "v": "e4m3", "p": "e4m3", "out": "bf16", "pscale": "offset",
-                "rot": "none", "in": "bf16", "pow2": False, "dscale": "amax"}
+                "rot": "none", "in": "bf16", "fquant": "torchao", "pow2": False, "dscale": "amax"}
         for key, val in want.items():
             if recipe.get(key) != val:
                 return f"{key}={recipe.get(key)}: torchao's FP8 attention computes {key}={val} (the torchao-fp8 preset); {alt}"

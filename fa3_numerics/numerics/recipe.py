@@ -271,16 +271,16 @@ _KERNEL_FWD = [
            "vllm-project/vllm #45251), scale_o = 448 / amax_o from the kernel's Amax_O (oscale=amax). Inferred, to "
            "be settled by validate --backend cudnn-fp8: the P V accumulator (acc=fp22, Hopper's FP8 wgmma without "
            "promotion), FA3's tiles and KV order standing in for cuDNN's unpublished ones. Requires: sm90, cuDNN 9"),
-    Preset("torchao-fp8", Recipe(gran=PerHead(), rot="none", acc="fp22", inp="bf16"),
+    Preset("torchao-fp8", Recipe(gran=PerHead(), rot="none", acc="fp22", inp="bf16", fquant="torchao"),
            "torchao 0.18's low-precision attention (apply_low_precision_attention, backend FP8_FA3, hadamard NONE; "
            "fp8_fa3_sdpa): the model's BF16 Q, K, V quantized by torchao's Triton kernels "
            "(prototype/attention/quantization/triton_qkv_quantization.py: amax per (batch, head), Q's per KV-head "
            "group, scale = 448 / amax and descale = amax / 448 in float32, 1 where amax <= 1e-12, q8 = e4m3(x * "
            "scale), saturating), then torch's _scaled_dot_product_attention_quantized on FA3 (per-(batch, kv-head) "
            "descales, BF16 O, cast to the input dtype). Its arithmetic is the public FA3 FP8 kernel's "
-           "(fa3-fp8-kernel) on BF16-rounded inputs (in=bf16). Not modelled: the quantizer multiplies by "
-           "float32(448 / amax) where the emulator divides by float32(amax / 448) (a code differs only where x/descale "
-           "lies within ~1e-7 of a rounding midpoint), torch's num_splits=0 heuristic (split-KV, combined in "
+           "(fa3-fp8-kernel) on BF16-rounded inputs (in=bf16), with torchao's quantizer arithmetic (fquant=torchao: "
+           "x times float32(448 / amax); dividing by float32(amax / 448) instead changes 0.56% of Q codes on BF16 "
+           "inputs, which land on E4M3 ties). Not modelled: torch's num_splits=0 heuristic (split-KV, combined in "
            "float32, on few heads with long rows), and HadamardMode.QKV (V rotated too, O rotated back). "
            "Requires: sm90, torch >= 2.11, FA3 (flash_attn_3 ops)"),
 ]
