@@ -201,13 +201,16 @@ def run_graph(entry: dict, ins: dict, scale_o: float, out: str) -> dict:
 
 
 class CudnnFp8Backend(Backend):
-    """cuDNN's fused FP8 SDPA forward (cudnn-frontend ``sdpa_fp8``)."""
+    """cuDNN's fused FP8 SDPA forward (cudnn-frontend ``sdpa_fp8``). ``kernel_fn`` (None = cuDNN)
+    lets a stand-in replace the graph (tests): ``fn(ins, scale_o, out, causal, softmax_scale)`` ->
+    ``run_graph``'s dict."""
 
     name = "cudnn-fp8"
     label = "cudnn-fp8 (cuDNN fused FP8 SDPA forward, cudnn-frontend sdpa_fp8)"
     description = ("cuDNN's FP8 SDPA forward (cudnn-frontend sdpa_fp8, TransformerEngine's FP8 attention): E4M3 "
                    "Q/K/V/P with one descale per tensor, O in E4M3 with scale_o = 448/amax_o on Hopper")
     hardware = True
+    kernel_fn = None
     #: the last call's Amax_S and Amax_O, as the kernel reported them (what TE would scale by).
     last_amax: dict = {}
 
@@ -269,7 +272,7 @@ class CudnnFp8Backend(Backend):
         why = self.supports(recipe)
         if why is not None:
             raise UsageError(f"recipe {recipe.short_str()} cannot run on cuDNN's sdpa_fp8: {why}")
-        if not q.is_cuda:
+        if self.kernel_fn is None and not q.is_cuda:
             raise UsageError("cuDNN's attention needs the inputs on a CUDA device; pass --device cuda")
         b, h, n, d = q.shape
         hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -282,20 +285,17 @@ class CudnnFp8Backend(Backend):
         pre = prepare(recipe, q, k, v, q_index=every, rotation_seed=rotation_seed, causal=causal, cache=cache)
         ins = kernel_inputs(pre, recipe, hkv)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-        try:
-            entry = build_graph(q.device, b, h, hkv, n, nk, d, dv, causal, scale, recipe.out)
-        except Exception as exc:  # noqa: BLE001 - cuDNN's refusals are its own exception types
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            hint = ("; on Hopper cuDNN writes FP8 O only: use out=e4m3,oscale=amax (the cudnn-fp8-fwd preset)"
-                    if recipe.out == "bf16" else "")
-            raise UsageError(f"cuDNN declines sdpa_fp8 for [B {b}, H {h}/{hkv}, N {n}/{nk}, D {d}] "
-                             f"({type(exc).__name__}: {first}){hint}") from None
-        res = run_graph(entry, ins, 1.0, recipe.out)
+        if self.kernel_fn is not None:
+            run = lambda so: self.kernel_fn(ins, so, recipe.out, causal, scale)  # noqa: E731
+        else:
+            entry = self._graph(q.device, b, h, hkv, n, nk, d, dv, causal, scale, recipe.out)
+            run = lambda so: run_graph(entry, ins, so, recipe.out)  # noqa: E731
+        res = run(1.0)
         if recipe.oscale == "amax":
             descale_o = out_descale(res["amax_o"], recipe)
             scale_o = float(torch.tensor(1.0 / descale_o, dtype=torch.float32))
             first_amax = res["amax_o"]
-            res = run_graph(entry, ins, scale_o, recipe.out)
+            res = run(scale_o)
             res["amax_o_first"] = first_amax
             o = res["o"].to(torch.float64) * descale_o
         else:
@@ -304,3 +304,14 @@ class CudnnFp8Backend(Backend):
         if q_index.numel() != n:
             o = o.index_select(2, q_index.to(o.device))
         return o
+
+    @staticmethod
+    def _graph(dev, b, h, hkv, n, nk, d, dv, causal, scale, out):
+        try:
+            return build_graph(dev, b, h, hkv, n, nk, d, dv, causal, scale, out)
+        except Exception as exc:  # noqa: BLE001 - cuDNN's refusals are its own exception types
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            hint = ("; on Hopper cuDNN writes FP8 O only: use out=e4m3,oscale=amax (the cudnn-fp8-fwd preset)"
+                    if out == "bf16" else "")
+            raise UsageError(f"cuDNN declines sdpa_fp8 for [B {b}, H {h}/{hkv}, N {n}/{nk}, D {d}] "
+                             f"({type(exc).__name__}: {first}){hint}") from None

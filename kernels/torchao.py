@@ -124,13 +124,17 @@ def kernel_inputs(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 class TorchaoFp8Backend(Backend):
-    """torchao 0.18's FP8 attention: its Triton quantizer, then the FA3 FP8 kernel."""
+    """torchao 0.18's FP8 attention: its Triton quantizer, then the FA3 FP8 kernel. ``quantize_fn``
+    and ``fa3_fn`` (None = torchao's and the installed FA3 kernel) let stand-ins with their
+    signatures replace them (tests)."""
 
     name = "torchao-fp8"
     label = "torchao-fp8 (torchao 0.18 triton_fp8_sdpa_quantize + FA3 FP8 forward)"
     description = ("torchao 0.18's low-precision attention (fp8_fa3_sdpa): BF16 Q/K/V quantized per (batch, head) by "
                    "torchao's Triton kernels, FA3's FP8 forward with per-(batch, kv-head) descales, BF16 O")
     hardware = True
+    quantize_fn = None
+    fa3_fn = None
 
     def check(self, device: str) -> str | None:
         return kernel_problem(device)
@@ -171,11 +175,11 @@ class TorchaoFp8Backend(Backend):
         why = self.supports(recipe)
         if why is not None:
             raise UsageError(f"recipe {recipe.short_str()} cannot run as torchao's FP8 attention: {why}")
-        if not q.is_cuda:
+        if self.quantize_fn is None and not q.is_cuda:
             raise UsageError("torchao's attention needs the inputs on a CUDA device; pass --device cuda")
         n, d = q.shape[2], q.shape[3]
-        quantize = load_quantizer()[0]
-        fa3 = load_kernel()[0]
+        quantize = self.quantize_fn or load_quantizer()[0]
+        fa3 = self.fa3_fn or load_kernel()[0]
         qb, kb, vb = kernel_inputs(recipe, q, k, v)
         q8, k8, v8, dq, dk, dv = quantize(qb, kb, vb)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)

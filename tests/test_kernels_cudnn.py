@@ -172,3 +172,39 @@ def test_kernel_amax_o_is_the_emulators():
     b.attention(CUDNN, q, k, v, causal=False, q_index=torch.arange(256, device="cuda"), rotation_seed=0, cache={})
     bf = emulate(dataclasses.replace(CUDNN, out="bf16", oscale="none", acc="fp32"), q, k, v)
     assert abs(b.last_amax["amax_o_first"] / float(bf.abs().max()) - 1) < 0.01
+
+
+def _sdpa_fp8_cpu(ins, scale_o, out, causal, softmax_scale):
+    """cuDNN's sdpa_fp8 graph in float64 on the CPU, P unquantized: a stand-in with run_graph's
+    contract (FP8 O = O * scale_o saturating, Amax_O before scale_o), for the backend's own steps."""
+    from fa3_numerics.numerics.reference import reference_attention
+
+    deq = lambda name: ins[name].to(torch.float64) * float(ins["descale_" + name])  # noqa: E731
+    o = reference_attention(deq("q"), deq("k"), deq("v"), causal=causal, softmax_scale=softmax_scale)
+    o8 = (o * scale_o).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return {"o": o8, "amax_s": 1.0, "amax_o": float(o.abs().max())}
+
+
+def test_backend_scales_o_by_the_kernels_amax():
+    from fa3_numerics.numerics.reference import reference_attention
+
+    q, k, v = _inputs(b=2, h=6, hkv=2, n=64, d=64)
+    b = get_backend("cudnn-fp8")
+    b.kernel_fn = staticmethod(_sdpa_fp8_cpu)
+    rows = torch.arange(q.shape[2])
+    o = b.attention(CUDNN, q, k, v, causal=True, q_index=rows, rotation_seed=0, cache={})
+    ref = reference_attention(q, k, v, causal=True)
+    descale = out_descale(b.last_amax["amax_o_first"], CUDNN)
+    codes = o / descale
+    np.testing.assert_array_equal(codes.numpy(), quantize_dequantize(codes, "e4m3", torch.float64).numpy())
+    assert float(codes.abs().max()) == 448.0
+    # the heads are where they belong (GQA: query head 4 reads kv head 1): E4M3 error only (~8%,
+    # Q, K, V and O each rounded to 4 significant bits), where a wrong head is ~100%
+    per_head = ((o - ref) ** 2).mean(dim=(0, 2, 3)).sqrt() / (ref ** 2).mean(dim=(0, 2, 3)).sqrt()
+    assert float(per_head.max()) < 0.15
+    wrong = ((o - ref.roll(1, dims=1)) ** 2).mean().sqrt() / (ref ** 2).mean().sqrt()
+    assert float(wrong) > 0.5  # negative control
+    with pytest.raises(UsageError, match="every row"):
+        b.attention(CUDNN, q, k, v, causal=False, q_index=rows[:10], rotation_seed=0, cache={})
+    with pytest.raises(UsageError, match="causal with seqlen_q"):
+        b.attention(CUDNN, q[:, :, :32], k, v, causal=True, q_index=rows[:32], rotation_seed=0, cache={})

@@ -163,3 +163,37 @@ def test_emulator_matches_the_kernel(case):
     assert float(ds["nonfinite_kernel"].values[0]) == 0
     assert np.nansum(ds["nonfinite_emulator"].values[0]) == 0
     assert np.isfinite(f["fp22"]) and f["fp22"] <= 0.05  # the preset's accumulator
+
+
+def _torchao_quantize_cpu(q, k, v):
+    """torchao's triton_fp8_sdpa_quantize in PyTorch (its rule, ``reference_descales``): a stand-in
+    with its signature and layouts, so the backend's own steps run on the CPU."""
+    hkv = k.shape[1]
+    out, ds = [], []
+    for x in (q, k, v):
+        scale, descale = reference_descales(x, hkv)
+        per = scale.repeat_interleave(x.shape[1] // hkv, dim=1)[:, :, None, None]
+        out.append((x.to(torch.float32) * per).clamp(-448, 448).to(torch.float8_e4m3fn))
+        ds.append(descale)
+    return (*out, *ds)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backend_hands_fa3_the_emulators_bytes(causal):
+    # with stand-ins for torchao's quantizer and FA3, the backend's layouts, GQA and descales must
+    # give exactly what the same stand-in FA3 gives on the emulator's own prepared inputs
+    from fa3_numerics.kernels.fa3 import kernel_inputs as fa3_inputs, mock_flash_attn
+
+    q, k, v = _inputs(b=2, h=6, hkv=2, n=50, d=64)
+    b = get_backend("torchao-fp8")
+    b.quantize_fn, b.fa3_fn = staticmethod(_torchao_quantize_cpu), staticmethod(mock_flash_attn)
+    rows = torch.arange(q.shape[2])
+    got = b.attention(TORCHAO, q, k, v, causal=causal, q_index=rows, rotation_seed=0, cache={})
+    ins = fa3_inputs(prepare(TORCHAO, q, k, v, q_index=rows), TORCHAO, kv_heads=2)
+    want = mock_flash_attn(ins["q"], ins["k"], ins["v"], softmax_scale=1 / 8, causal=causal, q_descale=ins["descales"][0],
+                           k_descale=ins["descales"][1], v_descale=ins["descales"][2]).transpose(1, 2).double()
+    assert got.shape == (2, 6, 50, 64)
+    assert torch.equal(got, want)
+    some = torch.tensor([3, 17, 40])
+    assert torch.equal(b.attention(TORCHAO, q, k, v, causal=causal, q_index=some, rotation_seed=0, cache={}),
+                       want.index_select(2, some))
