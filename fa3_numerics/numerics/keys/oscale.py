@@ -8,8 +8,8 @@
   Blackwell and cuDNN 9.13: vllm-project/vllm #45251) as ``O * scale_o`` and reports ``Amax_O``,
   the amax of O before ``scale_o`` (cudnn-frontend ``node/matmul_fp8.h``: the amax reduction
   reads the descaled product, the ``scale_c`` multiply writes C); TransformerEngine sets
-  scale_o = 448 / amax_o. The emulator's amax is over the output rows it computes, so it is
-  the kernel's only when every query row is computed (``rows=0``). Needs the flash loop.
+  scale_o = 448 / amax_o. The amax is over every query row, as the kernel's: the emulator
+  computes the float32 O of every row even when fewer rows are asked for. Needs the flash loop.
 """
 
 from __future__ import annotations
