@@ -292,9 +292,9 @@ class CudnnFp8Backend(Backend):
             first_amax = res["amax_o"]
             res = run(scale_o)
             res["amax_o_first"] = first_amax
-            o = res["o"].to(torch.float64) * descale_o
+            o = res["o"].to(torch.float32).to(torch.float64) * descale_o
         else:
-            o = res["o"].to(torch.float64)
+            o = res["o"].to(torch.float32).to(torch.float64)
         type(self).last_amax = {k: res[k] for k in res if k.startswith("amax")}
         if q_index.numel() != n:
             o = o.index_select(2, q_index.to(o.device))

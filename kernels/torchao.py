@@ -135,6 +135,8 @@ class TorchaoFp8Backend(Backend):
     hardware = True
     quantize_fn = None
     fa3_fn = None
+    #: torch's _fa3.py passes num_splits=0 (FA3's split-KV heuristic) unless deterministic algorithms are on
+    num_splits = 0
 
     def check(self, device: str) -> str | None:
         return kernel_problem(device)
@@ -186,7 +188,7 @@ class TorchaoFp8Backend(Backend):
         # torch's _fa3.py: BSHD views of the BHSD tensors, last dim contiguous, heuristics on.
         lay = lambda x: x.transpose(1, 2)  # noqa: E731
         out = fa3(lay(q8), lay(k8), lay(v8), softmax_scale=scale, causal=causal, q_descale=dq, k_descale=dk,
-                  v_descale=dv, num_splits=0, pack_gqa=None)
+                  v_descale=dv, num_splits=self.num_splits, pack_gqa=None)
         o = (out[0] if isinstance(out, (tuple, list)) else out).transpose(1, 2).to(qb.dtype)
         if q_index.numel() != n:
             o = o.index_select(2, q_index.to(o.device))

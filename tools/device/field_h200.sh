@@ -38,7 +38,7 @@ if command -v fa3-numerics >/dev/null; then FA3N=(fa3-numerics); else FA3N=(pyth
 step "imports"
 python3 -c "import cudnn; print('cudnn-frontend', cudnn.__version__, 'backend', cudnn.backend_version())" 2>&1 | tail -n 3
 python3 -c "import torchao, triton; print('torchao', torchao.__version__, 'triton', triton.__version__)" 2>&1 | tail -n 3
-"${FA3N[@]}" backends --device cuda 2>&1 | grep -i -E "name|cudnn-fp8|torchao-fp8|^fa3 " | cut -c1-400
+"${FA3N[@]}" backends --device cuda 2>&1 | grep -A2 -E "^  (fa3|cudnn-fp8|torchao-fp8) " | cut -c1-400
 
 run_grid() {  # backend grid seconds
   local b=$1 g=$2 t=$3
