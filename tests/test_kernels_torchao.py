@@ -20,8 +20,7 @@ from fa3_numerics.engine.backends import backend_table, get_backend, refusal
 from fa3_numerics.errors import UsageError
 from fa3_numerics.kernels.torchao import kernel_inputs, kernel_problem, reference_descales
 from fa3_numerics.numerics.emulator import prepare
-from fa3_numerics.numerics.recipe import get_recipe
-from fa3_numerics.studies.recommend_targets import TARGETS
+from fa3_numerics.numerics.recipe import Recipe, get_recipe
 from fa3_numerics.studies.validate import Case, case_recipe, grid, skips
 
 TORCHAO = get_recipe("torchao-fp8").recipe
@@ -62,14 +61,13 @@ def test_backends_lists_torchao_with_its_reason():
 
 
 def test_preset_is_the_fa3_kernel_recipe_on_bf16_inputs():
-    # the recommend target "torchao" deploys fa3-fp8-kernel; torchao quantizes the model's BF16 tensors
-    assert TARGETS["torchao"].candidates == ("fa3-fp8-kernel",)
+    # the FA3 kernel's recipe (what the recommend target "torchao" deploys) on the model's BF16
+    # tensors, quantized with torchao's arithmetic
     assert TORCHAO == dataclasses.replace(get_recipe("fa3-fp8-kernel").recipe, inp="bf16", fquant="torchao")
     b = get_backend("torchao-fp8")
     assert refusal(b, TORCHAO) is None
     assert "in=none" in refusal(b, get_recipe("fa3-fp8-kernel").recipe)  # negative control
-    assert "rot=hadamard" in refusal(b, get_recipe("fa3-fp8-kernel-hadamard").recipe.__class__.from_str(
-        "torchao-fp8,rot=hadamard"))
+    assert "rot=hadamard" in refusal(b, Recipe.from_str("torchao-fp8,rot=hadamard"))
 
 
 def test_recipe_per_case_and_skips():
