@@ -178,7 +178,12 @@ def build_graph(dev, b: int, h: int, hkv: int, n: int, nk: int, d: int, dv: int,
     graph.check_support()
     graph.build_plans()
     ws = torch.empty(max(1, int(graph.get_workspace_size())), dtype=torch.uint8, device=dev)
-    _GRAPHS[key] = entry = {"graph": graph, "t": t, "workspace": ws, "handle": handle}
+    try:  # provenance: cudnn-frontend's own Python engines (none for FP8 on sm90) or the cuDNN library
+        engine = graph.selected_engine
+        engine = "cuDNN library" if engine is None else f"cudnn-frontend Python engine {engine!r}"
+    except Exception:  # noqa: BLE001
+        engine = "unknown"
+    _GRAPHS[key] = entry = {"graph": graph, "t": t, "workspace": ws, "handle": handle, "engine": engine}
     return entry
 
 
@@ -213,6 +218,8 @@ class CudnnFp8Backend(Backend):
     kernel_fn = None
     #: the last call's Amax_S and Amax_O, as the kernel reported them (what TE would scale by).
     last_amax: dict = {}
+    #: which engine served the last call's graph
+    last_engine: str = ""
 
     def check(self, device: str) -> str | None:
         return kernel_problem(device)
@@ -285,6 +292,7 @@ class CudnnFp8Backend(Backend):
         else:
             entry = self._graph(q.device, b, h, hkv, n, nk, d, dv, causal, scale, recipe.out)
             run = lambda so: run_graph(entry, ins, so, recipe.out)  # noqa: E731
+            type(self).last_engine = entry["engine"]
         res = run(1.0)
         if recipe.oscale == "amax":
             descale_o = out_descale(res["amax_o"], recipe)

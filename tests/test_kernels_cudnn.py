@@ -155,12 +155,14 @@ def test_emulator_matches_the_kernel(case):
         pytest.skip(skip)
     ds = run_validation([case], device="cuda", backend="cudnn-fp8", progress=lambda s: None)
     f = ds["fidelity"].values[0]
-    print(case.name, dict(zip(ds["acc"].values, f)), "amax", b.last_amax)
+    print(case.name, dict(zip(ds["acc"].values, f)), "identical", ds["identical"].values[0], "amax", b.last_amax,
+          "engine", b.last_engine)
     assert float(ds["nonfinite_kernel"].values[0]) == 0
     assert np.nansum(ds["nonfinite_emulator"].values[0]) == 0
     assert np.isfinite(f).all()
     assert float(np.min(f)) <= 0.05  # the best accumulator model; the validation grid says which
-    assert math.isfinite(b.last_amax["amax_o"]) and b.last_amax["amax_o"] > 0
+    if b.last_amax:  # the kernel ran in this process (the engine's default)
+        assert math.isfinite(b.last_amax["amax_o"]) and b.last_amax["amax_o"] > 0
 
 
 @needs_kernel
