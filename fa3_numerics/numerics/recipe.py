@@ -280,8 +280,8 @@ _KERNEL_FWD = [
            "scale), saturating), then torch's _scaled_dot_product_attention_quantized on FA3 (per-(batch, kv-head) "
            "descales, BF16 O, cast to the input dtype). Its arithmetic is the public FA3 FP8 kernel's "
            "(fa3-fp8-kernel) on BF16-rounded inputs (in=bf16), with torchao's quantizer arithmetic (fquant=torchao: "
-           "x times float32(448 / amax); dividing by float32(amax / 448) instead changes 0.56% of Q codes on BF16 "
-           "inputs, which land on E4M3 ties). Not modelled: torch's num_splits=0 heuristic (split-KV, combined in "
+           "x times float32(448 / amax) with Triton's division; dividing by float32(amax / 448) instead changes "
+           "0.15-0.56% of the codes on random BF16 inputs, which land on E4M3 ties, and most descales by an ulp). Not modelled: torch's num_splits=0 heuristic (split-KV, combined in "
            "float32, on few heads with long rows), and HadamardMode.QKV (V rotated too, O rotated back). "
            "Requires: sm90, torch >= 2.11, FA3 (flash_attn_3 ops)"),
 ]

@@ -7,7 +7,8 @@
   and descale = amax / 448 with Triton's ``div.full.f32`` (modelled as in ``sage_quant``), both 1
   where amax <= 1e-12, code = e4m3(float32(x * scale)). On BF16 inputs x * scale often lands on
   (or an ulp off) an E4M3 tie, where multiplying by a rounded 448 / amax and dividing by a rounded
-  amax / 448 round apart: 0.56% of Q codes on a random BF16 GQA case (tests/test_kernels_torchao.py).
+  amax / 448 round apart: on random BF16 inputs 0.15-0.56% of the Q, K, V codes differ from
+  ``exact``'s, and 25-75% of the descales by an ulp (Triton's division against IEEE's).
   No effect on static descales (``dscale``), ``pow2``, integer or microscaling formats.
 """
 
