@@ -23,6 +23,12 @@ Registered:
 - ``sage1``: SageAttention 1's Triton kernel (``sageattn`` of the ``sageattention`` 1.x wheel) on
   an sm80+ GPU; FP16/BF16 inputs, head dims 64, 96, 128 (``fa3_numerics.kernels.sage``).
 
+- ``cudnn-fp8``: cuDNN's fused FP8 SDPA forward (cudnn-frontend ``sdpa_fp8``, TransformerEngine's FP8
+  attention) on sm90+; per-tensor E4M3, FP8 O on Hopper (``fa3_numerics.kernels.cudnn``).
+
+- ``torchao-fp8``: torchao 0.18's FP8 attention (its Triton quantizer, then the FA3 FP8 kernel) on
+  a Hopper GPU (``fa3_numerics.kernels.torchao``).
+
 - ``fa3-mock``: the ``fa3`` backend with a float32 stand-in for the kernel (CPU or CUDA), so the
   whole hardware path (``validate``, ``run --backend``) is testable anywhere. Never hardware.
 
@@ -119,6 +125,8 @@ BACKENDS: dict[str, tuple[str | None, str]] = {
     "sdpa-math": (None, "fa3_numerics.kernels.sdpa:SdpaMath"),
     "fa3-mock": (None, "fa3_numerics.kernels.fa3:MockFa3Backend"),
     "sage1": (None, "fa3_numerics.kernels.sage:SageBackend"),
+    "cudnn-fp8": (None, "fa3_numerics.kernels.cudnn:CudnnFp8Backend"),
+    "torchao-fp8": (None, "fa3_numerics.kernels.torchao:TorchaoFp8Backend"),
     "triton": (None, "fa3_numerics.kernels.triton_.backend:TritonBackend"),
     "triton-two-level": (None, "fa3_numerics.kernels.triton_.backend:TritonTwoLevelBackend"),
     "triton-fused": (None, "fa3_numerics.kernels.triton_.backend:TritonFusedBackend"),

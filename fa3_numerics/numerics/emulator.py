@@ -266,6 +266,9 @@ def emulate(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     if q_index is None:
         q_index = torch.arange(q.shape[2], device=q.device)
+    if recipe.oscale == "amax":
+        return _amax_scaled_out(recipe, q, k, v, causal=causal, softmax_scale=scale, q_index=q_index,
+                                rotation_seed=rotation_seed, cache=cache, stats=stats)
     pre = prepare(recipe, q, k, v, q_index=q_index, rotation_seed=rotation_seed, causal=causal, cache=cache,
                   softmax_scale=scale)
     if stats is not None and (recipe.algo != "flash" or recipe.norm != "deferred" or recipe.loop == "triton"):
@@ -445,14 +448,36 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
         tick(n_tiles, n_tiles, "KV tiles")
     if fa1:
         o = acc * v_end.to(torch.float32) if v_end is not None else acc
-        return quantize_dequantize(o, recipe.out, torch.float64)
+        return write_out(o, recipe)
     # The kernel's final quad reduction (shuffle-xor by 2, then by 1).
     row_sum = _quad_total(rs4)
     if stats is not None:
         stats["lse"] = _log_sum_exp(m, row_sum, sl2, offset)
     inv = torch.where((row_sum > 0) & torch.isfinite(row_sum), 1.0 / row_sum, torch.zeros_like(row_sum))
     o = acc * (inv * v_end).to(torch.float32) if v_end is not None else acc * inv
+    return write_out(o, recipe)
+
+
+def write_out(o: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """float32 O rounded to the output format (float64 out); ``oscale`` is applied by ``emulate``."""
     return quantize_dequantize(o, recipe.out, torch.float64)
+
+
+def _amax_scaled_out(recipe: Recipe, q, k, v, *, causal, softmax_scale, q_index, rotation_seed, cache, stats):
+    """``oscale=amax``: O written in FP8 with one descale for the tensor, amax(O) / fmt.max, as
+    cuDNN's sdpa_fp8 writes it on Hopper with TransformerEngine's scale_o = 448 / amax_o
+    (``keys/oscale.py``). The amax is over every query row, as the kernel's Amax_O is, so the
+    float32 O of every row is computed (once; the rows asked for are a slice of it)."""
+    from .granularity import PerTensor
+    from .quant import quantize
+
+    o32 = emulate(dataclasses.replace(recipe, out="fp32", oscale="none"), q, k, v, causal=causal,
+                  softmax_scale=softmax_scale, rotation_seed=rotation_seed, cache=cache, stats=stats)
+    full = quantize(o32, recipe.out, PerTensor())
+    if stats is not None:
+        stats["lse"] = stats["lse"].index_select(2, q_index.to(stats["lse"].device))
+    return Quantized(full.values.index_select(2, q_index.to(o32.device)), full.descale,
+                     full.fmt).dequantize(torch.float64)
 
 
 def _log_sum_exp(m: torch.Tensor, row_sum: torch.Tensor, sl2: torch.Tensor, offset: float) -> torch.Tensor:

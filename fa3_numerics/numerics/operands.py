@@ -91,7 +91,7 @@ def quantize_qk(x: torch.Tensor, recipe, which: str, *, block_m: int, block_n: i
             out = Quantized(out.values.index_select(2, rows), out.descale, out.fmt)
         return out
     return quantize(x, recipe.qk, g, block_rows=block_rows, group=group, pow2=recipe.pow2, rows=rows,
-                    descale=descale)
+                    descale=descale, arith=recipe.fquant)
 
 
 def quantize_v(v: torch.Tensor, recipe, *, block_n: int, descale: torch.Tensor | None = None) -> Quantized:
@@ -100,7 +100,7 @@ def quantize_v(v: torch.Tensor, recipe, *, block_n: int, descale: torch.Tensor |
     if family(recipe.v) == "mx":
         return _microscaled(v, recipe.v, recipe, axis=2)
     g = PerChannel() if recipe.vgran == "channel" else recipe.gran
-    return quantize(v, recipe.v, g, block_rows=block_n, pow2=recipe.pow2, descale=descale)
+    return quantize(v, recipe.v, g, block_rows=block_n, pow2=recipe.pow2, descale=descale, arith=recipe.fquant)
 
 
 def cast_p(p: torch.Tensor, recipe, *, materialised: bool = False) -> torch.Tensor:

@@ -58,7 +58,7 @@ def amax_to_scale(a: torch.Tensor, fmt: Format, *, pow2: bool = False) -> torch.
 
 def quantize(x: torch.Tensor, fmt: str | Format, gran: Granularity, *, block_rows: int | None = None,
              group: int = 1, pow2: bool = False, rows: torch.Tensor | None = None,
-             descale: torch.Tensor | None = None) -> Quantized:
+             descale: torch.Tensor | None = None, arith: str = "exact") -> Quantized:
     """Scale ``x`` (float64, [B, H, N, D]) into ``fmt`` at granularity ``gran``, saturating.
 
     ``descale`` (float32, shaped as the amax at ``gran``) fixes the descale instead of taking it
@@ -73,11 +73,29 @@ def quantize(x: torch.Tensor, fmt: str | Format, gran: Granularity, *, block_row
         # Wide formats (FP16/BF16/FP32) are used unscaled, as the kernels use them.
         one = torch.ones((1, 1, 1, 1), dtype=torch.float32, device=x.device)
         return Quantized(cast(pick(x), f) if f.dtype is not None else pick(x), one, f)
+    if arith == "torchao" and descale is None and not pow2:
+        return _torchao_cast(x, f, gran, block_rows=block_rows, group=group, pick=pick)
     if descale is not None:
         d = pick(descale.to(device=x.device, dtype=torch.float32))
     else:
         d = pick(amax_to_scale(amax(x, gran, block_rows=block_rows, group=group), f, pow2=pow2))
     return Quantized(_scaled_cast(pick(x), d, f), d, f)
+
+
+def _torchao_cast(x, f: Format, gran: Granularity, *, block_rows, group, pick) -> Quantized:
+    """torchao 0.18's FP8 attention quantizer (``triton_qkv_quantization.py``) in float32: amax of
+    the float32 inputs; scale = 448 / amax and descale = amax / 448 with Triton's ``div.full.f32``
+    (x * recip32(y), ``sage_quant``), both 1 where amax <= 1e-12; code = cast(float32(x * scale))."""
+    from .sage_quant import recip32
+
+    a = amax(x, gran, block_rows=block_rows, group=group).to(torch.float32)
+    ok = a > 1e-12
+    safe = torch.where(ok, a, torch.ones_like(a))
+    fmax = torch.full_like(a, f.max)
+    scale = torch.where(ok, (f.max * recip32(safe).double()).to(torch.float32), torch.ones_like(a))
+    d = torch.where(ok, (a.double() * recip32(fmax).double()).to(torch.float32), torch.ones_like(a))
+    xs = (pick(x).to(torch.float32).double() * pick(scale).double()).to(torch.float32)
+    return Quantized(cast(xs, f), pick(d), f)
 
 
 # float64 elements of one slice of ``_scaled_cast`` (32 MB).

@@ -257,6 +257,35 @@ _BACKWARD = [
 ]
 BACKWARD_PRESETS = tuple(p.name for p in _BACKWARD)
 
+# Forward recipes of the public FP8 kernels beside FA3's own (``validate --backend cudnn-fp8`` and
+# ``--backend torchao-fp8`` check them against the kernels).
+_KERNEL_FWD = [
+    Preset("cudnn-fp8-fwd", dataclasses.replace(_CUDNN_FWD, acc="fp22", out="e4m3", oscale="amax"),
+           "cuDNN's FP8 SDPA forward as it runs on Hopper (cudnn-frontend 1.32 graph.sdpa_fp8; TransformerEngine's "
+           "FP8 DotProductAttention; the kernel is closed, the graph is public: include/cudnn_frontend/node/"
+           "scaled_dot_product_flash_attention.h, node/matmul_fp8.h). Q, K, V E4M3 with one descale per tensor "
+           "(descale_q/k/v, (1,1,1,1) float32; TE's scale = 448 / amax, here from this call's amax), S = Q K^T * "
+           "attn_scale * descale_q * descale_k, softmax in float32, P scaled by scale_s and cast to E4M3 "
+           "(scale_s = 2^poff, 448 to 6 digits: P~ fills E4M3; TE's 448 / amax_S if the kernel reports amax_S = 1, "
+           "which the device log of tests/test_kernels_cudnn.py shows), O = (P V) * descale_s * "
+           "descale_v written in E4M3 times scale_o (Hopper writes FP8 O only; a BF16 O from FP8 needs Blackwell: "
+           "vllm-project/vllm #45251), scale_o = 448 / amax_o from the kernel's Amax_O (oscale=amax). Inferred, to "
+           "be settled by validate --backend cudnn-fp8: the P V accumulator (acc=fp22, Hopper's FP8 wgmma without "
+           "promotion), FA3's tiles and KV order standing in for cuDNN's unpublished ones. Requires: sm90, cuDNN 9"),
+    Preset("torchao-fp8", Recipe(gran=PerHead(), rot="none", acc="fp22", inp="bf16", fquant="torchao"),
+           "torchao 0.18's low-precision attention (apply_low_precision_attention, backend FP8_FA3, hadamard NONE; "
+           "fp8_fa3_sdpa): the model's BF16 Q, K, V quantized by torchao's Triton kernels "
+           "(prototype/attention/quantization/triton_qkv_quantization.py: amax per (batch, head), Q's per KV-head "
+           "group, scale = 448 / amax and descale = amax / 448 in float32, 1 where amax <= 1e-12, q8 = e4m3(x * "
+           "scale), saturating), then torch's _scaled_dot_product_attention_quantized on FA3 (per-(batch, kv-head) "
+           "descales, BF16 O, cast to the input dtype). Its arithmetic is the public FA3 FP8 kernel's "
+           "(fa3-fp8-kernel) on BF16-rounded inputs (in=bf16), with torchao's quantizer arithmetic (fquant=torchao: "
+           "x times float32(448 / amax) with Triton's division; dividing by float32(amax / 448) instead changes "
+           "0.15-0.56% of the codes on random BF16 inputs, which land on E4M3 ties, and most descales by an ulp). Not modelled: torch's num_splits=0 heuristic (split-KV, combined in "
+           "float32, on few heads with long rows), and HadamardMode.QKV (V rotated too, O rotated back). "
+           "Requires: sm90, torch >= 2.11, FA3 (flash_attn_3 ops)"),
+]
+
 # Serving engines' FP8 attention with an FP8 KV cache: the FA3 kernel's arithmetic (Hopper MMA
 # model) with the q/k/v scales each engine fixes before it serves text (``numerics/calibration.py``).
 # ``dscale=static``/``calc`` read a calibration that ``fa3-numerics recommend`` fits on --calib-text.
@@ -322,6 +351,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            "tile-by-tile FP32 attention without quantization: checks the emulator itself"),
     *_FIELD,
     *_BACKWARD,
+    *_KERNEL_FWD,
     *_SERVING,
 ]}
 

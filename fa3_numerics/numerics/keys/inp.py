@@ -9,6 +9,8 @@
   ``k -= km`` rounded again), the integer quantizer reads it, and V is converted to FP16 from it
   (``v.to(torch.float16)``: a second rounding for BF16 inputs).
 
+torchao's low-precision attention quantizes the model's BF16 tensors (``torchao-fp8``).
+
 The emulator applies the rounding in ``prepare``; a backend that takes 16-bit tensors lists
 itself here.
 """
@@ -23,5 +25,5 @@ register_key(RecipeKey(
     "in", "none", "format Q, K and V are handed to the kernel in, before its own quantization: none (the "
     "float64 inputs), fp16, bf16, fp32 (SageAttention: K smoothing in that format, V converted from it)",
     field="inp", choices=INPUT_FORMATS, stages=("qk", "v"), exact="none", tensors=("q", "k", "v"),
-    backends=("sage1",), cost=lambda v: 0,
+    backends=("sage1", "torchao-fp8"), cost=lambda v: 0,
 ))
