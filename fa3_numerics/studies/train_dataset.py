@@ -188,7 +188,8 @@ def summary(ds) -> str:
     lines = []
     for c, x in f["candidates"].items():
         g = x["final_gap"]
-        gap = "non-finite" if g is None else f"{g['mean']:+.4g} nats (95% {g['lo']:+.3g} .. {g['hi']:+.3g})"
+        gap = "non-finite" if g is None else f"{g['mean']:+.4g} nats" + (
+            f" (95% {g['lo']:+.3g} .. {g['hi']:+.3g})" if math.isfinite(g["se"]) else " (too few steps for an interval)")
         lines.append(f"{c}: final loss gap to {f['baseline']} over the last {f['tail_steps']} steps {gap}; "
                      + ("never diverges" if x["diverges_at"] < 0 else f"beyond {f['gap_tol_nats']} nats from step "
                         f"{x['diverges_at']}"))
