@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from ..engine.study import Study, StudyContext, StudyOption
-from ..errors import UsageError, require
+from ..errors import require
 from ..numerics.recipe import Recipe, parse_recipes
 
 DEFAULT_VARIANTS = ("fa3-fp8-bwd-bf16",)
@@ -105,7 +105,7 @@ class _Runs:
                     out[f"r{i}.n.{name}"] = np.array(float(st["step"]))
         return out
 
-    def restore(self, got: dict, steps: int, probe_every: int, weights: bool) -> int:
+    def restore(self, got: dict, weights: bool) -> int:
         """Load a checkpoint (``weights``: the models and optimizers too); the steps it holds."""
         done = int(got["done"])
         for k, a in self.m.items():
@@ -180,8 +180,6 @@ class TrainStudy(Study):
         require(len(base) == 1, f"--baseline takes one recipe, got {len(base)}")
         runs = base + parse_recipes(variants if variants is not None else ",".join(DEFAULT_VARIANTS))
         require(len(runs) >= 2, "--variants is empty; pass at least one recipe to train with")
-        from .backward import exact_backward  # noqa: F401  (the backward keys exist: parse checked them)
-
         labels = []
         for label, _ in runs:  # the baseline may be a variant too (exact against exact: a zero gap)
             n = sum(1 for x in labels if x == label or x.startswith(label + "#"))
@@ -262,7 +260,7 @@ class TrainStudy(Study):
         if latest is not None:
             got = store.get(store.key({"checkpoint": int(latest["done"])}))
             if got is not None:
-                start = runs.restore(got, steps, pe, weights=int(got["done"]) < steps)
+                start = runs.restore(got, weights=int(got["done"]) < steps)
                 start = min(start, steps)
                 resumed = int(got["done"])
                 progress(f"resumed from the checkpoint after step {resumed}" + (
@@ -306,7 +304,7 @@ class TrainStudy(Study):
         probe = step % self.probe_every == 0
         pi = step // self.probe_every
         layers = runs.m["grad_norm"].shape[2]
-        for i, ((label, recipe), model, opt) in enumerate(zip(self.runs, runs.models, runs.opts)):
+        for i, ((_, recipe), model, opt) in enumerate(zip(self.runs, runs.models, runs.opts)):
             observe = None
             if probe:
                 def observe(layer, scale, q, k, v, do, g, _i=i):
@@ -330,7 +328,7 @@ class TrainStudy(Study):
         """Each variant's gradient on the baseline's weights and batch against the baseline's own,
         per layer; the baseline's gradient is put back untouched before its update."""
         base = [p.grad.detach().clone() if p.grad is not None else None for p in params]
-        for c, (label, recipe) in enumerate(self.runs[1:]):
+        for c, (_, recipe) in enumerate(self.runs[1:]):
             for p in params:
                 p.grad = None
             self._loss(model, recipe, ids).backward()
