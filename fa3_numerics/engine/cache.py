@@ -312,3 +312,8 @@ class CellStore:
             return
         with atomic_path(self.dir / f"{key}.npz") as tmp, open(tmp, "wb") as fh:
             np.savez(fh, **arrays)
+
+    def drop(self, key: str) -> None:
+        """Forget one unit (a training run keeps only its latest checkpoint)."""
+        if self.dir is not None:
+            (self.dir / f"{key}.npz").unlink(missing_ok=True)

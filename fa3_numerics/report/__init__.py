@@ -58,6 +58,7 @@ REPORTS: dict[str, str] = {
     "impact": "fa3_numerics.report.impact:render_impact",
     "recommend": "fa3_numerics.report.recommend:render_recommend",
     "backward": "fa3_numerics.report.backward:render_backward",
+    "train": "fa3_numerics.report.train:render_train",
 }
 REPORT_ENTRY_POINTS = "fa3_numerics.reports"
 

@@ -1,6 +1,6 @@
 """A causal LM whose attention layers each follow a chosen rule, and the scores of its predictions.
 
-Exposed: ``Attn``, ``REF``, ``SDPA_FP32``, ``SDPA_BF16``, ``recipe_attn``, ``ModelRunner``,
+Exposed: ``causal_call``, ``Attn``, ``REF``, ``SDPA_FP32``, ``SDPA_BF16``, ``recipe_attn``, ``ModelRunner``,
 ``Reference``, ``score``, ``causal_attention64``.
 
 The model is loaded by ``fa3_numerics.data.capture.load_model`` (float32, its attention routed
@@ -54,6 +54,24 @@ def _plain_causal(mask: torch.Tensor, n_q: int, n_k: int) -> bool:
         return bool(torch.equal(m, allowed))
     blocked = m <= torch.finfo(m.dtype).min / 2 if m.is_floating_point() else torch.zeros_like(allowed)
     return bool(torch.equal(m == 0, allowed) and torch.equal(blocked, ~allowed))
+
+
+def causal_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask, kwargs: dict,
+                study: str) -> tuple[int, float]:
+    """(layer index, softmax scale) of one ``fa3n_capture`` attention call, which must be plainly
+    causal over unpadded sequences (every study that replaces a layer's attention checks this)."""
+    idx = int(module.layer_idx)
+    if attention_mask is not None and not all(_plain_causal(m[None], query.shape[-2], key.shape[-2])
+                                              for m in attention_mask.reshape(-1, *attention_mask.shape[-2:])):
+        raise UsageError(f"layer {idx} got an explicit attention mask (padding, sliding window or a "
+                         f"non-causal model); {study} runs unpadded causal sequences through plainly "
+                         "causal layers only")
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    require(bool(causal), f"layer {idx} is not causal; {study} supports causal language models")
+    scale = kwargs.get("scaling")
+    scale = float(getattr(module, "scaling", query.shape[-1] ** -0.5) if scale is None else scale)
+    return idx, scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,18 +250,9 @@ class ModelRunner:
 
     # -- attention ---------------------------------------------------------------------------
     def _attend(self, module, query, key, value, attention_mask, *args, **kwargs):
-        idx = int(module.layer_idx)
+        idx, scale = causal_call(module, query, key, attention_mask, kwargs, "impact")
         rule = self.plan[idx]
-        if attention_mask is not None and not _plain_causal(attention_mask, query.shape[-2], key.shape[-2]):
-            raise UsageError(f"layer {idx} got an explicit attention mask (padding, sliding window or a "
-                             "non-causal model); impact runs one unpadded causal sequence through plainly "
-                             "causal layers only")
-        causal = kwargs.get("is_causal")
-        causal = getattr(module, "is_causal", True) if causal is None else causal
-        require(bool(causal), f"layer {idx} is not causal; impact supports causal language models")
         require(query.shape[0] == 1, "impact runs batch 1")
-        scale = kwargs.get("scaling")
-        scale = float(getattr(module, "scaling", query.shape[-1] ** -0.5) if scale is None else scale)
         if rule.kind == "sdpa":
             if rule.dtype == "bf16":
                 q, k, v = (t.to(torch.bfloat16) for t in (query, key, value))
@@ -346,5 +355,5 @@ class ModelRunner:
         return per_sample(self.kept[layer], self.ref.attn[layer])["rel_l2"][0]
 
 
-__all__ = ["Attn", "REF", "SDPA_FP32", "SDPA_BF16", "recipe_attn", "ModelRunner", "Reference", "score",
+__all__ = ["causal_call", "Attn", "REF", "SDPA_FP32", "SDPA_BF16", "recipe_attn", "ModelRunner", "Reference", "score",
            "causal_attention64"]
