@@ -170,3 +170,32 @@ def test_phase_clock_prints_only_when_asked(monkeypatch):
     secs = [float(x) for x in re.findall(r"(\d+\.\d+) s", lines[0])]
     names = re.findall(r"([a-z-]+) \d", lines[0])
     assert names[-3:] == ["runs", "report", "total"] and abs(sum(secs[:-1]) - secs[-1]) <= 0.01 * len(secs)
+
+
+def test_the_first_estimate_comes_from_the_running_job_s_tiles(monkeypatch):
+    """Before any job has finished, the running job's tiles give a rate: a one-cell run says
+    how long it has left from its first tiles instead of "estimating" until a variant ends; and
+    that figure is marked rough until every recipe has been timed."""
+    import fa3_numerics.engine.progress as prog
+
+    clock = {"t": 100.0}
+    monkeypatch.setattr(prog.time, "perf_counter", lambda: clock["t"])
+    p = Progress(lambda m: None)
+    tasks = _tasks(1)
+    p.begin(tasks, [set()], "outliers")
+    p.task_start(0, [0, 1])
+    p.job_start(0, 0)
+    assert p.left() is None  # nothing to go on yet
+    clock["t"] += 2.0
+    p.tile(1, 4, "KV tiles")  # a quarter of the first job in 2 s: 8 s a job of this work
+    left = p.left()
+    assert left == pytest.approx(6.0 + 8.0)  # 6 s of this job, 8 s of the other, of equal work
+    assert p.rough and "rough" in p.left_text()
+    clock["t"] += 6.0
+    p.job_done(0, 0)
+    p.job_start(0, 1)
+    assert p.left() == pytest.approx(8.0) and p.rough  # the second recipe is not timed yet
+    clock["t"] += 8.0
+    p.job_done(0, 1)
+    assert p.left() == pytest.approx(0.0) and not p.rough
+    assert "rough" not in prog._left(3.0, False) and "rough" in prog._left(3.0, True)

@@ -110,6 +110,7 @@ class Progress:
         self.echo = echo or (lambda m: print(m, file=sys.stderr, flush=True))
         self.tasks: list[_Task] = []
         self.est = Estimator()
+        self.rough = False  # the last estimate borrowed some recipe's cost from others'
         self.t0 = time.perf_counter()
         self.current: int | None = None  # task index running in this process
         self.job: int | None = None  # its job index
@@ -189,8 +190,13 @@ class Progress:
         return time.perf_counter() - self.t0
 
     def left(self) -> float | None:
-        """Seconds left for every job not done, the running one counted by what it has left."""
+        """Seconds left for every job not done, the running one counted by what it has left.
+        Before any job has finished, the running job's tiles give a first rate. ``self.rough``
+        says afterwards whether some job's figure was borrowed from other recipes' rates (their
+        own cost is not yet measured), so the display can say the estimate is rough."""
         total = 0.0
+        self.rough = False
+        first = self._first_rate()
         for ti, t in enumerate(self.tasks):
             if t.done:
                 continue
@@ -199,9 +205,14 @@ class Progress:
             for slot, j in t.jobs.items():
                 if j.done:
                     continue
+                own = self.est.rate.get(j.spec)
                 s = self.est.seconds(j.spec, j.work)
+                if s is None and first is not None:
+                    s = first * j.work
                 if s is None:
                     return None
+                if not (own and own[1] > 0):
+                    self.rough = True
                 if ti == self.current and slot == self.job:
                     ran = time.perf_counter() - self.job_t0
                     if self.tile_total and self.tile_done:
@@ -211,10 +222,24 @@ class Progress:
                 total += s
         return total
 
+    def _first_rate(self) -> float | None:
+        """Seconds per unit of work from the running job's tiles, when nothing has finished yet."""
+        if self.est.total[1] > 0 or self.current is None or self.job is None or not self.tile_done:
+            return None
+        job = self.tasks[self.current].jobs.get(self.job)
+        if job is None or job.work <= 0:
+            return None
+        ran = time.perf_counter() - self.job_t0
+        return ran * self.tile_total / self.tile_done / job.work
+
+    def left_text(self) -> str:
+        sec = self.left()
+        return _left(sec, getattr(self, "rough", False))
+
     def task_line(self, ti: int, computed: int, cached: int) -> None:
         t = self.tasks[ti]
         self.log(f"[{self.finished}/{len(self.tasks)}] {t.where}, seed {t.seed}: {computed} computed, "
-                 f"{cached} from cache; {self.elapsed():.1f} s elapsed, {_left(self.left())}")
+                 f"{cached} from cache; {self.elapsed():.1f} s elapsed, {self.left_text()}")
 
     def now_line(self) -> str:
         """Where the run is now, in one line (the plain display's periodic line)."""
@@ -227,7 +252,7 @@ class Progress:
                 parts.append(f"variant {k}/{len(self.computing)} {t.jobs[self.job].label}")
                 if self.tile_total:
                     parts.append(f"{self.tile_unit} {self.tile_done}/{self.tile_total}")
-        return "; ".join(parts) + f"; {self.elapsed():.0f} s elapsed, {_left(self.left())}"
+        return "; ".join(parts) + f"; {self.elapsed():.0f} s elapsed, {self.left_text()}"
 
 
 class PlainProgress(Progress):
@@ -282,7 +307,7 @@ class LiveProgress(Progress):
 
     def _refresh_left(self) -> None:
         if "tasks" in self.ids:
-            self.bars.update(self.ids["tasks"], left=_left(self.left()))
+            self.bars.update(self.ids["tasks"], left=self.left_text())
 
     def begin(self, tasks: list, cached: list[set[int]], label: str = "", skipped: list[int] = ()) -> None:
         super().begin(tasks, cached, label, skipped)
@@ -349,12 +374,13 @@ def _clip(text: str, n: int = 48) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-def _left(sec: float | None) -> str:
+def _left(sec: float | None, rough: bool = False) -> str:
     if sec is None:
         return "time left: estimating"
-    if sec < 90:
-        return f"~{sec:.0f} s left"
-    return f"~{sec / 60:.1f} min left"
+    # rough: some recipe's cost is borrowed from others' (not yet timed), so only the order of
+    # magnitude is meant
+    text = f"~{sec:.0f} s left" if sec < 90 else f"~{sec / 60:.1f} min left"
+    return text + (" (rough: not every variant timed yet)" if rough else "")
 
 
 def _interval() -> float:
