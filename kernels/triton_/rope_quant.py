@@ -53,6 +53,7 @@ from .rotate_quant import GRAN_CODES, QuantOut
 
 ROPE_LAYOUTS = {"none": 0, "interleaved": 1, "half": 2}
 _LAYOUTS = ("bshd", "bhsd")
+_NO_TRITON = "the fused pre-pass needs the triton package (pip install triton; it ships with CUDA builds of torch)"
 
 
 if triton is not None:
@@ -99,7 +100,7 @@ if triton is not None:
 
     @triton.jit
     def _rot(r, SIGNS, hm, SCAL, mu, TILE: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr, ROT: tl.constexpr,
-             SMOOTH: tl.constexpr, EXACT: tl.constexpr):
+             SMOOTH: tl.constexpr, EXACT: tl.constexpr, DOT_F32: tl.constexpr):
         """float32 RoPE output [TILE, D] -> rotated (and smoothed) values, float64 (EXACT) or float32."""
         cols = tl.arange(0, D)
         if EXACT:
@@ -125,13 +126,20 @@ if triton is not None:
             if ROT != 0:
                 # r = hi + mid + lo exactly (8 + 8 + 8 significant bits): three dots whose products
                 # are exact, smallest part first, float32 sums.
-                hi = r.to(tl.bfloat16)
-                rest = r - hi.to(tl.float32)
-                mid = rest.to(tl.bfloat16)
-                lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-                y = tl.dot(lo, hm, out_dtype=tl.float32)
-                y = tl.dot(mid, hm, y, out_dtype=tl.float32)
-                y = tl.dot(hi, hm, y, out_dtype=tl.float32)
+                hi = r.to(tl.bfloat16).to(tl.float32)
+                rest = r - hi
+                mid = rest.to(tl.bfloat16).to(tl.float32)
+                lo = rest - mid
+                if DOT_F32:
+                    # The interpreter's dot of BF16 operands is wrong; its float32 dot (numpy) of the
+                    # same exact parts has the same exact products.
+                    y = tl.dot(lo, hm, out_dtype=tl.float32)
+                    y = tl.dot(mid, hm, y, out_dtype=tl.float32)
+                    y = tl.dot(hi, hm, y, out_dtype=tl.float32)
+                else:
+                    y = tl.dot(lo.to(tl.bfloat16), hm, out_dtype=tl.float32)
+                    y = tl.dot(mid.to(tl.bfloat16), hm, y, out_dtype=tl.float32)
+                    y = tl.dot(hi.to(tl.bfloat16), hm, y, out_dtype=tl.float32)
                 y = y * tl.load(SCAL + 1)
         if SMOOTH:
             y = y - mu[None, :]
@@ -185,7 +193,7 @@ if triton is not None:
     def _tile(X, COS, SIN, POS, SIGNS, hm, SCAL, mu, b, xb, rows, m, cols, sxs, sxd, stb, stn, std, spb, spn,
               D: tl.constexpr, LOG2D: tl.constexpr, TILE: tl.constexpr, ROPE: tl.constexpr,
               TABLE_FULL: tl.constexpr, HAS_POS: tl.constexpr, ROT: tl.constexpr, SMOOTH: tl.constexpr,
-              EXACT: tl.constexpr):
+              EXACT: tl.constexpr, DOT_F32: tl.constexpr):
         if HAS_POS:
             pos = tl.load(POS + b * spb + rows * spn, mask=m, other=0).to(tl.int64)
         else:
@@ -193,7 +201,7 @@ if triton is not None:
         toff = b.to(tl.int64) * stb + pos[:, None] * stn
         xr = xb + rows[:, None].to(tl.int64) * sxs
         r = _rope(xr, COS + toff, SIN + toff, cols, m, sxd, std, D, ROPE, TABLE_FULL)
-        y = _rot(r, SIGNS, hm, SCAL, mu, TILE, D, LOG2D, ROT, SMOOTH, EXACT)
+        y = _rot(r, SIGNS, hm, SCAL, mu, TILE, D, LOG2D, ROT, SMOOTH, EXACT, DOT_F32)
         # Rows past the block or the sequence read as 0 but would be -mean after smoothing: no amax.
         return tl.where(m[:, None], y, 0.0)
 
@@ -206,7 +214,7 @@ if triton is not None:
                            ROT: tl.constexpr, SMOOTH: tl.constexpr, GRAN: tl.constexpr, PASS: tl.constexpr,
                            EXACT: tl.constexpr, POW2: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
                            FMT_MAX: tl.constexpr, OUT: tl.constexpr, SOFT_CAST: tl.constexpr,
-                           BIAS: tl.constexpr, SUBQ: tl.constexpr, NAN: tl.constexpr):
+                           BIAS: tl.constexpr, SUBQ: tl.constexpr, NAN: tl.constexpr, DOT_F32: tl.constexpr):
         """One program: ROWS_PER_PROG rows of one (batch, head), in tiles of TILE rows.
 
         GRAN 0 tensor, 1 head, 2 block (ROWS_PER_PROG = the block), 3 token. PASS 0: block/token in
@@ -225,6 +233,8 @@ if triton is not None:
         yb = Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh
         if ROT != 0 and not EXACT:
             hm = tl.load(HMAT + cols[:, None] * D + cols[None, :])
+            if DOT_F32:
+                hm = hm.to(tl.float32)
         else:
             hm = 0
         if SMOOTH:
@@ -238,7 +248,7 @@ if triton is not None:
             rows = r0 + sub
             m = (rows < r_end) & (rows < N)
             y = _tile(X, COS, SIN, POS, SIGNS, hm, SCAL, mu, b, xb, rows, m, cols, sxs, sxd, stb, stn, std, spb,
-                      spn, D, LOG2D, TILE, ROPE, TABLE_FULL, HAS_POS, ROT, SMOOTH, EXACT)
+                      spn, D, LOG2D, TILE, ROPE, TABLE_FULL, HAS_POS, ROT, SMOOTH, EXACT, DOT_F32)
             amax = tl.max(tl.max(tl.abs(y), axis=1), axis=0)
         else:
             if EXACT:
@@ -250,7 +260,7 @@ if triton is not None:
                     rows = r0 + i + sub
                     m = (rows < r_end) & (rows < N)
                     y = _tile(X, COS, SIN, POS, SIGNS, hm, SCAL, mu, b, xb, rows, m, cols, sxs, sxd, stb, stn, std,
-                              spb, spn, D, LOG2D, TILE, ROPE, TABLE_FULL, HAS_POS, ROT, SMOOTH, EXACT)
+                              spb, spn, D, LOG2D, TILE, ROPE, TABLE_FULL, HAS_POS, ROT, SMOOTH, EXACT, DOT_F32)
                     run = tl.maximum(run, tl.max(tl.abs(y), axis=1))
             amax = tl.max(run, axis=0)
         if PASS == 1:
@@ -286,7 +296,7 @@ if triton is not None:
                 rows = r0 + i + sub
                 m = (rows < r_end) & (rows < N)
                 y = _tile(X, COS, SIN, POS, SIGNS, hm, SCAL, mu, b, xb, rows, m, cols, sxs, sxd, stb, stn, std,
-                          spb, spn, D, LOG2D, TILE, ROPE, TABLE_FULL, HAS_POS, ROT, SMOOTH, EXACT)
+                          spb, spn, D, LOG2D, TILE, ROPE, TABLE_FULL, HAS_POS, ROT, SMOOTH, EXACT, DOT_F32)
                 if GRAN == 3:
                     dt = _descale(tl.max(tl.abs(y), axis=1), FMT_MAX, POW2, EXACT)
                     tl.store(DESC + b * sdb + h * sdh + rows * sdn, dt, mask=m)
@@ -446,6 +456,8 @@ def rope_quantize(x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.T
     else:
         mu = torch.zeros(1, dtype=torch.float64, device=dev)
         smb = smh = 0
+    if triton is None:
+        raise UsageError(_NO_TRITON)
     soft = interpreting() if soft_cast is None else soft_cast
     signs, hm, scal = _constants(d, seed, dev, exact)
 
@@ -475,7 +487,7 @@ def rope_quantize(x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.T
                   HAS_POS=positions is not None, ROT=0 if rot == "none" else 1, SMOOTH=smooth, GRAN=code,
                   EXACT=bool(exact), POW2=bool(pow2), MBITS=f.mbits, EMIN=f.emin, FMT_MAX=f.max, OUT=tl_fp8(fmt),
                   SOFT_CAST=soft, BIAS=(7 if fmt == "e4m3" else 15), SUBQ=2.0 ** (f.mbits - f.emin),
-                  NAN=(0x7F if fmt == "e4m3" else 0x7E))
+                  NAN=(0x7F if fmt == "e4m3" else 0x7E), DOT_F32=interpreting())
     if not interpreting():
         common["num_warps"] = num_warps or (8 if tile * d >= 128 * 128 else 4)
         common["enable_fp_fusion"] = False  # RoPE's products round before the sum (see module doc)
@@ -493,9 +505,11 @@ def rope_quantize(x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.T
 
 
 def rope_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, rope: str = "half",
-              block: int = 0) -> torch.Tensor:
+              block: int = 0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """RoPE of a contiguous (b, s, h, d) tensor with tables ``[T >= s, D/2 | D]``, in float32 and
-    rounded once to x's dtype (the BF16 baseline: one read, one write)."""
+    rounded once to ``out_dtype`` (default x's: the BF16 baseline, one read, one write). With
+    ``out_dtype=torch.float32`` it returns the fused pre-pass's own RoPE values (the same device
+    function), which is how the tests check that rounding bit for bit."""
     if x.dim() != 4 or not x.is_contiguous():
         raise UsageError("rope_bf16 takes a contiguous (b, s, h, d) tensor")
     b, s, h, d = x.shape
@@ -503,8 +517,10 @@ def rope_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, rope: st
         raise UsageError(f"rope={rope!r}; half or interleaved")
     if cos.dim() != 2 or cos.shape[0] < s or cos.shape[-1] not in (d // 2, d) or cos.shape != sin.shape:
         raise UsageError(f"rope_bf16 takes [T >= {s}, {d // 2} or {d}] tables")
+    if triton is None:
+        raise UsageError(_NO_TRITON)
     cos, sin = cos.contiguous(), sin.contiguous()
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, dtype=out_dtype or x.dtype)
     rows = b * s * h
     block = block or max(16, 8192 // d)
     kw = {} if interpreting() else dict(num_warps=4, enable_fp_fusion=False)
