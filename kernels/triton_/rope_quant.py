@@ -46,7 +46,7 @@ import math
 import torch
 
 from fa3_numerics.errors import UsageError
-from fa3_numerics.numerics.granularity import PerBlock, PerHead, PerTensor, PerToken
+from fa3_numerics.numerics.granularity import PerHead
 
 from ._common import f64_to_f32_odd, fp8_params, interpreting, pow2_ceil32, pow2_ceil64, round_fp8, tl, tl_fp8, triton
 from .rotate_quant import GRAN_CODES, QuantOut
@@ -338,7 +338,8 @@ def _dims(x: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
     return b, h, n, d
 
 
-def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor | int, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor | int, *,
+                device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) float32 ``[T, D/2]`` (or ``[B, N, D/2]`` for per-batch positions ``[B, N]``) as the
     model computes them: angle = fl32(position * inv_freq), then float32 cos and sin. ``positions``:
     an int (0 .. T-1) or a tensor of positions. The kernel reads the tables, never the angles, so
