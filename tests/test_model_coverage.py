@@ -137,3 +137,38 @@ def test_impact_exact_recipe_kl_below_1e_6(family, tmp_path):
     exact = ds.sel(variant="exact", mask="all")
     assert float(exact.kl_max) <= 1e-6 and float(exact.top1_agree) == 1.0
     assert float(ds.kl_mean.sel(variant="fa3-fp8-kernel", mask="all")) > 1e3 * max(float(exact.kl_mean), 1e-15)
+
+
+def test_recommend_runs_and_picks_exact_under_a_tight_budget(family, tmp_path, capsys):
+    import json
+
+    from fa3_numerics.testing import run_cli
+
+    _, folder = family
+    out = tmp_path / "r"
+    code, stdout, err = run_cli(["recommend", "--model", str(folder), "--tokens", str(TOKENS), "--target", "torchao",
+                                 "--add", "exact", "--budget-kl", "1e-6", "--verify", "2", "--out", str(out)], capsys)
+    assert code == 0, stdout + err
+    art = json.loads((out / "recommend.json").read_text())
+    assert art["choice"]["label"] == "exact" and art["choice"]["kl_mean"] <= 1e-6
+
+
+def test_capture_file_keeps_the_options_and_audit_uses_them(family, tmp_path):
+    """A capture file carries each layer's window, softcap and sinks; the audit's exact recipe then
+    matches its reference to float32 rounding on every layer (had either side dropped them, the
+    error would be of order 1), and the FP8 kernel recipe is measurably worse."""
+    from fa3_numerics.data.capture import capture, load_capture
+    from fa3_numerics.studies.audit import audit
+
+    name, folder = family
+    path = tmp_path / "c.safetensors"
+    capture(model=str(folder), out=path, tokens=TOKENS)
+    c = load_capture(path)
+    opts = c.attention_options(0)
+    assert opts["window_size"] == (WINDOW - 1, 0)
+    assert ("softcap" in opts) == (name == "gemma2") and ("sinks" in opts) == (name == "gpt_oss")
+    ds = audit(c, variants="exact;fa3-fp8-kernel", rows=0, progress=QUIET)
+    err = ds["rel_l2"]
+    exact = float(err.sel(variant=err["variant"].values[0]).max())
+    assert exact < 1e-5, exact
+    assert float(err.sel(variant=err["variant"].values[1]).median()) > 10 * exact

@@ -248,12 +248,42 @@ def attention_override(fn: Callable):
         _Override.active = prev
 
 
+def model_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    """The model's own attention as shipped: transformers' SDPA, or, for a layer with a softcap or
+    sink logits (which SDPA refuses or ignores), the model's ``eager_attention_forward`` with the
+    mask made additive, as eager attention takes it."""
+    opts = attention_options(module, kwargs)
+    if "softcap" not in opts and "sinks" not in opts:
+        return sdpa_attention(module, query, key, value, attention_mask, *args, **kwargs)
+    n_q, n_k = query.shape[-2], key.shape[-2]
+    if attention_mask is None or attention_mask.dtype == torch.bool:
+        from ..numerics.masking import masking, visible
+
+        if attention_mask is None:
+            causal = kwargs.get("is_causal")
+            causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+            mk = masking(causal, opts.get("window_size") if causal else None)
+            allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=query.device)
+            if causal:
+                allowed = allowed.tril(n_k - n_q)
+            win = visible(mk, torch.arange(n_q, device=query.device), 0, n_k, n_q, n_k)
+            allowed = allowed if win is None else allowed & win
+        else:
+            allowed = attention_mask
+        attention_mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~allowed, torch.finfo(query.dtype).min)
+        while attention_mask.dim() < 4:
+            attention_mask = attention_mask[None]
+    return eager_attention(module)(module, query, key, value, attention_mask, *args, **kwargs)
+
+
 def _capture_attention(module, query, key, value, attention_mask, *args, **kwargs):
-    """The ``fa3n_capture`` attention function: record, then run the override or stock SDPA."""
+    """The ``fa3n_capture`` attention function: record, then run the override or the model's own
+    attention (``model_attention``)."""
     rec = _Recorder.active
     if rec is not None:
         rec.record(module, query, key, value, attention_mask, kwargs)
-    fn = _Override.active or sdpa_attention
+    fn = _Override.active or model_attention
     return fn(module, query, key, value, attention_mask, *args, **kwargs)
 
 
@@ -920,6 +950,8 @@ def capture_from_record(rec: "_Recorder", model, src: ModelSource, input_ids: to
     num_layers = int(cfg.num_hidden_layers)
     tokens = int(input_ids.shape[1])
     sel = list(layers)
+    if attn_note.endswith("sdpa_attention_forward") and any("softcap" in o or "sinks" in o for o in rec.options.values()):
+        attn_note += " (the model's eager_attention_forward on layers with a softcap or sinks, which SDPA lacks)"
     q0, k0 = rec.q[sel[0]], rec.k[sel[0]]
     heads, kv_heads, head_dim = q0.shape[1], k0.shape[1], q0.shape[3]
     scales = {rec.scale[i] for i in sel}
