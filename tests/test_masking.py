@@ -233,3 +233,32 @@ def test_unsupported_loops_refuse_rather_than_ignore():
     q, k, v = _qkv(n=8, nk=8)
     with pytest.raises(UsageError, match="loop=fa3"):
         emulate(Recipe.from_str("exact,norm=tile"), q, k, v, causal=True, sinks=torch.zeros(4))
+
+
+def test_fa3_backend_passes_window_and_softcap_and_refuses_what_the_build_lacks(monkeypatch):
+    """Through the float32 stand-in (fa3-mock, any device): the window and the softcap reach the
+    call with FA3's meaning (its output is close to the reference with them and far without), and
+    the feature check reads the build flags: the fa3-fwd 0.0.3 wheel's (local attention compiled
+    out, softcap in) refuse a window, take a softcap, and no build takes sinks."""
+    from fa3_numerics.engine.backends import get_backend
+    from fa3_numerics.kernels import fa3 as k3
+
+    q, k, v = _qkv(n=128, nk=128, sigma=2.0)
+    rows = torch.arange(128)
+    mock = get_backend("fa3-mock")
+    r = Recipe.from_str("fa3-fp8-kernel")
+    for kw in (dict(window_size=(9, 0)), dict(softcap=2.0)):
+        o = mock.attention(r, q, k, v, causal=True, q_index=rows, rotation_seed=0, cache={}, **kw)
+        own = reference_attention(q, k, v, causal=True, **kw)
+        plain = reference_attention(q, k, v, causal=True)
+        err_own, err_plain = ((o - own).norm() / own.norm()).item(), ((o - plain).norm() / plain.norm()).item()
+        assert err_own < 0.15 and err_plain > 5 * err_own, (kw, err_own, err_plain)  # FP8 error vs the option
+    wheel = {"window": False, "softcap": True, "sinks": False, "source": "fa3_fwd_config.CONFIG"}
+    assert "no sliding windows" in k3.masking_problem(masking(True, (9, 0)), wheel)
+    assert k3.masking_problem(masking(True, None, 30.0), wheel) is None
+    assert "sink" in k3.masking_problem(masking(True, sinks=torch.zeros(2)), wheel)
+    # a window past the sequence is rewritten as unbounded (plain), as FA3's mha_fwd does
+    assert masking(True, (500, 0), seqlen_q=128, seqlen_k=128).plain
+    # backends that never take these options refuse them, naming the emulator
+    assert "--backend emulate" in get_backend("sdpa-math").masking_refusal(masking(True, (9, 0)))
+    assert get_backend("sdpa-math").masking_refusal(masking(True)) is None
