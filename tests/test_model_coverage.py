@@ -137,6 +137,10 @@ def test_impact_exact_recipe_kl_below_1e_6(family, tmp_path):
     exact = ds.sel(variant="exact", mask="all")
     assert float(exact.kl_max) <= 1e-6 and float(exact.top1_agree) == 1.0
     assert float(ds.kl_mean.sel(variant="fa3-fp8-kernel", mask="all")) > 1e3 * max(float(exact.kl_mean), 1e-15)
+    import json
+
+    opts = json.loads(ds.attrs["attention_options"])
+    assert opts["0"]["window_size"] == [WINDOW - 1, 0]
 
 
 def test_recommend_runs_and_picks_exact_under_a_tight_budget(family, tmp_path, capsys):
