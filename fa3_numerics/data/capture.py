@@ -950,7 +950,8 @@ def capture_from_record(rec: "_Recorder", model, src: ModelSource, input_ids: to
     num_layers = int(cfg.num_hidden_layers)
     tokens = int(input_ids.shape[1])
     sel = list(layers)
-    if attn_note.endswith("sdpa_attention_forward") and any("softcap" in o or "sinks" in o for o in rec.options.values()):
+    eager = any("softcap" in o or "sinks" in o for o in rec.options.values())
+    if attn_note.endswith("sdpa_attention_forward") and eager:
         attn_note += " (the model's eager_attention_forward on layers with a softcap or sinks, which SDPA lacks)"
     q0, k0 = rec.q[sel[0]], rec.k[sel[0]]
     heads, kv_heads, head_dim = q0.shape[1], k0.shape[1], q0.shape[3]

@@ -277,7 +277,9 @@ class ModelRunner:
         scale = kwargs.get("scaling")
         scale = float(getattr(module, "scaling", query.shape[-1] ** -0.5) if scale is None else scale)
         if rule.kind == "sdpa":
-            q, k, v = (t.to(torch.bfloat16) for t in (query, key, value)) if rule.dtype == "bf16" else (query, key, value)
+            q, k, v = (query, key, value)
+            if rule.dtype == "bf16":
+                q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
             if mk is not None and (mk.softcap or mk.sinks is not None):
                 # SDPA has no softcap or sinks: the model's own eager attention in that dtype stands in
                 eager = self._cap.eager_attention(module)
