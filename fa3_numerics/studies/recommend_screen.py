@@ -24,6 +24,13 @@ def screen_layer(backend, recipes, q, k, v, reference: torch.Tensor, *, scale: f
     the layer's window_size / softcap / sinks (``numerics/masking.py``), as the reference had them."""
     n = q.shape[2]
     idx = torch.arange(n, device=q.device)
+    if masking:
+        from ..errors import UsageError
+        from ..numerics.masking import masking as make_masking
+
+        why = backend.masking_refusal(make_masking(True, heads=q.shape[1], seqlen_q=n, seqlen_k=k.shape[2], **masking))
+        if why is not None:
+            raise UsageError(why)
     cache: dict = {}
     out = np.full((len(recipes), q.shape[1]), np.nan)
     for i, r in enumerate(recipes):
