@@ -10,6 +10,12 @@ descale per (batch, kv-head) for each of Q, K and V and writes BF16. It has neit
 scales nor a Hadamard rotation: as a user would, this backend rotates and quantizes first
 (with the emulator's own ``prepare``, so emulator and kernel see the very same FP8 bytes and
 descales) and then calls the kernel on every query row, returning the rows asked for.
+
+Sliding windows and soft-capping pass through as ``window_size`` and ``softcap`` where the build
+has them: ``kernel_features`` reads the build's flags (``fa3_fwd_config.CONFIG`` or
+``flash_attn_config.CONFIG``; the fa3-fwd 0.0.3 wheel is built with FLASHATTENTION_DISABLE_LOCAL,
+so it has soft-capping but no local windows: a window past the sequence, which FA3 rewrites as
+unbounded, still runs). No public FA3 ``flash_attn_func`` takes sink logits.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from fa3_numerics.errors import UsageError
 from fa3_numerics.numerics.granularity import PerHead, PerTensor
 from fa3_numerics.numerics.recipe import Recipe
 
-# Module names the kernel imports as, in order of preference.
+# Module names the kernel imports as, in order of preference, and the build-flag module of each.
 KERNEL_MODULES = ("fa3_fwd_interface", "flash_attn_interface")
+CONFIG_MODULES = {"fa3_fwd_interface": "fa3_fwd_config", "flash_attn_interface": "flash_attn_config"}
 INSTALL_HINT = ("pip install fa3-fwd==0.0.3 (FA3 forward for sm_90a, needs torch with a CUDA 13 runtime), "
                 "or build flash-attention's hopper/ (flash_attn_interface)")
 
@@ -86,11 +93,48 @@ def load_kernel():
     return _KERNEL["fn"], _KERNEL["module"], _KERNEL["version"]
 
 
+def kernel_features(module: str | None = None) -> dict:
+    """{"window": bool, "softcap": bool, "sinks": False, "source": str} from the installed build's
+    flags, read without importing the compiled module (no GPU needed). Unknown flags: both off."""
+    module = module or find_kernel_module()
+    cfg_name = CONFIG_MODULES.get(module or "", "")
+    flags: dict = {}
+    try:
+        if cfg_name and importlib.util.find_spec(cfg_name) is not None:
+            flags = dict(getattr(importlib.import_module(cfg_name), "CONFIG", {}).get("build_flags", {}))
+    except (ImportError, ValueError, AttributeError):
+        flags = {}
+    if not flags:
+        return {"window": False, "softcap": False, "sinks": False, "source": "no build flags found"}
+    return {"window": not flags.get("FLASHATTENTION_DISABLE_LOCAL", True),
+            "softcap": not flags.get("FLASHATTENTION_DISABLE_SOFTCAP", True),
+            "sinks": False, "source": f"{cfg_name}.CONFIG"}
+
+
+def masking_problem(mk, features: dict) -> str | None:
+    """Why the kernel build cannot compute ``mk`` (a ``numerics.masking.Masking``), or None."""
+    if mk.sinks is not None:
+        return "FA3's flash_attn_func takes no sink logits; use --backend emulate"
+    if mk.windowed and not features["window"]:
+        return (f"this FA3 build has no sliding windows ({features['source']}: FLASHATTENTION_DISABLE_LOCAL); "
+                "build flash-attention's hopper/ with local attention, or use --backend emulate")
+    if mk.softcap and not features["softcap"]:
+        return (f"this FA3 build has no softcap ({features['source']}: FLASHATTENTION_DISABLE_SOFTCAP); "
+                "use --backend emulate")
+    return None
+
+
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float, causal: bool,
-               descales: tuple | None = None, fn=None) -> torch.Tensor:
-    """Call the kernel on (batch, seqlen, heads, dim) tensors; returns the output only."""
+               descales: tuple | None = None, fn=None, window_size: tuple[int, int] = (-1, -1),
+               softcap: float = 0.0) -> torch.Tensor:
+    """Call the kernel on (batch, seqlen, heads, dim) tensors; returns the output only. A window
+    or softcap is passed only when set, so plain calls are the calls made before they existed."""
     fn = fn or load_kernel()[0]
     kw = dict(softmax_scale=softmax_scale, causal=causal)
+    if tuple(window_size) != (-1, -1):
+        kw["window_size"] = tuple(window_size)
+    if softcap:
+        kw["softcap"] = float(softcap)
     if descales is not None:
         kw.update(q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
     out = fn(q, k, v, **kw)
@@ -143,6 +187,9 @@ class Fa3Backend(Backend):
         _, module, version = load_kernel()
         return {"kernel_module": module, "kernel_version": version}
 
+    def masking_refusal(self, mk) -> str | None:
+        return None if mk.plain else masking_problem(mk, kernel_features())
+
     def supports(self, recipe: Recipe) -> str | None:
         alt = "--backend emulate"
         if recipe.algo != "flash":
@@ -173,9 +220,16 @@ class Fa3Backend(Backend):
             return f"order={recipe.order}: the kernel visits KV tiles last to first; use {alt}"
         return None
 
-    def attention(self, recipe, q, k, v, *, causal, q_index, rotation_seed, cache, softmax_scale=None):
+    def attention(self, recipe, q, k, v, *, causal, q_index, rotation_seed, cache, softmax_scale=None,
+                  window_size=None, softcap=None, sinks=None):
         from fa3_numerics.numerics.emulator import prepare
+        from fa3_numerics.numerics.masking import masking
 
+        mk = masking(causal, window_size, softcap, sinks, heads=q.shape[1], seqlen_q=q.shape[2], seqlen_k=k.shape[2])
+        why = self.masking_refusal(mk)
+        if why is not None:
+            raise UsageError(f"{mk.describe()} cannot run on the FA3 kernel: {why}")
+        causal = mk.causal
         why = self.supports(recipe)
         if why is not None:
             raise UsageError(f"recipe {recipe.short_str()} cannot run on the FA3 kernel: {why}")
@@ -183,11 +237,13 @@ class Fa3Backend(Backend):
             raise UsageError("the FA3 kernel needs the inputs on a CUDA device; pass --device cuda")
         n, d = q.shape[2], q.shape[3]
         every = torch.arange(n, device=q.device)
-        pre = prepare(recipe, q, k, v, q_index=every, rotation_seed=rotation_seed, causal=causal, cache=cache)
+        pre = prepare(recipe, q, k, v, q_index=every, rotation_seed=rotation_seed, causal=causal, cache=cache,
+                      mk=None if mk.plain else mk)
         ins = kernel_inputs(pre, recipe, k.shape[1])
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
         o = flash_attn(ins["q"], ins["k"], ins["v"], softmax_scale=scale, causal=causal,
-                       descales=ins["descales"], fn=self.kernel_fn)
+                       descales=ins["descales"], fn=self.kernel_fn, window_size=mk.window if mk.windowed else (-1, -1),
+                       softcap=mk.softcap)
         o = o.transpose(1, 2)
         if q_index.numel() != n:
             o = o.index_select(2, q_index.to(o.device))
@@ -195,11 +251,12 @@ class Fa3Backend(Backend):
 
 
 def mock_flash_attn(q, k, v, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None,
-                    **_):
+                    window_size=(-1, -1), softcap=0.0, **_):
     """A float32 stand-in with the kernel's signature and layouts, for CPU dry runs and tests.
 
     Not the kernel's arithmetic: dequantizes, computes softmax attention in float32 and
-    writes BF16 (for FP8 and BF16 inputs alike). Bottom-right causal alignment.
+    writes BF16 (for FP8 and BF16 inputs alike). Bottom-right causal alignment; FA3's window_size
+    and softcap meaning.
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -215,9 +272,17 @@ def mock_flash_attn(q, k, v, softmax_scale=None, causal=False, q_descale=None, k
     kf = deq(k, k_descale, 1).repeat_interleave(g, dim=2)
     vf = deq(v, v_descale, 1).repeat_interleave(g, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * (softmax_scale or 1.0 / math.sqrt(d))
-    if causal:
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
-        s = s.masked_fill(~keep, float("-inf"))
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    left, right = window_size
+    right = 0 if causal else right
+    rel = torch.arange(sk, device=q.device)[None, :] - (torch.arange(sq, device=q.device)[:, None] + sk - sq)
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        keep &= rel <= right
+    if left >= 0:
+        keep &= rel >= -left
+    s = s.masked_fill(~keep, float("-inf"))
     p = torch.nan_to_num(torch.softmax(s, dim=-1))
     return torch.einsum("bhqk,bkhd->bqhd", p, vf).to(torch.bfloat16)
 
@@ -237,6 +302,10 @@ class MockFa3Backend(Fa3Backend):
 
     def provenance(self) -> dict[str, str]:
         return {}
+
+    def masking_refusal(self, mk) -> str | None:
+        return None if mk.plain else masking_problem(mk, {"window": True, "softcap": True, "sinks": False,
+                                                          "source": "mock"})
 
 
 # -- the fast path a user would run, for throughput ----------------------------------------

@@ -194,6 +194,42 @@ def sdpa_attention(module, query, key, value, attention_mask, *args, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
 
 
+def attention_options(module, kwargs: dict) -> dict:
+    """The sliding window, logit softcap and sink logits of one transformers attention call, as
+    ``numerics/masking.py`` takes them ({} when the layer has none): ``window_size`` (W - 1, 0) for
+    transformers' ``sliding_window=W`` (a query sees itself and the W - 1 keys before it:
+    masking_utils.sliding_window_overlay, ``kv_idx > q_idx - W``), ``softcap`` from Gemma 2's
+    ``softcap=attn_logit_softcapping`` and ``sinks`` from gpt-oss's ``s_aux=self.sinks`` (one
+    logit per query head)."""
+    out: dict = {}
+    sw = kwargs.get("sliding_window")
+    if sw is None and "sliding_window" not in kwargs:
+        sw = getattr(module, "sliding_window", None)
+    if sw is not None and int(sw) > 0:
+        out["window_size"] = (int(sw) - 1, 0)
+    cap = kwargs.get("softcap")
+    if cap is not None and float(cap) > 0:
+        out["softcap"] = float(cap)
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = getattr(module, "sinks", None)
+    if isinstance(sinks, torch.Tensor):
+        out["sinks"] = sinks.detach().to(torch.float64).reshape(-1).clone()
+    return out
+
+
+def eager_attention(module) -> Callable:
+    """The eager attention function of ``module``'s own modeling file (``eager_attention_forward``):
+    the model's reference code for what SDPA cannot take (Gemma 2's softcap, gpt-oss's sinks)."""
+    import sys
+
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise UsageError(f"{type(module).__name__} has a softcap or sink logits but its modeling file has no "
+                         "eager_attention_forward; leave the model-sdpa variants out (--variants)")
+    return fn
+
+
 class _Override:
     active: Callable | None = None  # the function that replaces SDPA, if any
 
@@ -212,12 +248,42 @@ def attention_override(fn: Callable):
         _Override.active = prev
 
 
+def model_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    """The model's own attention as shipped: transformers' SDPA, or, for a layer with a softcap or
+    sink logits (which SDPA refuses or ignores), the model's ``eager_attention_forward`` with the
+    mask made additive, as eager attention takes it."""
+    opts = attention_options(module, kwargs)
+    if "softcap" not in opts and "sinks" not in opts:
+        return sdpa_attention(module, query, key, value, attention_mask, *args, **kwargs)
+    n_q, n_k = query.shape[-2], key.shape[-2]
+    if attention_mask is None or attention_mask.dtype == torch.bool:
+        from ..numerics.masking import masking, visible
+
+        if attention_mask is None:
+            causal = kwargs.get("is_causal")
+            causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+            mk = masking(causal, opts.get("window_size") if causal else None)
+            allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=query.device)
+            if causal:
+                allowed = allowed.tril(n_k - n_q)
+            win = visible(mk, torch.arange(n_q, device=query.device), 0, n_k, n_q, n_k)
+            allowed = allowed if win is None else allowed & win
+        else:
+            allowed = attention_mask
+        attention_mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~allowed, torch.finfo(query.dtype).min)
+        while attention_mask.dim() < 4:
+            attention_mask = attention_mask[None]
+    return eager_attention(module)(module, query, key, value, attention_mask, *args, **kwargs)
+
+
 def _capture_attention(module, query, key, value, attention_mask, *args, **kwargs):
-    """The ``fa3n_capture`` attention function: record, then run the override or stock SDPA."""
+    """The ``fa3n_capture`` attention function: record, then run the override or the model's own
+    attention (``model_attention``)."""
     rec = _Recorder.active
     if rec is not None:
         rec.record(module, query, key, value, attention_mask, kwargs)
-    fn = _Override.active or sdpa_attention
+    fn = _Override.active or model_attention
     return fn(module, query, key, value, attention_mask, *args, **kwargs)
 
 
@@ -475,6 +541,8 @@ class _Recorder:
     scale: dict[int, float] = field(default_factory=dict)
     causal: dict[int, bool] = field(default_factory=dict)
     masked: set[int] = field(default_factory=set)
+    # layer -> its window_size / softcap / sinks (``attention_options``), where any is set
+    options: dict[int, dict] = field(default_factory=dict)
     calls: int = 0
 
     active = None  # class attribute: the recorder in use, if any
@@ -505,6 +573,9 @@ class _Recorder:
         self.causal[idx] = bool(is_causal)
         if attention_mask is not None:
             self.masked.add(idx)
+        opts = attention_options(module, kwargs)
+        if opts:
+            self.options[idx] = opts
         if self.stop_after is not None and idx == self.stop_after:
             raise _StopForward
 
@@ -635,6 +706,22 @@ class Capture:
     def causal(self) -> bool:
         return self.meta["causal"] == "true"
 
+    def attention_options(self, layer: int) -> dict:
+        """The layer's sliding window, softcap and sinks as ``numerics/masking.py`` takes them ({}: none)."""
+        opts = dict(_options_meta(self.meta).get(str(layer), {}))
+        if "window_size" in opts:
+            opts["window_size"] = tuple(opts["window_size"])
+        if opts.pop("sinks", False):
+            opts["sinks"] = self.tensors[f"layers.{layer}.sinks"].to(torch.float64)
+        return opts
+
+    def attention_options_text(self, layer: int) -> str:
+        """The options of ``layer`` as canonical text (sink values included), for cache keys."""
+        opts = self.attention_options(layer)
+        if "sinks" in opts:
+            opts["sinks"] = [float(x) for x in opts["sinks"]]
+        return json.dumps(opts, sort_keys=True)
+
     @property
     def heads(self) -> int:
         return int(self.meta["heads"])
@@ -650,6 +737,19 @@ class Capture:
     @property
     def tokens(self) -> int:
         return int(self.meta["tokens"])
+
+
+def _options_meta(meta: dict[str, str]) -> dict:
+    """{layer: {"window_size": [l, r], "softcap": c, "sinks": true}} from the capture's metadata."""
+    raw = meta.get("attention_options", "")
+    if not raw:
+        return {}
+    try:
+        out = json.loads(raw)
+    except ValueError as exc:
+        raise UsageError("the capture's attention_options metadata is not JSON; recapture it") from exc
+    require(isinstance(out, dict), "the capture's attention_options metadata is malformed; recapture it")
+    return out
 
 
 def _not_capture(path) -> UsageError:
@@ -728,6 +828,7 @@ def load_capture(path: str | os.PathLike) -> Capture:
             "`fa3-numerics capture`")
     layers, heads, kv_heads, head_dim, tokens = _check_meta(path, meta)
     expected = {f"layers.{i}.{w}" for i in layers for w in "qkv"}
+    expected |= {f"layers.{i}.sinks" for i, o in _options_meta(meta).items() if o.get("sinks")}
     names = set(tensors)
     require(names == expected,
             f"{path}: tensors do not match the layers in its metadata (missing "
@@ -849,6 +950,9 @@ def capture_from_record(rec: "_Recorder", model, src: ModelSource, input_ids: to
     num_layers = int(cfg.num_hidden_layers)
     tokens = int(input_ids.shape[1])
     sel = list(layers)
+    eager = any("softcap" in o or "sinks" in o for o in rec.options.values())
+    if attn_note.endswith("sdpa_attention_forward") and eager:
+        attn_note += " (the model's eager_attention_forward on layers with a softcap or sinks, which SDPA lacks)"
     q0, k0 = rec.q[sel[0]], rec.k[sel[0]]
     heads, kv_heads, head_dim = q0.shape[1], k0.shape[1], q0.shape[3]
     scales = {rec.scale[i] for i in sel}
@@ -863,6 +967,16 @@ def capture_from_record(rec: "_Recorder", model, src: ModelSource, input_ids: to
                     f"layer {i} {w.upper()} has shape {tuple(t.shape)}; expected batch 1 and "
                     f"{tokens} positions")
             tensors[f"layers.{i}.{w}"] = t[0].to(device="cpu", dtype=torch.float32)
+    options: dict = {}
+    for i in sel:
+        opts = dict(rec.options.get(i, {}))
+        if "sinks" in opts:
+            tensors[f"layers.{i}.sinks"] = opts.pop("sinks").to(device="cpu", dtype=torch.float32)
+            opts["sinks"] = True
+        if "window_size" in opts:
+            opts["window_size"] = list(opts["window_size"])
+        if opts:
+            options[str(i)] = opts
     import transformers
 
     meta = {
@@ -881,6 +995,8 @@ def capture_from_record(rec: "_Recorder", model, src: ModelSource, input_ids: to
         "tokens": str(tokens),
         "causal": "true" if causal.pop() else "false",
         "explicit_mask_layers": ",".join(map(str, sorted(rec.masked & set(sel)))),
+        # per layer: window_size (FA3's (left, right)), softcap, sinks (tensor layers.{i}.sinks, one per head)
+        "attention_options": json.dumps(options, sort_keys=True) if options else "",
         "dtype": "float32",
         "layout": "layers.{i}.q: (heads, seq, head_dim); layers.{i}.k, .v: (kv_heads, seq, "
                   "head_dim); batch dimension (1) dropped; post-RoPE, before GQA repetition",

@@ -82,14 +82,22 @@ class Backend:
 
     def attention(self, recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                   q_index: torch.Tensor, rotation_seed: int, cache: dict,
-                  softmax_scale: float | None = None) -> torch.Tensor:
-        """Output rows ``q_index`` ([B, H, R, Dv], float64). ``softmax_scale`` None = 1/sqrt(head_dim)."""
+                  softmax_scale: float | None = None, **masking) -> torch.Tensor:
+        """Output rows ``q_index`` ([B, H, R, Dv], float64). ``softmax_scale`` None = 1/sqrt(head_dim).
+        ``masking``: ``window_size``, ``softcap``, ``sinks`` (``numerics/masking.py``), passed only
+        to a backend whose ``masking_refusal`` accepts them."""
         raise NotImplementedError
 
     def provenance(self) -> dict[str, str]:
         """Where the results come from, for a dataset's attributes (e.g. ``kernel_module``,
         ``kernel_version``); studies ask the backend rather than import its module."""
         return {}
+
+    def masking_refusal(self, mk) -> str | None:
+        """Why this backend cannot compute a sliding window, softcap or sinks (``numerics.masking.Masking``);
+        None when it can. Backends that never take them refuse every non-plain one."""
+        return None if mk.plain else (f"backend {self.name!r} computes plain (causal or full) attention only, not "
+                                      f"{mk.describe()}; use --backend emulate")
 
 
 class EmulateBackend(Backend):
@@ -105,11 +113,14 @@ class EmulateBackend(Backend):
             return f"{device}: only {torch.cuda.device_count()} GPU(s) are visible"
         return None
 
-    def attention(self, recipe, q, k, v, *, causal, q_index, rotation_seed, cache, softmax_scale=None):
+    def masking_refusal(self, mk) -> str | None:
+        return None
+
+    def attention(self, recipe, q, k, v, *, causal, q_index, rotation_seed, cache, softmax_scale=None, **masking):
         from ..numerics.emulator import emulate
 
         return emulate(recipe, q, k, v, causal=causal, softmax_scale=softmax_scale, q_index=q_index,
-                       rotation_seed=rotation_seed, cache=cache)
+                       rotation_seed=rotation_seed, cache=cache, **masking)
 
 
 # name -> (module that must import, "module:Class"); add entries to register new backends.

@@ -86,6 +86,8 @@ class Task:
     modules: tuple[str, ...] = ()  # imported first on a worker (they register what the task needs)
     softmax_scale: float | None = None
     probe: str = ""
+    # window_size / softcap / sinks of the attention (numerics/masking.py); empty: plain causal or full
+    masking: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -185,10 +187,11 @@ def compute_task(task: Task, cache_dir: str | None = None, threads: int = 0,
     if task.probe:
         extras = dict(_probe(task.probe)(task, q, k, v, q_index))
         ref = extras.pop("reference", None)
-    if ref is None:
+    if ref is None or task.masking:  # the statistics probe's reference is plain causal attention
         from ..numerics.reference import reference_attention
 
-        ref = reference_attention(q, k, v, causal=task.causal, softmax_scale=task.softmax_scale, q_index=q_index)
+        ref = reference_attention(q, k, v, causal=task.causal, softmax_scale=task.softmax_scale, q_index=q_index,
+                                  **task.masking)
     clock.done("reference")
     notes = []
     bad_ref = int((~torch.isfinite(ref)).sum())
@@ -205,9 +208,17 @@ def compute_task(task: Task, cache_dir: str | None = None, threads: int = 0,
         cache = shared.setdefault(ns, {}) if ns else shared
         if events is not None:
             events.job_start(job.slot)
+        if task.masking:
+            from ..numerics.masking import masking
+
+            mk = masking(task.causal, heads=q.shape[1], seqlen_q=q.shape[2], seqlen_k=k.shape[2], **task.masking)
+            why = backend.masking_refusal(mk)
+            if why is not None:
+                raise UsageError(f"{where}: {mk.describe()}: {why}")
         with _tile_hook(events):
             o = backend.attention(job.recipe, q, k, v, causal=task.causal, q_index=q_index,
-                                  rotation_seed=task.seed, cache=cache, softmax_scale=task.softmax_scale)
+                                  rotation_seed=task.seed, cache=cache, softmax_scale=task.softmax_scale,
+                                  **task.masking)
         vals = per_sample(o, ref)
         if job.against is not None:
             vals.update(compare_outputs(o, outputs[job.against], ref))

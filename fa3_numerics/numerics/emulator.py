@@ -36,6 +36,9 @@ Recipes of the field run through the same loop:
 - SageAttention 1 (``in``, ``iquant=triton``, ``loop=triton``, ``kpad``): the caller's 16-bit
   tensors, K smoothed in them, the Triton quantizer in float32 with the softmax scale folded into
   Q (``numerics/sage_quant.py``), and the Triton kernel's own loop (``numerics/sage_loop.py``).
+
+Sliding windows, soft-capping and sink logits (``window_size``, ``softcap``, ``sinks``) follow
+``numerics/masking.py``; without them every call takes the code path it took before they existed.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from .operands import cast_p, check_tiles, qk_granularity, quantize_qk, quantize
 from .quant import Quantized
 from .recipe import Recipe
 from .reference import causal_mask, expand_kv
+from . import masking as _mask
 from .rotation import make_rotation
 from .calibration import static_for
 from .sage_quant import LOG2E_SAGE, input_round, smooth_k_in, triton_quantize_int
@@ -124,7 +128,7 @@ class Prepared:
 
 def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_index: torch.Tensor,
             rotation_seed: int = 0, causal: bool = False, cache: dict | None = None,
-            softmax_scale: float | None = None) -> Prepared:
+            softmax_scale: float | None = None, mk: "_mask.Masking | None" = None) -> Prepared:
     """Rotate and quantize. Scales see every row of Q; only the rows in ``q_index`` are kept.
 
     ``cache`` (a dict the caller keeps for one set of inputs) shares rotated and quantized
@@ -135,7 +139,8 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     cache = {} if cache is None else cache
     b, h, n, d = q.shape
     hkv = k.shape[1]
-    bm, bn = recipe.tiles(d, causal)
+    bm, bn = recipe.tiles(d, causal) if mk is None else recipe.tiles(d, causal, local=mk.windowed,
+                                                                      softcap=bool(mk.softcap))
     g = recipe.gran
 
     def memo(key, fn):
@@ -253,15 +258,21 @@ def _trim(cache: dict, keep) -> None:
 
 def emulate(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
             softmax_scale: float | None = None, q_index: torch.Tensor | None = None, rotation_seed: int = 0,
-            cache: dict | None = None, stats: dict | None = None) -> torch.Tensor:
+            cache: dict | None = None, stats: dict | None = None, window_size: tuple[int, int] | None = None,
+            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output for the query rows ``q_index``: [B, H, R, Dv], float64 holding values
     of the output format. Pass the same ``cache`` for several recipes on the same inputs.
 
     ``stats``: a dict that receives ``"lse"``, the log-sum-exp the kernel saves for its
     backward ([B, H, R] float32, natural log of the sum of exp(softmax_scale * S); +inf for a
     row that sees no key), as FA3's ``softmax.finalize`` forms it (flash algorithm, deferred
-    normalisation only), with K smoothing's row shift added back. It changes no output."""
+    normalisation only), with K smoothing's row shift added back. It changes no output.
+
+    ``window_size`` (left, right), ``softcap`` and ``sinks`` ([H] logits): ``numerics/masking.py``."""
     _no_tf32()
+    mk = _mask.masking(causal, window_size, softcap, sinks, heads=q.shape[1], seqlen_q=q.shape[2], seqlen_k=k.shape[2])
+    causal = mk.causal
+    mk = None if mk.plain else mk  # the plain path stays exactly as it was
     d = q.shape[-1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     if q_index is None:
@@ -270,17 +281,20 @@ def emulate(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         return _amax_scaled_out(recipe, q, k, v, causal=causal, softmax_scale=scale, q_index=q_index,
                                 rotation_seed=rotation_seed, cache=cache, stats=stats)
     pre = prepare(recipe, q, k, v, q_index=q_index, rotation_seed=rotation_seed, causal=causal, cache=cache,
-                  softmax_scale=scale)
+                  softmax_scale=scale, mk=mk)
     if stats is not None and (recipe.algo != "flash" or recipe.norm != "deferred" or recipe.loop == "triton"):
         raise UsageError(f"recipe {recipe.short_str()}: only the flash algorithm with deferred normalisation saves the "
                          "log-sum-exp a backward reads (algo=flash, norm=deferred, loop=fa3)")
+    if mk is not None and (recipe.loop == "triton" or (mk.sinks is not None and recipe.norm == "tile")):
+        raise UsageError(f"recipe {recipe.short_str()}: {mk.describe()} is modelled for FA3's loop (loop=fa3) with "
+                         "deferred normalisation, and for algo=standard; drop loop=triton / norm=tile")
     if recipe.loop == "triton":
         from .sage_loop import flash_triton
 
         return flash_triton(recipe, pre, q_index, causal, scale)
     if recipe.algo != "flash":
-        return _standard(recipe, pre, q_index, causal, scale)
-    out = _flash(recipe, pre, q_index, causal, scale, stats)
+        return _standard(recipe, pre, q_index, causal, scale, mk)
+    out = _flash(recipe, pre, q_index, causal, scale, stats, mk)
     if stats is not None and recipe.smooth != "none":
         # Smoothing moves every score of row i by -scale Q_i . mean(K) (exact for the output, not for the
         # LSE): the LSE of the scores attention means is the smoothed one plus that shift, in float64
@@ -325,7 +339,7 @@ def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | float) -> torch.T
 
 
 def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, scale: float,
-           stats: dict | None = None) -> torch.Tensor:
+           stats: dict | None = None, mk: "_mask.Masking | None" = None) -> torch.Tensor:
     dev = pre.q.values.device
     qv = native.to_float32(pre.q.values)
     qd = pre.q.descale
@@ -368,6 +382,15 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
     else:
         sl2 = (base * (qd * kd).to(torch.float32)).to(torch.float32) if fold else torch.ones((), device=dev)
         scaled_s = fold
+    cap = None
+    if mk is not None and mk.softcap:
+        # FA3 with a softcap: S * (scale / softcap) [* q_descale * k_descale] goes through tanh, and
+        # scale_log2 becomes softcap * log2(e) with no descale in it (numerics/masking.py).
+        c_mult, c_l2 = _mask.softcap_constants(scale, mk.softcap)
+        c_mult = torch.tensor(c_mult, dtype=torch.float32, device=dev)
+        folded = fold and bias is None
+        cap = (c_mult * (qd * kd).to(torch.float32)).to(torch.float32) if folded else c_mult
+        sl2, scaled_s = torch.tensor(c_l2, dtype=torch.float32, device=dev), True
     v_end = vd if _uniform_per_head(vd) else None
     fa1 = recipe.norm == "tile"
 
@@ -377,7 +400,7 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
     rs4 = torch.zeros((b, h, r, 4), dtype=torch.float32, device=dev)
     l_fa1 = torch.zeros((b, h, r, 1), dtype=torch.float32, device=dev)  # norm=tile: the running row sum
     acc = torch.zeros((b, h, r, vn.shape[-1]), dtype=torch.float32, device=dev)
-    step = native.softmax_step(dev)
+    step = native.softmax_step(dev) if mk is None else None  # the C step knows causal masking only
     n_tiles = -(-nk // pre.block_n)
     tiles = range(n_tiles - 1, -1, -1) if recipe.order == "reverse" else range(n_tiles)
 
@@ -396,6 +419,8 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
         if causal:
             vis = causal_mask(q_index, s0, s1, pre.seqlen_q, nk)
             s = s.masked_fill(~vis, -math.inf)
+        if mk is not None and mk.windowed:
+            s = s.masked_fill(~_mask.visible(mk, q_index, s0, s1, pre.seqlen_q, nk), -math.inf)
         m_new = torch.maximum(m_in, s.amax(dim=-1, keepdim=True))
         # The kernel uses 0 in place of a -inf max, so fully masked rows give exp2(-inf) = 0.
         finite = torch.isfinite(m_new)
@@ -412,11 +437,17 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
         if tick is not None:  # progress hook
             tick(i_tile, n_tiles, "KV tiles")
         s0, s1 = t * pre.block_n, min(nk, (t + 1) * pre.block_n)
+        if mk is not None and mk.windowed and not _mask.any_visible(mk, q_index, s0, s1, pre.seqlen_q, nk):
+            continue  # FA3 never visits a KV tile outside every row's window
         k_t = native.to_float32(kn[:, :, s0:s1]).transpose(-1, -2)
         s = hopper_mma(qv, k_t, a_fmt=qk_elem, b_fmt=qk_elem) if mma_s else torch.matmul(qv, k_t)
         if bias is not None:
             desc = (qd * _rows_k(kd, s0, s1).transpose(-1, -2)).to(torch.float32)
             s = (s * desc).to(torch.float32) + bias[:, :, :, s0:s1].index_select(2, bias_blk)
+        if cap is not None:  # before the mask, as FA3's scoremod_premask_fn
+            if not folded and bias is None:
+                s = (s * (qd * _rows_k(kd, s0, s1).transpose(-1, -2)).to(torch.float32)).to(torch.float32)
+            s = _mask.softcap_tile(s, cap)
         v_t = native.to_float32(vn[:, :, s0:s1])
         if v_end is None:
             v_t = v_t * _rows_k(vd, s0, s1)
@@ -451,6 +482,8 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
         return write_out(o, recipe)
     # The kernel's final quad reduction (shuffle-xor by 2, then by 1).
     row_sum = _quad_total(rs4)
+    if mk is not None and mk.sinks is not None:
+        row_sum = _mask.sink_row_sum(row_sum, m, sl2, offset, mk, h)
     if stats is not None:
         stats["lse"] = _log_sum_exp(m, row_sum, sl2, offset)
     inv = torch.where((row_sum > 0) & torch.isfinite(row_sum), 1.0 / row_sum, torch.zeros_like(row_sum))
@@ -520,7 +553,8 @@ def _rows_k(d: torch.Tensor, s0: int, s1: int) -> torch.Tensor:
     return d[:, :, s0:s1] if d.shape[2] > 1 else d
 
 
-def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, scale: float,
+              mk: "_mask.Masking | None" = None) -> torch.Tensor:
     dev = pre.q.values.device
     s_fmt, sm_fmt = get_format(recipe.s), get_format(recipe.softmax)
     p_fmt = get_format(recipe.p) if family(recipe.p) == "float" else None
@@ -578,6 +612,8 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
         if not split:
             # A narrow S is scaled after the matmul, in its own format (a second rounding).
             s = quantize_dequantize(s * scale, s_fmt) if narrow_s else s * scale
+        if mk is not None:
+            return quantize_dequantize(_mask.softmax_rows32(s, mk, idx, hi, pre.seqlen_q, nk), sm_fmt)
         if not causal:
             return quantize_dequantize(torch.softmax(s, dim=-1), sm_fmt)
         vis = causal_mask(idx, 0, nk, pre.seqlen_q, nk)

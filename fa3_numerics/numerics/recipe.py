@@ -51,10 +51,11 @@ class _RecipeMethods:
         """Q and K stored in one byte or less (FP8, INT8/INT4, MXFP8, NVFP4)."""
         return is_narrow(self.qk)
 
-    def tiles(self, head_dim: int, causal: bool = False) -> tuple[int, int]:
+    def tiles(self, head_dim: int, causal: bool = False, *, local: bool = False,
+              softcap: bool = False) -> tuple[int, int]:
         """(kBlockM, kBlockN) with zeros filled from the FA3 kernel's table (its 1-byte tiles for
-        every narrow Q/K format, its 2-byte tiles otherwise)."""
-        m, n = fa3_tiles(head_dim, fp8=self.narrow, causal=causal)
+        every narrow Q/K format, its 2-byte tiles otherwise); ``local``: a sliding window."""
+        m, n = fa3_tiles(head_dim, fp8=self.narrow, causal=causal, local=local, softcap=softcap)
         return (self.bm or m, self.bn or n)
 
     def get(self, key: str):

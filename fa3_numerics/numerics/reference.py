@@ -2,6 +2,9 @@
 
 Exposed: ``reference_attention``, ``causal_mask``, ``expand_kv``.
 
+Sliding windows, soft-capping and sink logits (``window_size``, ``softcap``, ``sinks``) follow
+``numerics/masking.py``; without them the arithmetic is unchanged.
+
 Chunked over queries so memory per (batch, head) is O(chunk x seqlen_k), never
 O(seqlen^2). Causal masking is aligned bottom-right (query i sees keys j <= i +
 seqlen_k - seqlen_q), as FlashAttention aligns it. K and V may have fewer heads than Q
@@ -38,12 +41,17 @@ def causal_mask(q_pos: torch.Tensor, k_start: int, k_end: int, seqlen_q: int, se
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         softmax_scale: float | None = None, q_index: torch.Tensor | None = None,
-                        chunk: int | None = None) -> torch.Tensor:
+                        chunk: int | None = None, window_size: tuple[int, int] | None = None,
+                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(Q K^T * scale) V in float64 for the query rows ``q_index`` (all rows if None).
 
-    Returns [B, H, R, D]. Rows with no visible key (possible only when causal and
-    seqlen_q > seqlen_k) are 0, as FlashAttention returns.
+    Returns [B, H, R, D]. Rows with no visible key (causal with seqlen_q > seqlen_k, or a
+    window) are 0, as FlashAttention returns. ``window_size`` (left, right), ``softcap`` and
+    ``sinks`` ([H] logits joining each row's denominator) as in ``numerics/masking.py``.
     """
+    from .masking import masking, softcap64, visible
+
+    mk = masking(causal, window_size, softcap, sinks, heads=q.shape[1])
     b, h, n, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
@@ -65,12 +73,20 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
             for s in range(0, r, chunk):
                 e = min(r, s + chunk)
                 scores = torch.matmul(qh[s:e], kt).mul_(scale)
+                if mk.softcap:
+                    scores = softcap64(scores, mk.softcap)
                 if causal:
                     vis = causal_mask(q_index[s:e], 0, nk, n, nk)
                     scores.masked_fill_(~vis, -math.inf)
+                if mk.windowed:
+                    scores.masked_fill_(~visible(mk, q_index[s:e], 0, nk, n, nk), -math.inf)
                 m = scores.amax(dim=-1, keepdim=True)
+                if mk.sinks is not None:  # the sink joins the max (for range) and the denominator only
+                    m = torch.maximum(m, mk.sinks[hi].to(m.device).expand_as(m))
                 m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
                 p = scores.sub_(m).exp_()
                 den = p.sum(dim=-1, keepdim=True)
+                if mk.sinks is not None:
+                    den = den + torch.exp(mk.sinks[hi].to(m.device) - m)
                 out[bi, hi, s:e] = torch.matmul(p, vh) / torch.where(den > 0, den, torch.ones_like(den))
     return out

@@ -25,9 +25,23 @@ def check_head_dim(d: int) -> None:
         raise UsageError(f"head dim {d} is not supported by the FA3 kernel; use one of {', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
 
 
-def fa3_tiles(head_dim: int, *, fp8: bool, causal: bool = False) -> tuple[int, int]:
+# kBlockN where a local (sliding) window, or a window with a softcap, changes it (same function of
+# tile_size.h): head_dim -> kBlockN for 2-byte inputs with a window; for 1-byte inputs with a window
+# (_FP8_LOCAL) and with a window and a softcap (_FP8_LOCAL_SOFTCAP).
+_FP16_LOCAL = {64: 160, 96: 128, 128: 128, 192: 96, 256: 64}
+_FP8_LOCAL = {256: 64}
+_FP8_LOCAL_SOFTCAP = {128: 192, 192: 128, 256: 64}
+
+
+def fa3_tiles(head_dim: int, *, fp8: bool, causal: bool = False, local: bool = False,
+              softcap: bool = False) -> tuple[int, int]:
     check_head_dim(head_dim)
     if fp8:
-        return _FP8[head_dim]
+        m, n = _FP8[head_dim]
+        if local:
+            n = (_FP8_LOCAL_SOFTCAP if softcap else _FP8_LOCAL).get(head_dim, n)
+        return m, n
     m, n, n_causal = _FP16[head_dim]
+    if local:
+        return m, _FP16_LOCAL[head_dim]
     return m, (n_causal if causal else n)

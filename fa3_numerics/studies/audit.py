@@ -123,14 +123,17 @@ def tasks(cap, recipes: list[tuple[str, Recipe]], layers: list[int], *, backend:
     out = []
     for layer in layers:
         inputs = CaptureInputs(str(cap.path), layer) if cap.path else TensorInputs.of(*cap.qkv(layer))
+        opts = cap.attention_options(layer)
         cell = {"layer": layer, "causal": cap.causal, "softmax_scale": cap.scale, "tokens": cap.tokens}
+        if opts:  # only then, so that the cache keys of plain layers are the ones they always were
+            cell["masking"] = cap.attention_options_text(layer)
         keys = [cache_key(f"capture:{capture_sha256}", cell, seed, r.spec(), batch=1, heads=cap.heads,
                           kv_heads=cap.kv_heads, rows=rows, backend=backend, device=device,
                           study=(__name__, "fa3_numerics.studies.audit_stats"))
                 if capture_sha256 else "" for _, r in recipes]
         out.append(Task(inputs, cap.causal, seed, rows, backend, device,
                         [Job(i, r, key=k) for i, ((_, r), k) in enumerate(zip(recipes, keys))], hist_key=None,
-                        where=f"layer {layer}", softmax_scale=cap.scale, probe=PROBE))
+                        where=f"layer {layer}", softmax_scale=cap.scale, probe=PROBE, masking=opts))
     return out
 
 

@@ -157,6 +157,10 @@ def assemble(info: dict, ref, recipes, dec, map_layers, results: dict, audit_ds,
                                              for a in asg])
         data.update(_group(results, [a[4] for a in asg], (len(asg),), "asg_", ["assignment"], ref_ppl))
     attrs = _attrs(info, ref, results, data, labels, sweep, budget)
+    opts = getattr(ref.record, "options", None)
+    if opts:  # sliding windows, softcaps, sinks: what every pass computed in those layers
+        attrs["attention_options"] = {str(i): {k: ([float(x) for x in v] if k == "sinks" else v) for k, v in o.items()}
+                                      for i, o in sorted(opts.items())}
     if audit_ds is not None:
         _audit_link(audit_ds, recipes, sweep, data, coords, attrs)
     ds = xr.Dataset(data, coords=coords)

@@ -34,6 +34,7 @@ import torch
 from ..errors import UsageError, require
 from ..numerics.metrics import per_sample
 from ..numerics.recipe import Recipe
+from ..numerics.reference import reference_attention
 
 # Rows of the [rows, vocab] float64 blocks in which next-token distributions are compared
 # (bounds memory at 64 x vocab x 8 bytes per temporary, ~25 MB for a 49k vocabulary).
@@ -42,13 +43,29 @@ _SCORE_ROWS = 64
 _REF_ROWS = 128
 
 
-def _plain_causal(mask: torch.Tensor, n_q: int, n_k: int) -> bool:
-    """Whether an explicit mask is the plain causal one (queries aligned to the last keys), which
-    transformers releases before 5 pass where later ones pass None: a boolean mask True exactly
-    on and below the diagonal, or an additive one that is 0 there and hugely negative above it."""
+def _allowed(mk, n_q: int, n_k: int, device) -> torch.Tensor:
+    """Boolean [n_q, n_k]: the keys each query sees under causal masking and ``mk``'s window."""
+    from ..numerics.masking import visible
+
+    allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril(n_k - n_q)
+    win = visible(mk, torch.arange(n_q, device=device), 0, n_k, n_q, n_k) if mk is not None else None
+    return allowed if win is None else allowed & win
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, n_q, n_k] additive mask of ``allowed`` as eager attention adds it."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def _plain_causal(mask: torch.Tensor, n_q: int, n_k: int, mk=None) -> bool:
+    """Whether an explicit mask is the layer's own causal one (queries aligned to the last keys),
+    which transformers releases before 5 pass where later ones pass None, with the layer's sliding
+    window when ``mk`` has one: a boolean mask True exactly where a key is visible, or an additive
+    one that is 0 there and hugely negative elsewhere."""
     if mask.shape[-2:] != (n_q, n_k) or any(s != 1 for s in mask.shape[:-2]):
         return False
-    allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=mask.device).tril(n_k - n_q)
+    allowed = _allowed(mk, n_q, n_k, mask.device)
     m = mask.reshape(n_q, n_k)
     if m.dtype == torch.bool:
         return bool(torch.equal(m, allowed))
@@ -57,15 +74,16 @@ def _plain_causal(mask: torch.Tensor, n_q: int, n_k: int) -> bool:
 
 
 def causal_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask, kwargs: dict,
-                study: str) -> tuple[int, float]:
-    """(layer index, softmax scale) of one ``fa3n_capture`` attention call, which must be plainly
-    causal over unpadded sequences (every study that replaces a layer's attention checks this)."""
+                study: str, mk=None) -> tuple[int, float]:
+    """(layer index, softmax scale) of one ``fa3n_capture`` attention call, which must be causal
+    over unpadded sequences, with the layer's own sliding window where ``mk`` (its
+    ``numerics.masking.Masking``) has one (every study that replaces a layer's attention checks this)."""
     idx = int(module.layer_idx)
-    if attention_mask is not None and not all(_plain_causal(m[None], query.shape[-2], key.shape[-2])
+    if attention_mask is not None and not all(_plain_causal(m[None], query.shape[-2], key.shape[-2], mk)
                                               for m in attention_mask.reshape(-1, *attention_mask.shape[-2:])):
-        raise UsageError(f"layer {idx} got an explicit attention mask (padding, sliding window or a "
-                         f"non-causal model); {study} runs unpadded causal sequences through plainly "
-                         "causal layers only")
+        raise UsageError(f"layer {idx} got an explicit attention mask that is neither causal nor the layer's "
+                         f"causal sliding window (padding or a non-causal model); {study} runs unpadded causal "
+                         "sequences")
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
     require(bool(causal), f"layer {idx} is not causal; {study} supports causal language models")
@@ -246,28 +264,57 @@ class ModelRunner:
         self.nonfinite_attn = np.zeros(self.num_layers, dtype=np.int64)
         self.ref: Reference | None = None
         self._layer_tuple: bool | None = None
+        self._masking: dict[int, tuple] = {}  # layer -> (Masking or None, its keyword arguments)
         self._cap = cap
 
     # -- attention ---------------------------------------------------------------------------
+    def _layer_masking(self, idx: int, module, query, key, kwargs):
+        """(Masking or None when plain, its keyword arguments) of layer ``idx``, found once."""
+        key_ = (idx, query.shape[-2], key.shape[-2])
+        if key_ not in self._masking:
+            from ..numerics.masking import masking
+
+            opts = self._cap.attention_options(module, kwargs)
+            mk = masking(True, heads=query.shape[1], seqlen_q=query.shape[-2], seqlen_k=key.shape[-2], **opts)
+            self._masking[key_] = (None, {}) if mk.plain else (mk, {k: v for k, v in {
+                "window_size": mk.window if mk.windowed else None, "softcap": mk.softcap or None,
+                "sinks": mk.sinks}.items() if v is not None})
+        return self._masking[key_]
+
     def _attend(self, module, query, key, value, attention_mask, *args, **kwargs):
-        idx, scale = causal_call(module, query, key, attention_mask, kwargs, "impact")
+        causal = kwargs.get("is_causal")
+        causal = getattr(module, "is_causal", True) if causal is None else causal
+        mk, mkw = self._layer_masking(int(module.layer_idx), module, query, key, kwargs) if causal else (None, {})
+        idx, scale = causal_call(module, query, key, attention_mask, kwargs, "impact", mk=mk)
         rule = self.plan[idx]
         require(query.shape[0] == 1, "impact runs batch 1")
         if rule.kind == "sdpa":
+            q, k, v = (query, key, value)
             if rule.dtype == "bf16":
-                q, k, v = (t.to(torch.bfloat16) for t in (query, key, value))
-                out, _ = self._cap.sdpa_attention(module, q, k, v, None, *args, **kwargs)
+                q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+            if mk is not None and (mk.softcap or mk.sinks is not None):
+                # SDPA has no softcap or sinks: the model's own eager attention in that dtype stands in
+                eager = self._cap.eager_attention(module)
+                out, _ = eager(module, q, k, v, _additive(_allowed(mk, q.shape[-2], k.shape[-2], q.device), q.dtype),
+                               *args, **kwargs)
             else:
-                out, _ = self._cap.sdpa_attention(module, query, key, value, None, *args, **kwargs)
+                mask = None if mk is None else (attention_mask if attention_mask is not None else
+                                                 _allowed(mk, q.shape[-2], k.shape[-2], q.device)[None, None])
+                out, _ = self._cap.sdpa_attention(module, q, k, v, mask, *args, **kwargs)
             o64 = out.transpose(1, 2).to(torch.float64) if idx in self.keep else None
         else:
             q, k, v = (t.to(torch.float64) for t in (query, key, value))
             if rule.kind == "ref":
-                o = causal_attention64(q, k, v, scale)
+                o = causal_attention64(q, k, v, scale) if mk is None else reference_attention(
+                    q, k, v, causal=True, softmax_scale=scale, **mkw)
             else:
+                if mk is not None:
+                    why = self.backend.masking_refusal(mk)
+                    if why is not None:
+                        raise UsageError(f"layer {idx} ({mk.describe()}): {why}")
                 o = self.backend.attention(rule.recipe, q, k, v, causal=True,
                                            q_index=torch.arange(self.n, device=q.device),
-                                           rotation_seed=self.seed, cache={}, softmax_scale=scale)
+                                           rotation_seed=self.seed, cache={}, softmax_scale=scale, **mkw)
             o64 = o
             out = o.transpose(1, 2)
         # One reduction finds any NaN/Inf (they propagate through a sum); count only then.

@@ -238,7 +238,7 @@ def run_prepared(prep: dict, progress: Callable[[str], None] = _stderr):
     for layer in range(L):
         q, k, v = (x[layer].to(torch.float64) for x in (hrec.q, hrec.k, hrec.v))
         rel[:, layer] = screen_layer(be, [resolve(r, cid, layer) for _, r in run_recipes], q, k, v,
-                                     ref.attn[layer], scale=ref.scale, seed=seed)
+                                     ref.attn[layer], scale=ref.scale, seed=seed, masking=hrec.options.get(layer))
         for ci, (_, r) in enumerate(run_recipes):
             counts = saturation(resolve(r, cid, layer), q, k, v, seed=seed)
             for t, c in counts.items():

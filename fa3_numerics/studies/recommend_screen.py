@@ -17,16 +17,25 @@ from ..numerics.rotation import make_rotation
 from ..numerics.smoothing import smooth_k
 
 
-def screen_layer(backend, recipes, q, k, v, reference: torch.Tensor, *, scale: float, seed: int) -> np.ndarray:
+def screen_layer(backend, recipes, q, k, v, reference: torch.Tensor, *, scale: float, seed: int,
+                 masking: dict | None = None) -> np.ndarray:
     """rel_l2 per (recipe, head) of every query row, causal, against the float64 ``reference``
-    ([1, H, n, d]); one prepare cache per layer, so recipes that agree on V share it."""
+    ([1, H, n, d]); one prepare cache per layer, so recipes that agree on V share it. ``masking``:
+    the layer's window_size / softcap / sinks (``numerics/masking.py``), as the reference had them."""
     n = q.shape[2]
     idx = torch.arange(n, device=q.device)
+    if masking:
+        from ..errors import UsageError
+        from ..numerics.masking import masking as make_masking
+
+        why = backend.masking_refusal(make_masking(True, heads=q.shape[1], seqlen_q=n, seqlen_k=k.shape[2], **masking))
+        if why is not None:
+            raise UsageError(why)
     cache: dict = {}
     out = np.full((len(recipes), q.shape[1]), np.nan)
     for i, r in enumerate(recipes):
         o = backend.attention(r, q, k, v, causal=True, q_index=idx, rotation_seed=seed, cache=cache,
-                              softmax_scale=scale)
+                              softmax_scale=scale, **(masking or {}))
         out[i] = per_sample(o, reference.to(o.device))["rel_l2"][0]
     return out
 
