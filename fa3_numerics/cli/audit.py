@@ -100,12 +100,15 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                                   path, stem="audit", figure_dir="", formats=tuple(formats))
 
         def console(ds):
-            typer.echo(f"riskiest (layer, head) by {rank_metric} of {rank_by}:")
-            for r in rank(ds, by=rank_by, metric=rank_metric, top=min(top, 5)):
-                score = f"{r['score']:.3g}" if r["score"] == r["score"] else "non-finite"
-                typer.echo(f"  #{r['rank']} layer {r['layer']} head {r['head']}: {rank_metric} {score} "
-                           f"(worst {r['worst_variant']}); sink {r['sink_mass']:.2f}, P~ underflow "
-                           f"{r['p_underflow']:.3f}, K hot channel {r['k_hot']} (pair {r['k_hot_pair']})")
+            from ..report.console import table_text
+
+            rows = [[f"#{r['rank']}", r["layer"], r["head"],
+                     f"{r['score']:.3g}" if r["score"] == r["score"] else "non-finite", r["worst_variant"],
+                     f"{r['sink_mass']:.2f}", f"{r['p_underflow']:.3f}", f"{r['k_hot']} (pair {r['k_hot_pair']})"]
+                    for r in rank(ds, by=rank_by, metric=rank_metric, top=min(top, 5))]
+            typer.echo(table_text(["rank", "layer", "head", rank_metric, "worst variant", "sink mass", "P~ underflow",
+                                   "K hot channel"], rows, [False, True, True, True, False, True, True, False],
+                                  title=f"riskiest (layer, head) by {rank_metric} of {rank_by}:"))
             if budget is not None:
                 rec = recommend(ds, budget, metric=budget_metric)
                 typer.echo(f"budget {budget_metric} <= {budget:g}: " + ", ".join(
