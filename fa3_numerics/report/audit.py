@@ -21,7 +21,7 @@ from ..studies.audit import check_recommendations, rank, recommend
 from ..studies.audit_stats import STAT_DEFINITIONS
 from .audit_figures import channel_amax_figure, heatmap_errors, heatmap_stats, per_head
 from .document import Bullets, Document, Fig, Para, Section, Table, md_code, md_text
-from .format import column_format
+from ..text import column_format
 
 
 def nonfinite_lines(ds) -> list[str]:
@@ -42,7 +42,7 @@ def _err_fmt(values) -> callable:
 
 def _variant_table(ds) -> Table:
     from ..numerics.metrics import nonfinite_samples, pooled
-    from .format import fmt_value
+    from ..text import fmt_value
 
     rows, stats = [], []
     for i, lab in enumerate(ds["variant"].values):

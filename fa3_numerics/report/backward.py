@@ -15,7 +15,7 @@ from ..numerics.metrics import bootstrap_ci, nonfinite_samples, pooled
 from ..numerics.metrics.bootstrap import few_samples
 from ..studies.backward import GRAD_NAMES, GRADS, SHARE_STAGES, STAGES, stage_shares
 from .document import Table, md_table
-from .format import FEW, fmt_e, fmt_interval, nonfinite_text
+from ..text import FEW, fmt_e, fmt_interval, nonfinite_text
 from .summary import fmt_param, provenance_block
 
 _SAMPLE = ("seed", "batch", "head", "kv_head")

@@ -15,7 +15,7 @@ import xarray as xr
 
 from ..studies.compare import findings, sample_warnings
 from .document import Bullets, Document, Section, Table, md_code, md_text, render
-from .format import column_format, fmt_interval, nonfinite_text, ratio_format
+from ..text import column_format, fmt_interval, nonfinite_text, ratio_format
 
 
 def _plain(text) -> str:

@@ -60,19 +60,11 @@ def swept_dims(ds: xr.Dataset) -> list[str]:
 
 
 def reference_cell(ds: xr.Dataset) -> dict:
-    """The cell shown where a figure fixes a swept parameter: the paper's value when the
-    sweep has it, the longest sequence for seqlen, else the middle value."""
-    ref = {}
-    for d in swept_dims(ds):
-        vals = list(ds.coords[d].values)
-        pick = None
-        if d in PAPER_SETTING:
-            hits = [v for v in vals if np.isclose(float(v), float(PAPER_SETTING[d]))]
-            pick = hits[0] if hits else None
-        if pick is None:
-            pick = max(vals) if d == "seqlen" else vals[len(vals) // 2]
-        ref[d] = _py(pick)
-    return ref
+    """The cell shown where a figure fixes a swept parameter, as the run's study chose it (the
+    paper's value when the sweep has it, the longest sequence, else the middle value)."""
+    from .stored import findings_of
+
+    return dict(findings_of(ds)["reference_cell"])
 
 
 def figure_plan(ds: xr.Dataset) -> list[str]:
@@ -168,7 +160,7 @@ def _fmt_val(v) -> str:
 
 
 def _sci(x: float) -> str:
-    from .format import fmt_e
+    from ..text import fmt_e
 
     return "–" if x is None or not math.isfinite(x) else fmt_e(x)
 
@@ -246,7 +238,7 @@ def _variants(ctx: _Ctx) -> Figure:
                    facecolor="white" if in_setting else "none", edgecolor="black" if in_setting else "0.45",
                    linewidth=1.4 if in_setting else 1.1, label=label + " (just below each variant)")
         ax.legend(loc="lower right", fontsize=8.5)
-    from .format import column_format, fmt_interval
+    from ..text import column_format, fmt_interval
 
     fmt = column_format([x for r in rows for x in (r["value"], r["lo"], r["hi"], r["paper"])])
     for yi, r in zip(y, rows):

@@ -158,7 +158,7 @@ def heatmaps(ctx) -> Figure:
     import seaborn as sns
     from matplotlib.colors import LogNorm
 
-    from .format import column_format
+    from ..text import column_format
 
     ds = ctx.ds
     ps = [_py(v) for v in ds.coords["p"].values]

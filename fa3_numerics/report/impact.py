@@ -21,7 +21,7 @@ import numpy as np
 import xarray as xr
 
 from .document import Block, md_code, md_text
-from .format import fmt_e
+from ..text import fmt_e
 from .plots import Figure
 # KL values are plotted on log axes; exact zeros (a pass identical to the reference) sit here.
 KL_FLOOR = 1e-16

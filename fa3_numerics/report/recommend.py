@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .document import Bullets, Document, Para, Section, Table, write_document
-from .format import fmt_e
+from ..text import fmt_e
 
 
 def _m(v: dict) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .document import Bullets, Document, Fig, Para, Section, Table, md_code, md_text, render
-from .format import fmt_f
+from ..text import fmt_f
 from .plots import Figure, finish, new_fig, plain_ticks, theme
 
 
