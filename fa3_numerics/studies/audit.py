@@ -227,7 +227,9 @@ def audit(capture, *, variants: str | list[str] | None = None, backend: str = "e
             dims = ["layer", "kv_head", "k_block"]
         ds[name] = (dims, arr, {"description": (f"{tensor.upper()}: " if name != key else "") + desc})
     ds.attrs["wall_seconds"] = round(time.perf_counter() - t_start, 3)
-    return ds
+    from .audit_findings import with_findings
+
+    return with_findings(ds)
 
 
 # --------------------------------------------------------------------------------------------
