@@ -1,5 +1,6 @@
 """The report of a ``recommend`` study: the verdict first, then the evidence. Reads the dataset only
-(``studies.recommend_dataset.findings`` and its variables); computes nothing the study did not.
+(its ``findings`` attribute, written by ``studies.recommend_dataset``, and its variables);
+computes nothing the study did not.
 
 Exposed: ``recommend_document``, ``render_recommend``.
 """
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .document import Bullets, Document, Para, Section, Table, write_document
+from .document import Bullets, Document, Para, Section, Table, Verdict, write_document
+from .stored import findings_of
 from ..text import fmt_e
 
 
@@ -57,13 +59,11 @@ def _verdict(f: dict) -> list:
                                                 "no statistic over its threshold")
                      + (f"; measured, the largest rel_l2 reduction comes from {meas}" if meas else "") + ".")
     lines.append(f"Budget: {budget}.")
-    return [Para(line, role="headline") for line in lines]
+    return [Verdict(lines)]
 
 
 def recommend_document(ds) -> Document:
-    from ..studies.recommend_dataset import findings
-
-    f = findings(ds)
+    f = findings_of(ds)
     doc = Document(f"recommend: {f['model']} on {f['target']}")
     doc.lead = _verdict(f) + [Para(f"Calibration: {f['texts']['calibration']}; held-out: {f['texts']['held_out']}; "
                                    f"reference ppl {f['reference_ppl']:.4g}; accumulator {f['accumulator']}; "
