@@ -19,7 +19,7 @@ import math
 import numpy as np
 import xarray as xr
 
-from ..engine.dataset import paper_setting, summary_table
+from ..engine.dataset import summary_table
 from .document import Bullets, Document, Fig, Para, Section, Table, md_code, md_text
 from .figures import SYMBOL, Figure, _eq, _fmt_val, paper_setting_text, reference_cell, swept_dims
 from .stored import findings_of, verdict_block
