@@ -113,6 +113,7 @@ def seqlen(ctx) -> Figure:
             if j == 0:
                 ax.set_ylabel(METRIC_LABEL.get(ctx.metric, ctx.metric) if nr == 1 else ctx.metric.upper())
     handles, labels = _legend_entries(axes)
+    _fit_legend(fig, labels)
     fig.legend(handles, labels, loc="outside right center", title="variant", ncols=1 + len(labels) // 16,
                fontsize=9 if len(labels) <= 16 else 7)
     other = ctx.where(keep=("seqlen",) + tuple(fdims))
@@ -124,6 +125,17 @@ def seqlen(ctx) -> Figure:
                + (f"; {setting}" if setting else "") + ". Points of different lines are shifted slightly "
                "sideways so that their intervals do not overlap. " + _merged_text(merged) + _samples_text(ctx))
     return finish(fig, "seqlen", "Error against sequence length", caption)
+
+
+def _fit_legend(fig, labels: list[str]) -> None:
+    """Make the figure at least as tall as its legend (one column per 16 entries, a line each,
+    two for a label that wraps past 48 characters): a legend taller than the axes beside it
+    would stand out of the figure or squash the panels."""
+    per_col = min(len(labels), 16)
+    lines = sum(2 if len(t) > 48 else 1 for t in labels[:per_col])
+    need = 0.24 * lines + 1.3  # inches: entries at 9 pt with spacing, the title and the margins
+    if fig.get_figheight() < need:
+        fig.set_figheight(need)
 
 
 def _legend_entries(axes):
@@ -192,8 +204,8 @@ def heatmaps(ctx) -> Figure:
                     annot_kws={"fontsize": 10}, linewidths=0.6, linecolor="white", square=False,
                     xticklabels=[_fmt_val(p) for p in ps], yticklabels=[_fmt_val(s) for s in sigmas[::-1]])
         ax.set_title(v, fontsize=11.5)
-        ax.set_xlabel("p (outlier probability)" if k // ncol == nrow - 1 else "", fontsize=10.5)
-        ax.set_ylabel("σ (outlier std)" if k % ncol == 0 else "", fontsize=10.5)
+        ax.set_xlabel(LABELS["p"] if k // ncol == nrow - 1 else "", fontsize=10.5)
+        ax.set_ylabel(LABELS["sigma"] if k % ncol == 0 else "", fontsize=10.5)
         ax.tick_params(axis="both", labelsize=10)
         ax.tick_params(axis="y", rotation=0)
     for k in range(nv, nrow * ncol):
@@ -204,12 +216,12 @@ def heatmaps(ctx) -> Figure:
     cb = fig.colorbar(sm, ax=axes.ravel().tolist(), fraction=0.025, pad=0.02)
     cb.set_label(f"{ctx.metric.upper()} (log colour scale)", fontsize=10.5)
     setting = ", ".join(x for x in (ctx.where(keep=("p", "sigma")), ctx.fixed_text()) if x)
-    fig.suptitle(f"{ctx.metric.upper()} over outlier probability p and outlier std σ"
+    fig.suptitle(f"{ctx.metric.upper()} over {SYMBOL['p']} and {SYMBOL['sigma']}"
                  + (f"\n{setting}" if setting else ""), fontweight="bold")
-    caption = (f"{ctx.metric.upper()} per variant over (p, σ), one shared logarithmic colour scale"
+    caption = (f"{ctx.metric.upper()} per variant over ({SYMBOL['p']}, {SYMBOL['sigma']}), one shared logarithmic colour scale"
                + (f"; {setting}" if setting else "") + ". Each cell shows the pooled value and the half-width "
                "of its 95% interval relative to the value. " + _samples_text(ctx))
-    return finish(fig, "heatmap_p_sigma", "Error over (p, σ)", caption)
+    return finish(fig, "heatmap_p_sigma", f"Error over ({SYMBOL['p']}, {SYMBOL['sigma']})", caption)
 
 
 def versus(ctx, dim: str) -> Figure:
@@ -232,6 +244,7 @@ def versus(ctx, dim: str) -> Figure:
     ax.set_xlabel(LABELS.get(dim, dim) + " (evenly spaced categories)")
     ax.set_ylabel(METRIC_LABEL.get(ctx.metric, ctx.metric))
     handles, names = ax.get_legend_handles_labels()
+    _fit_legend(fig, names)
     fig.legend(handles, names, loc="outside right center", title="variant", ncols=1 + len(names) // 16,
                fontsize=9 if len(names) <= 16 else 7)
     setting = ", ".join(x for x in (ctx.where(keep=(dim,)), ctx.fixed_text()) if x)

@@ -178,19 +178,40 @@ def finish(fig, name: str, title: str, caption: str, alt: str = "") -> Figure:
 
 
 def plain_ticks(ax, axis: str = "y", minor: bool = False) -> None:
-    """Plain tick labels on a log axis that spans at most four decades (0.02, 0.05 rather than
-    2 x 10^-2: 3 significant digits), minor labels only where it spans less than a factor of 6
-    (more crowd a decade). A wider axis keeps matplotlib's 10^n labels: one format for all ticks,
-    where plain numbers would mix 1e-05 with 0.0001."""
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    """Readable tick labels on a log axis that spans at most four decades, in plain numbers
+    (0.02, 0.05 rather than 2 x 10^-2: 3 significant digits), never a single label:
 
-    fmt = FuncFormatter(lambda v, _: f"{v:.3g}")
+    - less than about a decade and a half (ratios near 1, one decade of RMSE): evenly spaced
+      round values (0.9, 1, 1.1; or 2e-3, 4e-3, 6e-3), at least three of them;
+    - up to four decades: 1, 2 and 5 of each decade (1 and 3 past two decades).
+
+    A wider axis keeps matplotlib's 10^n labels: one format for all ticks, where plain numbers
+    would mix 1e-05 with 0.0001. ``minor`` is accepted for callers that asked for minor labels
+    on narrow axes; the rules above label every axis that spans less than four decades."""
+    import math
+
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, MaxNLocator, NullFormatter, NullLocator
+
     target = ax.yaxis if axis == "y" else ax.xaxis
     lo, hi = ax.get_ylim() if axis == "y" else ax.get_xlim()
-    if not (0 < lo < hi) or hi / lo > 1e4 or lo < 1e-4:
+    lo, hi = min(lo, hi), max(lo, hi)
+    if not (0 < lo < hi) or hi / lo > 1e4 or lo < 1e-6:
         return
-    target.set_major_formatter(fmt)
-    target.set_minor_formatter(fmt if minor and hi < 2.5 * lo else NullFormatter())
+    decades = math.log10(hi / lo)
+    sig = FuncFormatter(lambda v, _: f"{v:.3g}")
+    if decades < 1.2:
+        for nbins in (4, 6, 8, 10):
+            locs = [v for v in MaxNLocator(nbins=nbins, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi)
+                    if lo <= v <= hi and v > 0]
+            if len(locs) >= 3:
+                break
+        target.set_major_locator(FixedLocator(locs))
+    else:
+        subs = (1.0, 2.0, 5.0) if decades <= 2.2 else (1.0, 3.0)
+        target.set_major_locator(LogLocator(base=10, subs=subs))
+    target.set_major_formatter(sig)
+    target.set_minor_locator(NullLocator())
+    target.set_minor_formatter(NullFormatter())
 
 
 __all__ = ["Figure", "DPI", "theme", "colorblind", "COLORBLIND", "new_fig", "finish", "plain_ticks"]

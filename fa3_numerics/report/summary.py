@@ -21,10 +21,10 @@ from ..engine.conventions import attr_list
 from ..engine.dataset import summary_table
 from ..numerics.metrics.bootstrap import MIN_SAMPLES, few_samples
 from .document import Table, md_code, md_table, md_text
+from .figures import SYMBOL
 from ..text import FEW, column_format, fmt_interval, fmt_ratio, fmt_value
 
 _ROW_KEYS = ("variant", "value", "lo", "hi", "n", "nonfinite", "paper", "ratio")
-SYMBOL = {"p": "p", "sigma": "σ", "seqlen": "seqlen", "head_dim": "head dim", "causal": "causal"}
 
 
 def cell_keys(rows: list[dict]) -> list[str]:

@@ -26,7 +26,7 @@ from ..engine.dataset import PAPER_SETTING, SAMPLE_DIMS, paper_setting, summary_
 from ..text import column_format, fmt_interval, md_code
 from .findings import store, stored
 
-SYMBOL = {"p": "p", "sigma": "σ", "seqlen": "seqlen", "head_dim": "head dim", "causal": "causal"}
+_SHAPE = {"seqlen": "seqlen", "head_dim": "head dim", "causal": "causal"}
 WIDE = ("fp16", "bf16", "fp32", "fp64")  # 16-bit and wider: the references a low-precision recipe is held against
 SIXTEEN = ("fp16", "bf16")
 
@@ -84,8 +84,15 @@ def precision_class(spec: str) -> str:
     return "16-bit" if all(f in SIXTEEN for f in fmts) else "wide"
 
 
+def _sym(d: str) -> str:
+    """A parameter as reports write it: the shape's words, else its family's symbol (σ for sigma)."""
+    from ..data.distributions import param_symbol
+
+    return _SHAPE.get(d) or param_symbol(d)
+
+
 def _cell(where: dict) -> str:
-    return ", ".join(f"{SYMBOL.get(d, d)}={_fmt_val(v)}" for d, v in where.items())
+    return ", ".join(f"{_sym(d)}={_fmt_val(v)}" for d, v in where.items())
 
 
 def _at(rows: list[dict], ref: dict) -> list[dict]:
@@ -231,7 +238,7 @@ def _trend(ds: xr.Dataset, rows: list[dict], ref: dict, d: str, metric: str) -> 
         return ""
     lo_v, hi_v = min(change, key=change.get), max(change, key=change.get)
     at = f" ({_cell(others)})" if others else ""
-    span = f"{SYMBOL.get(d, d)} {_fmt_val(first)} → {_fmt_val(last)}{at}"
+    span = f"{_sym(d)} {_fmt_val(first)} → {_fmt_val(last)}{at}"
     if lo_v == hi_v:
         return f"**Along {span}:** {metric.upper()} changes ×{change[lo_v]:.2f} ({md_code(lo_v)})."
     word = "grows" if change[lo_v] > 1 else "falls" if change[hi_v] < 1 else "changes"
