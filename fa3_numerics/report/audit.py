@@ -64,25 +64,28 @@ def _variant_table(f: dict) -> Table:
                          "for random inputs (N(0,1) + outliers, seqlen 8192, dim 128, non-causal), for scale only.")
 
 
-def _ranking_table(ds, ranking: list[dict], metric: str) -> Table:
+def _ranking_tables(ds, ranking: list[dict], metric: str) -> list[Table]:
+    """The riskiest heads as two tables that each fit the page: their errors per variant, then
+    the statistics that explain them (one table of both ran past 1400 px)."""
     labels = [str(v) for v in ds["variant"].values]
     fmt = _err_fmt([_n(r["errors"][lab]) for r in ranking for lab in labels])
-    head = (["rank", "layer", "head"] + [f"{metric} {md_code(lab)}" for lab in labels] +
-            ["Q hot ch (pair), hot/median", "K hot ch (pair), hot/median", "Q max/rms", "K max/rms", "V max/rms",
-             "K mu max -> after H", "sink mass", "P~ underflow", "K block amax max/median"])
-    body = []
+    errors, stats = [], []
     for r in ranking:
-        cols = [str(r["rank"]), str(r["layer"]), str(r["head"])]
-        cols += [f"**{fmt(_n(r['errors'][lab]))}**" if lab == r["worst_variant"] else fmt(_n(r["errors"][lab]))
-                 for lab in labels]
-        cols += [f"{r['q_hot']} ({r['q_hot_pair']}), {r['q_hot_ratio']:.1f}",
-                 f"{r['k_hot']} ({r['k_hot_pair']}), {r['k_hot_ratio']:.1f}",
-                 f"{r['q_max_over_rms']:.1f}", f"{r['k_max_over_rms']:.1f}", f"{r['v_max_over_rms']:.1f}",
-                 f"{r['k_mu_max']:.1f} -> {r['k_mu_rot_max']:.1f}", f"{r['sink_mass']:.2f}",
-                 f"{r['p_underflow']:.3f}", f"{r['k_block_ratio']:.2f}"]
-        body.append(cols)
-    numeric = [True, True, True] + [True] * len(labels) + [False, False, True, True, True, False, True, True, True]
-    return Table(head, body, numeric)
+        key = [str(r["rank"]), str(r["layer"]), str(r["head"])]
+        errors.append(key + [f"**{fmt(_n(r['errors'][lab]))}**" if lab == r["worst_variant"] else fmt(_n(r["errors"][lab]))
+                             for lab in labels])
+        stats.append(key + [f"{r['q_hot']} ({r['q_hot_pair']}), {r['q_hot_ratio']:.1f}",
+                            f"{r['k_hot']} ({r['k_hot_pair']}), {r['k_hot_ratio']:.1f}",
+                            f"{r['q_max_over_rms']:.1f}", f"{r['k_max_over_rms']:.1f}", f"{r['v_max_over_rms']:.1f}",
+                            f"{r['k_mu_max']:.1f} -> {r['k_mu_rot_max']:.1f}", f"{r['sink_mass']:.2f}",
+                            f"{r['p_underflow']:.3f}", f"{r['k_block_ratio']:.2f}"])
+    key = ["rank", "layer", "head"]
+    return [Table(key + [f"{metric} {md_code(lab)}" for lab in labels], errors, [True] * (3 + len(labels)),
+                  caption=f"{metric} of each variant; the worst variant of each head in bold."),
+            Table(key + ["Q hot ch (pair), hot/median", "K hot ch (pair), hot/median", "Q max/rms", "K max/rms",
+                         "V max/rms", "K mu max -> after H", "sink mass", "P~ underflow", "K block amax max/median"],
+                  stats, [True, True, True, False, False, True, True, True, False, True, True, True],
+                  caption="What the same heads hold (K statistics of the head's KV head).")]
 
 
 def _recommendation_table(rec: dict) -> Table:
@@ -161,7 +164,7 @@ def audit_report_document(ds, f: dict | None = None) -> Document:
         Para(f"Ranked by {rank_metric} (= ||O - O_ref|| / ||O_ref||, fair across layers whose outputs differ in "
              f"scale by 100x; RMSE is in the dataset) of {by}; the worst variant of each head in bold. K statistics "
              "are those of the head's KV head."),
-        _ranking_table(ds, ranking, rank_metric)]))
+        *_ranking_tables(ds, ranking, rank_metric)]))
     if rec is not None:
         problems = f["problems"]
         doc.sections.append(Section("Recommendation per layer", [

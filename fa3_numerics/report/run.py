@@ -55,10 +55,16 @@ def _cell(where: dict) -> str:
     return ", ".join(f"{SYMBOL.get(d, d)}={_fmt_val(v)}" for d, v in where.items())
 
 
-def _other_metrics(ds: xr.Dataset, ref: dict, metric: str = "rmse") -> Table | None:
+PER_TABLE = 3  # metrics per table: a value and its interval each, so that a table fits the page
+
+
+def _other_metrics(ds: xr.Dataset, ref: dict, metric: str = "rmse") -> list[Table]:
+    """The other metrics at the reference cell, a few per table (one table of all ran past the page)."""
     ms = other_metrics(ds, metric)
-    if not ms:
-        return None
+    return [_metrics_table(ds, ref, ms[i:i + PER_TABLE]) for i in range(0, len(ms), PER_TABLE)]
+
+
+def _metrics_table(ds: xr.Dataset, ref: dict, ms: list[str]) -> Table:
     tables = {m: {r["variant"]: r for r in summary_table(ds, m) if all(_eq(r[d], v) for d, v in ref.items())}
               for m in ms}
     fmts = {m: column_format([x for r in tables[m].values() for x in (r["value"], r["lo"], r["hi"])]) for m in ms}
@@ -112,8 +118,8 @@ def build_document(ds: xr.Dataset, figures: list[Figure], rows: list[dict], metr
                                     list(pivot_tables(ds, rows, metric, ref, found.get("low_precision")))))
     doc.sections.append(Section("Figures", [Fig(f) for f in figures]))
     other = _other_metrics(ds, ref, metric)
-    if other is not None:
-        doc.sections.append(Section("Other metrics" + (f" at {_cell(ref)}" if ref else ""), [other]))
+    if other:
+        doc.sections.append(Section("Other metrics" + (f" at {_cell(ref)}" if ref else ""), other))
     table = full_table(ds, metric, rows)
     table.long = len(table.rows) > LONG_TABLE
     table.summary = f"Every cell: {metric.upper()}, interval, samples and the paper's value"

@@ -187,7 +187,8 @@ def _table(df) -> dict:
 
 def readable_labels(ds: xr.Dataset, variants) -> dict[str, str]:
     """Each recipe as the factors where it differs from the defaults ("gran=block, rot=hadamard"),
-    its name where it is a named recipe: a label of every level joined by "|" reads as noise."""
+    led by its name where it is a named recipe: a label of every level joined by "|" reads as
+    noise. The levels are the dataset's own (its factor coordinates)."""
     from ..numerics.keys import factors as registered
     from .effects import dataset_factors
 
@@ -196,12 +197,9 @@ def readable_labels(ds: xr.Dataset, variants) -> dict[str, str]:
     named = {v: k for k, v in named_variants(ds).items()}
     out = {}
     for v in variants:
-        levels = str(v).split("|")
-        if len(levels) != len(fs):
-            out[str(v)] = str(v)
-            continue
-        diff = [f"{f}={lvl}" for f, lvl in zip(fs, levels) if f not in reg or lvl != reg[f].default]
-        text = ", ".join(diff) or "the base recipe"
+        levels = {f: str(ds[f].sel(variant=v).item()) for f in fs}
+        diff = [f"{f}={lvl}" for f, lvl in levels.items() if lvl and (f not in reg or lvl != reg[f].default)]
+        text = ", ".join(diff) or "all defaults"
         out[str(v)] = f"{named[v]}: {text}" if v in named else text
     return out
 
