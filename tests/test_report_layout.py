@@ -60,12 +60,12 @@ def _text_boxes(fig):
         for axis, which in ((ax.xaxis, "x"), (ax.yaxis, "y")):
             add(f"axes {i} {which}label", axis.label)
             lo, hi = sorted(axis.get_view_interval())
-            span = hi - lo
             for kind, ticks in (("major", axis.get_major_ticks()), ("minor", axis.get_minor_ticks())):
                 for t in ticks:
                     loc = t.get_loc()
-                    if loc is None or not (lo - 1e-9 * abs(span) <= loc <= hi + 1e-9 * abs(span)):
-                        continue  # not drawn
+                    # each bound's own tolerance: on a log axis a span-wide one would admit decades
+                    if loc is None or not (lo - 1e-9 * abs(lo) <= loc <= hi + 1e-9 * abs(hi)):
+                        continue  # outside the view: not drawn
                     for lab in (t.label1, t.label2):
                         if lab.get_visible() and lab.get_text():
                             out.append((f"axes {i} {which} {kind} tick {lab.get_text()!r}", lab.get_window_extent(r)))

@@ -65,7 +65,7 @@ def ablation_document(ds: xr.Dataset, *, dataset_path=None, n_boot: int | None =
         settings = {"n_boot": int(n_boot)}
         ds = ds.copy()
         ds.attrs["findings_n_boot"] = int(n_boot)
-    f = findings_of(ds, settings)
+    f = findings_of(ds, settings, kind="ablation")
     tabs = {k: _frame(t) for k, t in f["tables"].items()}
     me, it, per_data, blk, seq = (tabs[k] for k in ("effects", "interactions", "effects_per_data", "block_quant",
                                                     "seqlen"))

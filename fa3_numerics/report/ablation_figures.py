@@ -48,7 +48,9 @@ def fig_main_effects(me) -> Figure:
     factors = list(dict.fromkeys(me["factor"]))
     cols = min(4, len(factors))
     rows = -(-len(factors) // cols)
-    fig, axes = new_fig(3.6 * cols, 3.0 * rows, rows, cols)
+    # rotated level names hang below each panel: rows grow with the longest one
+    longest = max((len(str(x)) for x in me["level"]), default=4)
+    fig, axes = new_fig(3.6 * cols, (2.6 + 0.055 * longest) * rows, rows, cols)
     pal = sns.color_palette()
     for ax, f in zip(axes.flat, factors):
         sub = me[me["factor"] == f]
@@ -61,9 +63,10 @@ def fig_main_effects(me) -> Figure:
             ax.set_yscale("log")
             plain_ticks(ax, "y", minor=True)
         ax.set_title(f"{f} (×{sub['size'].iloc[0]:.2f}, {int(sub['sets'].iloc[0])} sets)", fontsize=10)
-        ax.set_ylabel("RMSE / matched-set mean")
     for ax in list(axes.flat)[len(factors):]:
         ax.axis("off")
+    # one label for the figure: per panel it stood under the level names of the panel beside it
+    fig.supylabel("RMSE / matched-set mean", fontsize=10)
     fig.suptitle("Main effects on RMSE (geometric, matched sets; 95% BCa intervals)", fontsize=11)
     return _done(ctx, fig, "main_effects", "Main effects",
                  "Each level's RMSE relative to the geometric mean over the factor's levels in the same matched set "

@@ -118,14 +118,14 @@ def audit_document(ds, *, top: int = 10, budget: float | None = None, budget_met
     if (json.loads(ds.attrs["findings"]).get("settings") if ds.attrs.get("findings") else None) != settings:
         ds = ds.copy()  # the settings asked for, recorded where the study's findings read them
         ds.attrs.update({**settings, "budget": "" if budget is None else budget})
-    return audit_report_document(ds, findings_of(ds, settings))
+    return audit_report_document(ds, findings_of(ds, settings, kind="audit"))
 
 
 def audit_report_document(ds, f: dict | None = None) -> Document:
     """The audit report of ``ds`` from the findings it holds (what ``report`` renders for kind ``audit``)."""
     from .summary import provenance_items
 
-    f = findings_of(ds) if f is None else f
+    f = findings_of(ds, kind="audit") if f is None else f
     s = f["settings"]
     rank_by, rank_metric = s["rank_by"], s["rank_metric"]
     ranking, rec = f["ranking"], f["recommendation"]

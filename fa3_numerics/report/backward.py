@@ -22,7 +22,7 @@ def _n(x) -> float:
 
 
 def _cell(ds, where: dict) -> dict:
-    f = findings_of(ds)
+    f = findings_of(ds, kind="backward")
     for c in f["cells"]:
         if all(c["where"].get(k) == v for k, v in where.items()) and len(c["where"]) == len(where):
             return c
@@ -37,7 +37,7 @@ def _figure(x: dict) -> str:
 
 def gradient_table(ds, where: dict, metric: str = "rel_l2") -> Table:
     """Per variant: ``metric`` of O, dQ, dK, dV (stage ``full``) with intervals."""
-    f = findings_of(ds)
+    f = findings_of(ds, kind="backward")
     grads = f["grads"]
     per = _cell(ds, where)["gradients"][metric]
     rows = [[md_code(v)] + [_figure(per[v][g]) for g in grads] for v in per]
@@ -47,7 +47,7 @@ def gradient_table(ds, where: dict, metric: str = "rel_l2") -> Table:
 def attribution_rows(ds, where: dict) -> list[list[str]]:
     """Per (variant, gradient): the share of each stage's MSE, the additivity ratio, and ``fwd+s``'s
     MSE relative to the full recipe's."""
-    stages = findings_of(ds)["share_stages"]
+    stages = findings_of(ds, kind="backward")["share_stages"]
     out = []
     for r in _cell(ds, where)["attribution"]:
         ratio = r["fwd_s_over_full"]
@@ -58,7 +58,7 @@ def attribution_rows(ds, where: dict) -> list[list[str]]:
 
 def backward_document(ds) -> Document:
     """The report of a backward dataset (what ``report`` renders for kind ``backward``)."""
-    f = findings_of(ds)
+    f = findings_of(ds, kind="backward")
     doc = Document("Backward pass: gradient error of low-precision attention", verdict_block(f) + [Para(
         f"Distribution {md_code(ds.attrs.get('dist'))}; every query row; dO ~ N(0, 1) ({md_text(ds.attrs.get('do_seed'))}); "
         f"reference: {md_text(ds.attrs.get('reference'))}. Figures: pooled over (seed, batch, head) samples with 95% BCa "

@@ -78,7 +78,7 @@ def reference_cell(ds: xr.Dataset) -> dict:
     paper's value when the sweep has it, the longest sequence, else the middle value)."""
     from .stored import findings_of
 
-    return dict(findings_of(ds)["reference_cell"])
+    return dict(findings_of(ds, kind="run")["reference_cell"])
 
 
 def figure_plan(ds: xr.Dataset) -> list[str]:

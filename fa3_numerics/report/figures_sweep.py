@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from .figures import LABELS, METRIC_LABEL, SYMBOL, _eq, _err, _fmt_val, _positive, _py, _samples_text, coinciding
-from .plots import Figure, finish, new_fig, plain_ticks
+from .plots import Figure, colorbar_ticks, finish, new_fig, plain_ticks
 
 
 def _facets(ctx, exclude: tuple[str, ...]) -> tuple[list[str], list[list]]:
@@ -215,6 +215,7 @@ def heatmaps(ctx) -> Figure:
     sm = ScalarMappable(norm=norm, cmap=cmap)
     cb = fig.colorbar(sm, ax=axes.ravel().tolist(), fraction=0.025, pad=0.02)
     cb.set_label(f"{ctx.metric.upper()} (log colour scale)", fontsize=10.5)
+    colorbar_ticks(cb)
     setting = ", ".join(x for x in (ctx.where(keep=("p", "sigma")), ctx.fixed_text()) if x)
     fig.suptitle(f"{ctx.metric.upper()} over {SYMBOL['p']} and {SYMBOL['sigma']}"
                  + (f"\n{setting}" if setting else ""), fontweight="bold")

@@ -102,6 +102,7 @@ def fig_kl_distribution(ds) -> Figure:
 def fig_layer_sensitivity(ds) -> Figure:
     pal = _theme()
     fig, axes = _new(10, 5.2, 2, 1, sharex=True, height_ratios=[2.2, 1])
+    fig.get_layout_engine().set(hspace=0.06)  # the panels' end tick labels would touch
     layers = ds["layer"].values
     for i, v in enumerate(ds["variant"].values):
         y = np.maximum(ds["layer_kl_mean"].sel(variant=v).values, KL_FLOOR)
@@ -111,7 +112,7 @@ def fig_layer_sensitivity(ds) -> Figure:
     axes[0][0].set_yscale("log")
     axes[0][0].set_ylabel("mean KL, nats (log)")
     axes[0][0].legend(fontsize=7, ncol=3)
-    axes[1][0].set_ylabel("top-1 changed, %")
+    axes[1][0].set_ylabel("top-1\nchanged (%)")  # two lines: one would stand taller than the panel
     axes[1][0].set_xlabel("the one layer that runs the variant")
     cap = ("Each point is a full model pass in which only that layer computes attention with the variant and every "
            "other layer uses float64 attention. Top: mean KL over tokens; bottom: share of tokens whose most likely "
@@ -284,13 +285,16 @@ def _decode_table(ds) -> str:
     return "\n".join(lines)
 
 
+TOP_LAYERS = 5  # layers named per variant: more stretched the table past the page
+
+
 def _layer_table(f: dict) -> str:
     lines = ["| variant | layers by mean KL (largest first) | share of Σ layers in top 3 | Σ layers / all-layer KL |",
              "|---|---|---|---|"]
     for r in f["layers"]:
         share = r["top3_share"]
         ratio = r["sum_over_all"]
-        lines.append(f"| {md_code(r['variant'])} | " + ", ".join(f"{layer} ({_f(k)})" for layer, k in r["top"])
+        lines.append(f"| {md_code(r['variant'])} | " + ", ".join(f"{layer} ({_f(k)})" for layer, k in r["top"][:TOP_LAYERS])
                      + f" | {_pct(share if share is not None else math.nan)} | "
                      + (f"{ratio:.2f}" if ratio is not None else "- (not every layer swept)") + " |")
     return "\n".join(lines)
@@ -306,16 +310,21 @@ def _spearman_table(ds) -> str:
 
 
 def _assignment_table(ds, budget, f: dict) -> str:
-    lines = ["| | assignment | source | cost | KL mean | predicted (Σ one-layer) | KL p99 | KL max | top-1 agree | Δppl | "
-             "meets budget |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    # the maps themselves are listed under the table: one in a cell would stretch it past the page
+    lines = ["| | source | cost | KL mean | predicted (Σ one-layer) | KL p99 | KL max | top-1 agree | Δppl | "
+             "meets budget |", "|---|---|---|---|---|---|---|---|---|---|"]
     for i, (a, stored_) in enumerate(zip(ds["assignment"].values, f["assignments"])):
         s = [_sel(ds, f"asg_{k}", assignment=a) for k in ("kl_mean", "kl_p99", "kl_max", "top1_agree", "ppl_delta")]
         meets = "-" if stored_["meets"] is None else ("yes" if stored_["meets"] else "no")
         pred = math.nan if stored_["predicted"] is None else stored_["predicted"]
-        lines.append(f"| {_short_name(str(a), i)} | {md_code(a)} | {ds['asg_source'].sel(assignment=a).item()} | "
+        lines.append(f"| {_short_name(str(a), i)} | {ds['asg_source'].sel(assignment=a).item()} | "
                      f"{int(ds['asg_cost'].sel(assignment=a))} | "
                      f"{_f(s[0])} | {_f(pred)} | {_f(s[1])} | {_f(s[2])} | {_pct(s[3])} | {s[4]:+.4f} | {meets} |")
     return "\n".join(lines)
+
+
+def _assignment_list(ds) -> str:
+    return "\n".join(f"- {_short_name(str(a), i)}: {md_code(a)}" for i, a in enumerate(ds["assignment"].values))
 
 
 def _nonfinite(ds) -> list[Block]:
@@ -331,7 +340,7 @@ def _nonfinite(ds) -> list[Block]:
 
 def build_blocks(ds, figures: list[Figure]) -> list[Block]:
     a = ds.attrs
-    f = findings_of(ds)
+    f = findings_of(ds, kind="impact")
     figs = {f.name: f for f in figures}
     checks = _json(ds, "prefix_checks", {}) or {}
     blocks = [Block("h1", f"Impact of attention recipes on {md_text(a.get('model'))}'s predictions"),
@@ -389,6 +398,7 @@ def build_blocks(ds, figures: list[Figure]) -> list[Block]:
                      "measured / predicted before the next candidate. Candidates: "
                      + ", ".join(f"{md_code(c)} (cost {k})" for c, k in zip(budget["candidates"], budget["costs"])) + ".")
         blocks += [Block("h2", "Mixed assignments"), Block("p", text), Block("table", _assignment_table(ds, budget, f)),
+                   Block("list", _assignment_list(ds)),
                    Block("figure", figure=figs["assignments"])]
     blocks += [Block("h2", "Provenance"), Block("list", _provenance(ds)),
                Block("h2", "Variants (full recipe specs)"),
@@ -445,7 +455,7 @@ def impact_document(ds: xr.Dataset):
     from .document import from_blocks
 
     doc = from_blocks(build_blocks(ds, make_impact_figures(ds)))
-    doc.lead = verdict_block(findings_of(ds)) + doc.lead
+    doc.lead = verdict_block(findings_of(ds, kind="impact")) + doc.lead
     return doc
 
 

@@ -214,4 +214,29 @@ def plain_ticks(ax, axis: str = "y", minor: bool = False) -> None:
     target.set_minor_formatter(NullFormatter())
 
 
-__all__ = ["Figure", "DPI", "theme", "colorblind", "COLORBLIND", "new_fig", "finish", "plain_ticks"]
+def colorbar_ticks(cb) -> None:
+    """A log colour bar labelled as ``plain_ticks`` labels a log axis: a few round values in
+    plain numbers, no crowded minor labels (over a narrow range the default labels every minor
+    tick in scientific notation, one on top of the next)."""
+    import math
+
+    from matplotlib.ticker import LogLocator, MaxNLocator
+
+    lo, hi = (float(cb.norm.vmin), float(cb.norm.vmax)) if cb.norm is not None else (0.0, 0.0)
+    if not (0 < lo < hi) or hi / lo > 1e4 or getattr(cb.norm, "__class__", type).__name__ != "LogNorm":
+        return
+    decades = math.log10(hi / lo)
+    if decades < 1.2:
+        locs = []
+        for nbins in (4, 6, 8):
+            locs = [v for v in MaxNLocator(nbins=nbins, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi) if lo <= v <= hi]
+            if len(locs) >= 3:
+                break
+    else:
+        subs = (1.0, 2.0, 5.0) if decades <= 2.2 else (1.0, 3.0)
+        locs = [v for v in LogLocator(base=10, subs=subs).tick_values(lo, hi) if lo <= v <= hi]
+    cb.minorticks_off()
+    cb.set_ticks(locs, labels=[f"{v:.3g}" for v in locs])
+
+
+__all__ = ["Figure", "DPI", "theme", "colorblind", "COLORBLIND", "new_fig", "finish", "plain_ticks", "colorbar_ticks"]

@@ -94,7 +94,7 @@ def build_document(ds: xr.Dataset, figures: list[Figure], rows: list[dict], metr
     desc = ds.attrs.get("description", "")
     sw = swept_dims(ds)
     ref = reference_cell(ds)
-    found = findings_of(ds)
+    found = findings_of(ds, kind="run")
     doc = Document(f"{md_text(exp)}: {md_text(desc)}" if desc else md_text(exp),
                    verdict_block(found) + [Para(where_line(ds), "where")])
     flag = nonfinite_block(ds)

@@ -19,16 +19,16 @@ import json
 from .document import Verdict
 
 
-def findings_of(ds, settings: dict | None = None) -> dict:
-    """The findings ``ds`` holds (upgraded through its study where missing or computed for
-    other ``settings``)."""
+def findings_of(ds, settings: dict | None = None, kind: str | None = None) -> dict:
+    """The findings ``ds`` holds (upgraded through its study, of ``kind`` when given, where
+    missing or computed for other ``settings``)."""
     raw = ds.attrs.get("findings")
     got = json.loads(raw) if raw else None
     if got is not None and (settings is None or got.get("settings") == settings):
         return got
     from ..studies.findings import upgrade  # datasets from before stored findings only
 
-    return json.loads(upgrade(ds).attrs["findings"])
+    return json.loads(upgrade(ds, kind).attrs["findings"])
 
 
 def verdict_block(f: dict, title: str = "Verdict") -> list:

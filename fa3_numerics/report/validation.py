@@ -35,10 +35,11 @@ def _nonfinite_cell(ds, i: int, accs: list[str]) -> str:
     return f"**kernel {int(k)}; emulator-only " + "/".join(str(int(x)) if np.isfinite(x) else "-" for x in only) + "**"
 
 
-def _case_table(ds, accs: list[str], F_LIMIT: float) -> Table:
-    head = ["case", "format", "n", "causal", "h/kv", "d", "data", "descale", "rot", "RMSE(kernel)"]
-    head += [f"F {a}" for a in accs] + [f"identical {a}" for a in accs] + ["non-finite"]
-    body = []
+def _case_tables(ds, accs: list[str], F_LIMIT: float) -> list[Table]:
+    """Every case as two tables that each fit the page: what the case is, then what it measured."""
+    what_head = ["case", "format", "n", "causal", "h/kv", "d", "data", "descale", "rot"]
+    got_head = ["case", "RMSE(kernel)"] + [f"F {a}" for a in accs] + [f"identical {a}" for a in accs] + ["non-finite"]
+    what, got = [], []
     for i in range(ds.sizes["case"]):
         c = ds.isel(case=i)
         fp8 = str(c["dtype"].values) == "fp8"
@@ -59,12 +60,16 @@ def _case_table(ds, accs: list[str], F_LIMIT: float) -> Table:
         data = (f"p {float(c['p']):g}, σ {float(c['sigma']):g}" if dist == "outliers" else
                 f"layer {c['params'].values}".replace("layer=", "") if dist.startswith("capture-file:") else
                 f"{dist} {c['params'].values}")
-        body.append([md_code(c['case'].values), str(c["dtype"].values), str(int(c["seqlen"])), "yes" if int(c["causal"]) else "no",
+        name = md_code(c['case'].values)
+        what.append([name, str(c["dtype"].values), str(int(c["seqlen"])), "yes" if int(c["causal"]) else "no",
                      f"{int(c['heads'])}/{int(c['kv_heads'])}", str(int(c["head_dim"])), data,
-                     str(c["gran"].values) if fp8 else "-", str(c["rot"].values),
-                     "-" if not np.isfinite(rk) else f"{rk:.3e}"] + fs + idn + [_nonfinite_cell(ds, i, accs)])
-    numeric = [False, False, True, False, True, True, False, False, False, True] + [True] * (2 * len(accs)) + [False]
-    return Table(head, body, numeric, long=len(body) > 30, summary="Every case")
+                     str(c["gran"].values) if fp8 else "-", str(c["rot"].values)])
+        got.append([name, "-" if not np.isfinite(rk) else f"{rk:.3e}"] + fs + idn + [_nonfinite_cell(ds, i, accs)])
+    long = len(got) > 30
+    return [Table(got_head, got, [False, True] + [True] * (2 * len(accs)) + [False], long=long,
+                  summary="What every case measured"),
+            Table(what_head, what, [False, False, True, False, True, True, False, False, False], long=long,
+                  summary="What every case is")]
 
 
 def _per_head(ds, accs: list[str]) -> list:
@@ -106,7 +111,7 @@ def fig_fidelity(ds) -> Figure | None:
     """F per case and accumulator model, log axis, the F limit marked."""
     import matplotlib as mpl
 
-    f_ = findings_of(ds)
+    f_ = findings_of(ds, kind="validation")
     F_AIM, F_LIMIT = f_["f_aim"], f_["f_limit"]
 
     f = ds["fidelity"].values
@@ -155,7 +160,7 @@ def _intro(ds, F_LIMIT: float) -> str:
 
 def _blocks(ds, with_figure: bool) -> tuple[list, list[Section]]:
     accs = [str(a) for a in ds["acc"].values]
-    f = findings_of(ds)
+    f = findings_of(ds, kind="validation")
     lead: list = verdict_block(f) + [Para(_intro(ds, f["f_limit"]), "where")]
     bad = f["nonfinite"]
     if bad:
@@ -168,7 +173,7 @@ def _blocks(ds, with_figure: bool) -> tuple[list, list[Section]]:
     fig = fig_fidelity(ds) if with_figure else None
     if fig is not None:
         sections.append(Section("Figure", [Fig(fig)]))
-    sections.append(Section("Every case", [_case_table(ds, accs, f["f_limit"])] + _per_head(ds, accs)))
+    sections.append(Section("Every case", _case_tables(ds, accs, f["f_limit"]) + _per_head(ds, accs)))
     return lead, sections
 
 

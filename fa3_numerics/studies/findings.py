@@ -90,10 +90,11 @@ def _upgrader(kind: str) -> Callable[[xr.Dataset], xr.Dataset] | None:
 UPGRADES = ("run", "ablation", "audit", "validation", "backward", "impact")
 
 
-def upgrade(ds: xr.Dataset) -> xr.Dataset:
+def upgrade(ds: xr.Dataset, kind: str | None = None) -> xr.Dataset:
     """``ds`` with its study's findings: computed here where the dataset lacks them (written
-    before they were stored) or holds them for other report settings; otherwise as it is."""
-    kind = _kind(ds)
+    before they were stored) or holds them for other report settings; otherwise as it is.
+    ``kind``: the study, where the caller knows it (else read off the dataset)."""
+    kind = kind or _kind(ds)
     fn = _upgrader(kind) if kind else None
     return fn(ds) if fn is not None else ds
 
