@@ -121,11 +121,21 @@ def audit_document(ds, *, top: int = 10, budget: float | None = None, budget_met
     return audit_report_document(ds, findings_of(ds, settings, kind="audit"))
 
 
+def _recorded(ds) -> dict:
+    """The report settings recorded in the audit's attributes (``fa3-numerics audit`` writes them
+    after the audit ran): the findings must be those of these settings."""
+    a = ds.attrs
+    budget = a.get("budget", "")
+    return {"budget": float(budget) if budget not in ("", None) else None,
+            "budget_metric": str(a.get("budget_metric", "rmse")), "rank_by": str(a.get("rank_by", "worst")),
+            "rank_metric": str(a.get("rank_metric", "rel_l2")), "top": int(a.get("top", 10))}
+
+
 def audit_report_document(ds, f: dict | None = None) -> Document:
     """The audit report of ``ds`` from the findings it holds (what ``report`` renders for kind ``audit``)."""
     from .summary import provenance_items
 
-    f = findings_of(ds, kind="audit") if f is None else f
+    f = findings_of(ds, _recorded(ds), kind="audit") if f is None else f
     s = f["settings"]
     rank_by, rank_metric = s["rank_by"], s["rank_metric"]
     ranking, rec = f["ranking"], f["recommendation"]
