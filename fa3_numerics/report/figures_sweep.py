@@ -113,9 +113,7 @@ def seqlen(ctx) -> Figure:
             if j == 0:
                 ax.set_ylabel(METRIC_LABEL.get(ctx.metric, ctx.metric) if nr == 1 else ctx.metric.upper())
     handles, labels = _legend_entries(axes)
-    _fit_legend(fig, labels)
-    fig.legend(handles, labels, loc="outside right center", title="variant", ncols=1 + len(labels) // 16,
-               fontsize=9 if len(labels) <= 16 else 7)
+    fig.legend(handles, labels, title="variant", **_legend_spot(fig, labels, 3.7 * nc + 0.6))
     other = ctx.where(keep=("seqlen",) + tuple(fdims))
     setting = ", ".join(x for x in (other, ctx.fixed_text()) if x)
     fig.suptitle(f"{ctx.metric.upper()} against sequence length (log-log)" + (f"\n{setting}" if setting else ""),
@@ -127,15 +125,22 @@ def seqlen(ctx) -> Figure:
     return finish(fig, "seqlen", "Error against sequence length", caption)
 
 
-def _fit_legend(fig, labels: list[str]) -> None:
-    """Make the figure at least as tall as its legend (one column per 16 entries, a line each,
-    two for a label that wraps past 48 characters): a legend taller than the axes beside it
-    would stand out of the figure or squash the panels."""
-    per_col = min(len(labels), 16)
-    lines = sum(2 if len(t) > 48 else 1 for t in labels[:per_col])
-    need = 0.24 * lines + 1.3  # inches: entries at 9 pt with spacing, the title and the margins
-    if fig.get_figheight() < need:
-        fig.set_figheight(need)
+def _legend_spot(fig, labels: list[str], base_width: float) -> dict:
+    """Where the figure legend of ``labels`` goes, the figure resized to hold it: to the right of
+    the panels while it is short and narrow, below them in two columns (one for labels past 60
+    characters) when it has many or long entries, which beside the panels stood taller or wider
+    than the axes they explain. Returns the ``fig.legend`` keywords."""
+    longest = max((len(t) for t in labels), default=0)
+    if len(labels) <= 10 and longest <= 40:
+        need = 0.24 * len(labels) + 1.3  # inches: entries at 9 pt with spacing, the title, the margins
+        if fig.get_figheight() < need:
+            fig.set_figheight(need)
+        return {"loc": "outside right center", "ncols": 1, "fontsize": 9}
+    ncols = 1 if longest > 60 else 2
+    rows = -(-len(labels) // ncols)
+    fig.set_figwidth(max(base_width, min(16.0, 0.075 * longest * ncols + 1.0)))
+    fig.set_figheight(fig.get_figheight() + 0.22 * rows + 0.5)
+    return {"loc": "outside lower center", "ncols": ncols, "fontsize": 8}
 
 
 def _legend_entries(axes):
@@ -228,8 +233,7 @@ def heatmaps(ctx) -> Figure:
 def versus(ctx, dim: str) -> Figure:
     vals = [_py(v) for v in ctx.ds.coords[dim].values]
     rows = ctx.select(keep=(dim,))
-    many = len(ctx.variants) > 16
-    fig, axes = new_fig(6.5 + _legend_width(ctx.variants), 4.6 + (0.08 * len(ctx.variants) if many else 0))
+    fig, axes = new_fig(6.5 + _legend_width(ctx.variants), 4.6)
     ax = axes[0, 0]
     series = _series(ctx, rows, dim, vals)
     step = lambda n: min(0.05, 0.5 / max(n, 1))  # noqa: E731
@@ -245,9 +249,7 @@ def versus(ctx, dim: str) -> Figure:
     ax.set_xlabel(LABELS.get(dim, dim) + " (evenly spaced categories)")
     ax.set_ylabel(METRIC_LABEL.get(ctx.metric, ctx.metric))
     handles, names = ax.get_legend_handles_labels()
-    _fit_legend(fig, names)
-    fig.legend(handles, names, loc="outside right center", title="variant", ncols=1 + len(names) // 16,
-               fontsize=9 if len(names) <= 16 else 7)
+    fig.legend(handles, names, title="variant", **_legend_spot(fig, names, 6.5))
     setting = ", ".join(x for x in (ctx.where(keep=(dim,)), ctx.fixed_text()) if x)
     ax.set_title(f"{ctx.metric.upper()} against {SYMBOL.get(dim, dim)}" + (f"\n{setting}" if setting else ""))
     caption = (f"{ctx.metric.upper()} against {LABELS.get(dim, dim)}, one line per variant"

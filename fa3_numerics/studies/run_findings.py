@@ -134,7 +134,10 @@ def _verdict(ds: xr.Dataset, rows: list[dict], ref: dict, metric: str) -> dict:
     best_of = max if higher_better else min
     worst_of = min if higher_better else max
     n = int(np.prod([ds.sizes.get(d, 1) for d in SAMPLE_DIMS]))
-    where = f"at {_cell(ref)}" if ref else "in this run"
+    # the swept parameters at the reference cell, then the fixed ones: where the answer holds
+    fixed = {k: _py(ds.coords[k].values) for k in ("p", "sigma", "seqlen", "head_dim", "causal")
+             if k in ds.coords and ds.coords[k].ndim == 0 and k not in ref}
+    where = f"at {_cell({**ref, **fixed})}" if ref or fixed else "in this run"
     m = metric.upper()
     out: dict = {"metric": metric, "cell": ref, "samples": n, "use": None, "reference": None, "ratio": None,
                  "avoid": [], "nonfinite": broken, "lines": []}
