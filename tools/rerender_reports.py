@@ -78,10 +78,19 @@ def _verdict_on_top(page: Path, datasets: list[tuple[str, Path]]) -> list[Path]:
     from fa3_numerics.report.stored import findings_of
     from fa3_numerics.studies.findings import read
 
+    from fa3_numerics.engine.dataset import read as read_dataset
+    from fa3_numerics.studies.findings import upgrade
+
     items = []
     for what, nc in datasets:
-        lines = (findings_of(read(nc)).get("verdict") or {}).get("lines") or []
-        items += [f"{what} (`{nc.relative_to(page.parent)}`): {lines[0]}"] + lines[1:]
+        ds = read_dataset(nc)
+        # a device script's validation of several kernels: one verdict per kernel
+        parts = [(f" [{k}]", ds.sel(kernel=k).assign_attrs(kernel_label=str(k))) for k in ds["kernel"].values] \
+            if "kernel" in ds.dims else [("", read(nc))]
+        for tag, sub in parts:
+            f = findings_of(upgrade(sub, "validation") if tag else sub)
+            lines = (f.get("verdict") or {}).get("lines") or []
+            items += [f"{what}{tag} (`{nc.relative_to(page.parent)}`): {lines[0]}"] + lines[1:]
     lines = page.read_text().split("\n")
     i = 1  # past the title: blank lines and an earlier verdict box (quoted lines) are replaced
     while i < len(lines) and (not lines[i].strip() or lines[i].startswith(">")):
