@@ -47,7 +47,15 @@ _FMT = {"ratio": _F3, "lo": _F3, "hi": _F3, "size": lambda v: f"x{v:.2f}", "size
 def _frame(t: dict):
     import pandas as pd
 
-    return pd.DataFrame(t["data"], columns=t["columns"]) if t["columns"] else pd.DataFrame()
+    if not t["columns"]:
+        return pd.DataFrame()
+    df = pd.DataFrame(t["data"], columns=t["columns"])
+    for c in df.columns:  # JSON keeps NaN as null: numeric columns with a gap come back as objects
+        vals = [v for v in df[c] if v is not None]
+        # (a column of nulls only is a number missing everywhere, e.g. intervals of one sample)
+        if df[c].dtype == object and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            df[c] = df[c].astype(float)
+    return df
 
 
 def ablation_document(ds: xr.Dataset, *, dataset_path=None, n_boot: int | None = None) -> tuple[Document, list]:
