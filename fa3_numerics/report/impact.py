@@ -25,7 +25,7 @@ import xarray as xr
 
 from .document import Block, md_code, md_text
 from ..text import fmt_e
-from .plots import Figure
+from .plots import Figure, spread_labels
 from .stored import findings_of, verdict_block
 # KL values are plotted on log axes; exact zeros (a pass identical to the reference) sit here.
 KL_FLOOR = 1e-16
@@ -198,6 +198,7 @@ def fig_assignments(ds) -> Figure:
     pal = _theme()
     fig, ax = _new(8.5, 5.0)
     ax = ax[0][0]
+    notes = []  # the point labels, spread apart once the axes are final
     n_layers = ds.sizes["model_layer"]
     for i, v in enumerate(ds["variant"].values):
         spec = str(ds["spec"].sel(variant=v).item())
@@ -205,7 +206,7 @@ def fig_assignments(ds) -> Figure:
             continue  # FP32 attention is no deployment option (and its ~1e-11 would stretch the axis)
         x, y = int(ds["cost"].sel(variant=v)) * n_layers, float(ds["kl_mean"].sel(variant=v, mask="all"))
         ax.scatter([x], [max(y, KL_FLOOR)], color="0.45", marker="s", s=36, zorder=3)
-        ax.annotate(f"{v} everywhere", (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        notes.append(ax.annotate(f"{v} everywhere", (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points"))
     budget = _json(ds, "budget", None)
     for k, a in enumerate(ds["assignment"].values):
         src = str(ds["asg_source"].sel(assignment=a).item())
@@ -213,8 +214,8 @@ def fig_assignments(ds) -> Figure:
         color = pal[0] if src == "--recipe-map" else pal[1]
         ax.scatter([x], [max(y, KL_FLOOR)], color=color, s=44, zorder=4,
                    label="--recipe-map" if src == "--recipe-map" else "budget candidates (verified)")
-        ax.annotate(_short_name(a, k), (x, y), fontsize=7, xytext=(4, -10 if k % 2 else 4), textcoords="offset points",
-                    color=color)
+        notes.append(ax.annotate(_short_name(a, k), (x, y), fontsize=7, xytext=(4, -10 if k % 2 else 4),
+                                 textcoords="offset points", color=color))
     if budget:
         ax.axhline(budget["budget"], color="crimson", ls="--", lw=1, label=f"budget KL {budget['stat']} {budget['budget']:g}")
     handles, labels = ax.get_legend_handles_labels()
@@ -223,6 +224,7 @@ def fig_assignments(ds) -> Figure:
     ax.set_yscale("log")
     ax.set_xlabel("cost: sum over layers of the audit's recipe_cost")
     ax.set_ylabel("mean KL over tokens, nats (log)")
+    spread_labels(fig, notes)
     cap = ("Cost against measured mean KL: one recipe in every layer (grey squares), `--recipe-map` assignments and "
            "the budget search's candidates, each a verified full pass. Labels A1.. and B1.. are the rows of the "
            "table above. FP32 attention (`exact`) is left out.")

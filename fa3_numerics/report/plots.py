@@ -214,6 +214,27 @@ def plain_ticks(ax, axis: str = "y", minor: bool = False) -> None:
     target.set_minor_formatter(NullFormatter())
 
 
+def spread_labels(fig, labels, step_pt: float = 8.0, tries: int = 12) -> None:
+    """Move point labels (``Annotation``s in offset points) down, then up, a step at a time until
+    none overlaps a label placed before it: labels of points that cluster (verified assignments
+    of nearly the same cost and KL) would print on one another."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    r = canvas.get_renderer()
+    placed = []
+    for lab in labels:
+        x0, y0 = lab.xyann
+        for k in range(tries + 1):
+            dy = step_pt * ((k + 1) // 2) * (-1 if k % 2 else 1)
+            lab.xyann = (x0, y0 + dy)
+            box = lab.get_window_extent(r)
+            if not any(box.overlaps(b) for b in placed):
+                break
+        placed.append(lab.get_window_extent(r))
+
+
 def colorbar_ticks(cb) -> None:
     """A log colour bar labelled as ``plain_ticks`` labels a log axis: a few round values in
     plain numbers, no crowded minor labels (over a narrow range the default labels every minor
@@ -239,4 +260,5 @@ def colorbar_ticks(cb) -> None:
     cb.set_ticks(locs, labels=[f"{v:.3g}" for v in locs])
 
 
-__all__ = ["Figure", "DPI", "theme", "colorblind", "COLORBLIND", "new_fig", "finish", "plain_ticks", "colorbar_ticks"]
+__all__ = ["Figure", "DPI", "theme", "colorblind", "COLORBLIND", "new_fig", "finish", "plain_ticks", "colorbar_ticks",
+           "spread_labels"]
