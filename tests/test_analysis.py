@@ -1,10 +1,12 @@
-"""Analysis of an ablation dataset (studies.effects, report.ablation): effects, interactions and findings recover known structure."""
+"""Analysis of an ablation dataset (studies.effects, studies.ablation_findings, report.ablation): effects,
+interactions and findings recover known structure."""
 
 import numpy as np
 import pytest
 import xarray as xr
 
 from fa3_numerics.report import ablation as R
+from fa3_numerics.studies import ablation_findings as F
 from fa3_numerics.studies import effects as A
 
 DATA = ["outliers p=0.001,sigma=10", "channel-outliers"]  # the data of conftest's synthetic_ablation
@@ -42,14 +44,14 @@ def test_paper_finding_and_block_quant_statement(synthetic):
     assert pf["all"]["rotation_gain"][0] == pytest.approx(10 ** 0.3)
     assert pf["all"]["block_gain"][0] == pytest.approx(10 ** 0.03)
     blk = A.block_quant_effect(fr)
-    lines = R.summary_lines(ds, fr, A.main_effects(fr), A.per_data_effects(fr), blk, None)
+    lines = F.summary_lines(ds, fr, A.main_effects(fr), A.per_data_effects(fr), blk, None)
     text = "\n".join(lines)
     assert "Paper finding reproduced" in text
     # Block vs tensor is 10^-0.03 (-7%) on the paper data and 10^-0.13 (-26%) on channel outliers.
     block_line = next(line for line in lines if line.startswith("- **Block quantization**"))
     assert "under: `channel-outliers`" in block_line and "nowhere else" in block_line and "-26%" in block_line
     assert "Every point estimate within 10%: `outliers p=0.001,sigma=10`" in block_line
-    calm = R.summary_lines(synthetic(), fr, A.main_effects(fr), A.per_data_effects(fr),
+    calm = F.summary_lines(synthetic(), fr, A.main_effects(fr), A.per_data_effects(fr),
                            A.block_quant_effect(A.cell_frame(synthetic(), n_boot=20)), None)
     assert any("nowhere in the grid" in line for line in calm)
 
@@ -58,7 +60,7 @@ def test_not_reproduced_when_block_beats_rotation(synthetic):
     ds = synthetic()
     ds["rmse"] = ds["rmse"] * xr.where((ds["gran"] == "tensor") & (ds["rot"] == "hadamard"), 10.0, 1.0)
     fr = A.cell_frame(ds, n_boot=20)
-    lines = R.summary_lines(ds, fr, A.main_effects(fr), A.per_data_effects(fr), A.block_quant_effect(fr), None)
+    lines = F.summary_lines(ds, fr, A.main_effects(fr), A.per_data_effects(fr), A.block_quant_effect(fr), None)
     assert any("Paper finding not reproduced" in line for line in lines)
 
 

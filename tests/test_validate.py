@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fa3_numerics.numerics.tiles import fa3_tiles
-from fa3_numerics.studies.validate import (Case, accumulator_ranking, case_recipe, grid, markdown_validation,
-                                   run_validation)
+from fa3_numerics.report.validation import markdown_validation
+from fa3_numerics.studies.validate import Case, accumulator_ranking, case_recipe, grid, run_validation
 
 def test_small_grid_covers_the_issue_axes():
     cases = grid("small")

@@ -171,13 +171,7 @@ def meta_of(name: str, da: xr.DataArray | None = None) -> tuple[str, str | None]
 def _dist_param(name: str) -> str:
     from ..data import distributions
 
-    helps = [f"{text}" for entry in distributions.available().values()
-             for p, (_, text) in entry.params.items() if p == name]
-    if name == "p":
-        return "outlier probability per entry"
-    if name == "sigma":
-        return "outlier standard deviation (x the N(0,1) bulk)"
-    return helps[0] if helps else ""
+    return distributions.param_long_name(name)
 
 
 def _factor(name: str) -> str:

@@ -3,9 +3,11 @@
 Exposed: ``fig_main_effects``, ``fig_interactions``, ``fig_seqlen``, ``fig_attribution``, ``fig_block``,
 ``fig_per_data``.
 
-They read the tables of ``fa3_numerics.studies.effects`` and ``fa3_numerics.studies.attribution``
-(every interval there is BCa); every estimate is a dot with its interval, never a bar on a log
-axis (the attribution's shares are fractions on a linear axis, so they stack).
+They read the tables the ablation's study stored in its dataset (``studies.ablation_findings``:
+every interval there is BCa); every estimate is a dot with its interval, never a bar on a log
+axis (the attribution's shares are fractions on a linear axis, so they stack). Facets are
+seaborn's (``FacetGrid``) where one panel per level fits; log axes get readable tick labels
+(``plots.plain_ticks``); legends sit outside the panels, never over a title.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ def fig_main_effects(me) -> Figure:
     factors = list(dict.fromkeys(me["factor"]))
     cols = min(4, len(factors))
     rows = -(-len(factors) // cols)
-    fig, axes = new_fig(3.6 * cols, 3.0 * rows, rows, cols)
+    # rotated level names hang below each panel: rows grow with the longest one
+    longest = max((len(str(x)) for x in me["level"]), default=4)
+    fig, axes = new_fig(3.6 * cols, (2.6 + 0.055 * longest) * rows, rows, cols)
     pal = sns.color_palette()
     for ax, f in zip(axes.flat, factors):
         sub = me[me["factor"] == f]
@@ -59,9 +63,10 @@ def fig_main_effects(me) -> Figure:
             ax.set_yscale("log")
             plain_ticks(ax, "y", minor=True)
         ax.set_title(f"{f} (×{sub['size'].iloc[0]:.2f}, {int(sub['sets'].iloc[0])} sets)", fontsize=10)
-        ax.set_ylabel("RMSE / matched-set mean")
     for ax in list(axes.flat)[len(factors):]:
         ax.axis("off")
+    # one label for the figure: per panel it stood under the level names of the panel beside it
+    fig.supylabel("RMSE / matched-set mean", fontsize=10)
     fig.suptitle("Main effects on RMSE (geometric, matched sets; 95% BCa intervals)", fontsize=11)
     return _done(ctx, fig, "main_effects", "Main effects",
                  "Each level's RMSE relative to the geometric mean over the factor's levels in the same matched set "
@@ -69,14 +74,16 @@ def fig_main_effects(me) -> Figure:
                  "(max/min level) and the number of matched sets.")
 
 
-def fig_interactions(fr, pairs, interaction_means) -> Figure:
+def fig_interactions(means: list[dict]) -> Figure:
+    """``means``: per factor pair, the geometric-mean RMSE (log10) per pair of levels with intervals."""
     ctx, sns = _setup()
-    n = len(pairs)
+    n = len(means)
     cols = min(3, n)
     rows = -(-n // cols)
     fig, axes = new_fig(5.8 * cols, 3.4 * rows, rows, cols)
-    for ax, (f, g) in zip(axes.flat, pairs):
-        lf, lg, m, lo, hi, n_sets = interaction_means(fr, f, g)
+    for ax, pair in zip(axes.flat, means):
+        lf, lg = pair["lf"], pair["lg"]
+        m, lo, hi = (np.asarray(pair[k], dtype=float) for k in ("m", "lo", "hi"))
         x = np.arange(len(lf))
         pal = sns.color_palette("colorblind", len(lg))
         for j, lev in enumerate(lg):
@@ -86,9 +93,9 @@ def fig_interactions(fr, pairs, interaction_means) -> Figure:
         ax.set_xticks(x, lf, rotation=30, ha="right", fontsize=8.5)
         ax.set_yscale("log")
         plain_ticks(ax, "y", minor=True)
-        ax.set_title(f"{f} × {g} ({n_sets} sets)", fontsize=10)
+        ax.set_title(f"{pair['f']} × {pair['g']} ({pair['sets']} sets)", fontsize=10)
         ax.set_ylabel("geometric-mean RMSE")
-        ax.legend(fontsize=7.5, title=g, title_fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        ax.legend(fontsize=7.5, title=pair["g"], title_fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     fig.suptitle("Two-way interactions (95% BCa intervals)", fontsize=11)
@@ -101,7 +108,13 @@ def fig_seqlen(tab) -> Figure:
     from .figures import coinciding
 
     ctx, sns = _setup()
-    data = list(dict.fromkeys(tab["data"]))
+    every = list(dict.fromkeys(tab["data"]))
+    # a data that ran at one seqlen has no trend to draw: named in the caption, in seqlen.csv
+    data = [d for d in every if tab[tab["data"] == d]["seqlen"].nunique() > 1]
+    single = {d: int(tab[tab["data"] == d]["seqlen"].iloc[0]) for d in every if d not in data}
+    if not data:
+        ctx.__exit__(None, None, None)
+        return None
     cols = min(3, len(data))
     rows = -(-len(data) // cols)
     fig, axes = new_fig(4.4 * cols + 2.6, 3.2 * rows, rows, cols, sharex=True)
@@ -119,7 +132,7 @@ def fig_seqlen(tab) -> Figure:
                         markerfacecolor="white" if len(group) > 1 else pal[group[0]])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        seqs = sorted(tab["seqlen"].unique())
+        seqs = sorted(tab[tab["data"] == d]["seqlen"].unique())
         ax.set_xticks(seqs, [str(s) for s in seqs])
         ax.minorticks_off()
         plain_ticks(ax, "y")
@@ -138,29 +151,40 @@ def fig_seqlen(tab) -> Figure:
     fig.suptitle("RMSE against seqlen (95% BCa intervals over seed, batch, head)", fontsize=11)
     return _done(ctx, fig, "seqlen", "Error against seqlen",
                  "RMSE of the named recipes against sequence length, per data, at the base shape; recipes with "
-                 "identical values are drawn once (hollow markers) and named together.")
+                 "identical values are drawn once (hollow markers) and named together."
+                 + (" Not drawn (one seqlen each, no trend; their values are in seqlen.csv): "
+                    + ", ".join(f"{d} (seqlen {s})" for d, s in single.items()) + "." if single else ""))
+
+
+TOP_ROWS = 24  # recipes an attribution figure shows: the named ones, then the largest errors
 
 
 def fig_attribution(att, variants: list[str], title: str, name: str, labels: dict | None = None,
-                    short: str = "") -> Figure | None:
-    """Stacked shares per recipe (left) and the full recipe's RMSE with CI (right)."""
-    from ..studies.attribution import STAGES
-
+                    stages: dict | None = None, keep: list[str] = (), short: str = "") -> Figure | None:
+    """Stacked shares per recipe (left) and the full recipe's RMSE with CI (right): the named
+    recipes (``keep``) and the others with the largest RMSE, up to ``TOP_ROWS``, worst first,
+    each labelled by the factors where it differs from the defaults (``labels``)."""
     labels = labels or {}
+    stages = stages or {}
     sub = att[att["variant"].isin(variants)]
-    order = [v for v in variants if v in set(sub["variant"])]
-    if not order:
+    have = set(sub["variant"])
+    if not have:
         return None
+    rmse = sub[sub["stage"] == "qk"].set_index("variant")["full_mse"]
+    ranked = sorted(have, key=lambda v: -float(rmse.get(v, 0.0)))
+    chosen = [v for v in keep if v in have]
+    chosen += [v for v in ranked if v not in chosen][:max(0, TOP_ROWS - len(chosen))]
+    order = sorted(chosen, key=lambda v: -float(rmse.get(v, 0.0)))
     ctx, sns = _setup()
-    h = 0.22 * len(order) + 1.9
-    fig, axes = new_fig(12, h, 1, 2, sharey=True, gridspec_kw={"width_ratios": [2.2, 1]})
+    h = 0.3 * len(order) + 2.4
+    fig, axes = new_fig(13, h, 1, 2, sharey=True, gridspec_kw={"width_ratios": [2.2, 1]})
     a1, a2 = axes[0]
     y = np.arange(len(order))
     left = np.zeros(len(order))
-    pal = sns.color_palette("Set2", len(STAGES))
-    for k, s in enumerate(STAGES):
+    pal = sns.color_palette("Set2", len(stages))
+    for k, s in enumerate(stages):
         share = np.array([sub[(sub["variant"] == v) & (sub["stage"] == s)]["share"].iloc[0] for v in order])
-        a1.barh(y, share, left=left, color=pal[k], label=STAGES[s])
+        a1.barh(y, share, left=left, color=pal[k], label=stages[s])
         left += share
     a1.set_yticks(y, [labels.get(v, v) for v in order], fontsize=8)
     a1.invert_yaxis()
@@ -175,13 +199,17 @@ def fig_attribution(att, variants: list[str], title: str, name: str, labels: dic
     a2.set_xscale("log")
     plain_ticks(a2, "x")
     a2.set_xlabel("RMSE (95% BCa interval)")
-    a2.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10.5)
-    fig.legend(handles, names, loc="outside upper center", ncols=len(STAGES), fontsize=8.5, frameon=False)
+    a2.legend(fontsize=8, loc="lower right")
+    fig.suptitle(title + f" ({len(order)} of {len(have)} recipes)", fontsize=10.5)
+    # below the panels: above them it would sit on the title
+    fig.legend(handles, names, loc="outside lower center", ncols=min(3, len(stages)), fontsize=8.5, frameon=False,
+               title="stage alone in low precision", title_fontsize=8.5)
     return _done(ctx, fig, name, short or title,
-                 "Left: each stage's share of the summed single-stage MSE (each stage alone in low precision, the "
-                 "rest float32). Right: the full recipe's RMSE with its interval, and the square root of the summed "
-                 "stage MSEs (equal when the stages' errors add).")
+                 f"The {len(order)} recipes shown are the named ones and those with the largest RMSE, worst at the "
+                 f"top, each labelled by the factors where it differs from the defaults; all {len(have)} are in "
+                 "attribution.csv. Left: each stage's share of the summed single-stage MSE (each stage alone in low "
+                 "precision, the rest float32). Right: the full recipe's RMSE with its interval, and the square root "
+                 "of the summed stage MSEs (equal when the stages' errors add).")
 
 
 def fig_block(blk) -> Figure | None:

@@ -9,7 +9,7 @@ import contextlib
 
 import numpy as np
 
-from .plots import Figure, finish, new_fig, theme
+from .plots import Figure, colorbar_ticks, finish, new_fig, theme
 
 
 @contextlib.contextmanager
@@ -58,6 +58,8 @@ def _heatmap_errors(ds, metric, sns, LogNorm) -> Figure:
                     cbar_kws={"label": metric} if i == n - 1 else None,
                     xticklabels=[str(h) for h in ds["head"].values],
                     yticklabels=[str(v) for v in ds["layer"].values])
+        if i == n - 1 and ax.collections and ax.collections[0].colorbar is not None:
+            colorbar_ticks(ax.collections[0].colorbar)
         ax.set_title(lab, fontsize=9.5)
         ax.set_xlabel("head")
         if i % cols == 0:

@@ -13,9 +13,8 @@ import math
 
 import xarray as xr
 
-from ..studies.compare import findings, sample_warnings
-from .document import Bullets, Document, Section, Table, md_code, md_text, render
-from .format import column_format, fmt_interval, nonfinite_text, ratio_format
+from .document import Bullets, Document, Section, Table, Verdict, md_code, md_text, render
+from ..text import column_format, fmt_interval, nonfinite_text, ratio_format
 
 
 def _plain(text) -> str:
@@ -61,11 +60,11 @@ def warnings(res: dict) -> list[str]:
     if res["differs"]:
         out.append("SETTINGS DIFFER between the runs (the ratios compare different settings): "
                    + "; ".join(res["differs"]) + ".")
-    bad = findings(res)
+    bad = res["nonfinite"]
     if bad:
         out.append(f"NON-FINITE: {len(bad)} side(s) of a compared row hold NaN or Inf samples and have no value "
                    "or ratio: " + "; ".join(bad) + ".")
-    out += sample_warnings(res)
+    out += res["sample_warnings"]
     if any(not r["same_spec"] for r in res["rows"]):
         out.append("(*) the variant's recipe spec differs between A and B.")
     return out
@@ -93,7 +92,8 @@ def text_report(res: dict, a: xr.Dataset, b: xr.Dataset, path_a: str, path_b: st
     def line(cols):
         return "  ".join(c.rjust(w) if n else c.ljust(w) for c, w, n in zip(cols, widths, t.numeric)).rstrip()
 
-    lines = [f"warning: {w}" for w in warnings(res)]
+    lines = [f"warning: {w}" for w in warnings(res)]  # what makes the numbers misleading, first
+    lines += [line.replace("**", "").replace("`", "") for line in res["verdict"]["lines"]]
     lines += [_side("A", path_a, a), _side("B", path_b, b), "", line(t.columns), line(["-" * w for w in widths])]
     lines += [line(x) for x in body]
     return "\n".join(lines + [""] + _notes(res))
@@ -101,6 +101,8 @@ def text_report(res: dict, a: xr.Dataset, b: xr.Dataset, path_a: str, path_b: st
 
 def compare_document(res: dict, a: xr.Dataset, b: xr.Dataset, path_a: str, path_b: str) -> Document:
     doc = Document(f"Comparison of {res['metric']}: B / A")
+    if res["verdict"]["lines"]:
+        doc.lead.append(Verdict(res["verdict"]["lines"]))
     warn = warnings(res)
     if warn:
         doc.lead.append(Bullets([md_text(w) for w in warn], "warning"))

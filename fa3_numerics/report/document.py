@@ -1,7 +1,7 @@
 """The content of every report as a document model, rendered to HTML and Markdown from jinja2
 templates.
 
-Exposed: ``Document``, ``Section``, ``Para``, ``Bullets``, ``Table``, ``Fig``, ``Markdown``,
+Exposed: ``Document``, ``Section``, ``Para``, ``Bullets``, ``Table``, ``Fig``, ``Markdown``, ``Verdict``,
 ``Block`` (the older flat model, still accepted), ``from_blocks``, ``render``, ``write_document``,
 ``md_inline``, ``md_code``, ``md_text``.
 
@@ -21,7 +21,9 @@ shows) and sections of blocks:
 - ``Table``: columns and rows of inline text, numeric columns right-aligned; ``long`` tables
   are collapsed in the HTML (``<details>``) so that they never bury what follows;
 - ``Fig``: a ``fa3_numerics.report.plots.Figure``;
-- ``Markdown``: a Markdown fragment (tables, lists) from older report code.
+- ``Markdown``: a Markdown fragment (tables, lists) from older report code;
+- ``Verdict``: the boxed answer at the top of every report (what to use, what it costs, what to
+  avoid), its lines taken from the dataset's findings.
 
 ``render(doc, "html")`` fills ``templates/report.html.j2``: one self-contained page (styles
 inline, figures as PNG data URIs, no scripts, no external links); ``render(doc, "md")`` fills
@@ -39,6 +41,7 @@ import re
 from pathlib import Path
 from typing import Iterable, Union
 
+from ..text import md_code, md_text  # noqa: F401  re-exported: every report module escapes with them
 from .plots import Figure
 
 FORMATS = ("html", "md")
@@ -80,7 +83,16 @@ class Markdown:
     text: str
 
 
-BlockT = Union[Para, Bullets, Table, Fig, Markdown]
+@dataclasses.dataclass
+class Verdict:
+    """The answer a report opens with, boxed: which recipe to use on this data and what it costs
+    against FP16/BF16, which to avoid (lines of inline Markdown, written by the study into the
+    dataset's findings)."""
+    items: list[str]
+    title: str = "Verdict"
+
+
+BlockT = Union[Para, Bullets, Table, Fig, Markdown, Verdict]
 
 
 @dataclasses.dataclass
@@ -142,23 +154,6 @@ def _markdown_it():
     return MarkdownIt("commonmark", {"html": False}).enable("table")
 
 
-# CommonMark's backslash-escapable punctuation that can start markup inline ("|" is left to the
-# table writer, which escapes it in every cell).
-_MD_SPECIAL = set("\\`*_[]<>&!#~")
-
-
-def md_text(text) -> str:
-    """``text`` as plain Markdown text: markup characters backslash-escaped, newlines as spaces
-    (a newline could start a heading, a list or a table row)."""
-    flat = " ".join(str(text).splitlines())
-    out = []
-    for i, c in enumerate(flat):
-        # "_" inside a word (x86_64, rel_l2) never starts emphasis in CommonMark: left as it is
-        inner = c == "_" and flat[i - 1:i].isalnum() and flat[i + 1:i + 2].isalnum()
-        out.append("\\" + c if c in _MD_SPECIAL and not inner else c)
-    return "".join(out)
-
-
 _CODE_SPAN = re.compile(r"(`+)(.+?)(?<!`)\1(?!`)", re.S)
 
 
@@ -189,20 +184,6 @@ def md_no_html(text) -> str:
         at = m.end()
     out.append(_escape_lt(text[at:]))
     return "".join(out)
-
-
-def md_code(text) -> str:
-    """``text`` as one Markdown code span that holds it literally, whatever it holds: the fence is
-    one backtick longer than the longest run of backticks inside, padded with a space where the
-    text starts or ends with a backtick; newlines become spaces (a code span is one line here)."""
-    flat = " ".join(str(text).splitlines())
-    run = longest = 0
-    for c in flat:
-        run = run + 1 if c == "`" else 0
-        longest = max(longest, run)
-    fence = "`" * (longest + 1)
-    pad = " " if flat[:1] == "`" or flat[-1:] == "`" or (flat[:1] == " " and flat[-1:] == " ") else ""
-    return f"{fence}{pad}{flat}{pad}{fence}" if flat else "` `"
 
 
 def md_inline(text: str) -> str:
@@ -293,5 +274,5 @@ def write_document(doc: Document, out_dir: str | Path, *, stem: str = "report", 
     return written
 
 
-__all__ = ["Document", "Section", "Para", "Bullets", "Table", "Fig", "Markdown", "Block", "from_blocks", "render",
+__all__ = ["Document", "Section", "Para", "Bullets", "Table", "Fig", "Markdown", "Verdict", "Block", "from_blocks", "render",
            "write_document", "md_inline", "md_block", "md_code", "md_text", "FORMATS"]

@@ -33,14 +33,28 @@ from ..engine.dataset import PAPER_SETTING, SAMPLE_DIMS
 from .plots import Figure, colorblind, finish, new_fig, theme
 
 MARKERS = ("o", "s", "D", "^", "v", "P", "X", "*", "<", ">", "h", "p")
-LABELS = {
-    "p": "outlier probability p (per entry)",
-    "sigma": "outlier std σ (× the N(0,1) bulk)",
-    "seqlen": "sequence length (tokens)",
-    "head_dim": "head dim (channels)",
-    "causal": "causal mask",
-}
-SYMBOL = {"p": "p", "sigma": "σ", "seqlen": "seqlen", "head_dim": "head dim", "causal": "causal"}
+
+
+class _Labels(dict):
+    """The shape's labels, and every distribution parameter's from its family's registry entry
+    (``fa3_numerics.data.distributions``: p, σ and the rest are the family's words, not ours)."""
+
+    def __init__(self, shape: dict, index: int):
+        super().__init__(shape)
+        self.index = index
+
+    def __missing__(self, key):
+        from ..data.distributions import param_label, param_symbol
+
+        got = param_symbol(key) if self.index == 0 else param_label(key)
+        return got or key
+
+    def get(self, key, default=None):  # every key has a label: the name itself at worst
+        return self[key]
+
+
+LABELS = _Labels({"seqlen": "sequence length (tokens)", "head_dim": "head dim (channels)", "causal": "causal mask"}, 1)
+SYMBOL = _Labels({"seqlen": "seqlen", "head_dim": "head dim", "causal": "causal"}, 0)
 METRIC_LABEL = {
     "rmse": "RMSE vs float64 reference (output units)",
     "rel_l2": "relative L2 error (dimensionless)",
@@ -60,19 +74,11 @@ def swept_dims(ds: xr.Dataset) -> list[str]:
 
 
 def reference_cell(ds: xr.Dataset) -> dict:
-    """The cell shown where a figure fixes a swept parameter: the paper's value when the
-    sweep has it, the longest sequence for seqlen, else the middle value."""
-    ref = {}
-    for d in swept_dims(ds):
-        vals = list(ds.coords[d].values)
-        pick = None
-        if d in PAPER_SETTING:
-            hits = [v for v in vals if np.isclose(float(v), float(PAPER_SETTING[d]))]
-            pick = hits[0] if hits else None
-        if pick is None:
-            pick = max(vals) if d == "seqlen" else vals[len(vals) // 2]
-        ref[d] = _py(pick)
-    return ref
+    """The cell shown where a figure fixes a swept parameter, as the run's study chose it (the
+    paper's value when the sweep has it, the longest sequence, else the middle value)."""
+    from .stored import findings_of
+
+    return dict(findings_of(ds, kind="run")["reference_cell"])
 
 
 def figure_plan(ds: xr.Dataset) -> list[str]:
@@ -168,7 +174,7 @@ def _fmt_val(v) -> str:
 
 
 def _sci(x: float) -> str:
-    from .format import fmt_e
+    from ..text import fmt_e
 
     return "–" if x is None or not math.isfinite(x) else fmt_e(x)
 
@@ -246,7 +252,7 @@ def _variants(ctx: _Ctx) -> Figure:
                    facecolor="white" if in_setting else "none", edgecolor="black" if in_setting else "0.45",
                    linewidth=1.4 if in_setting else 1.1, label=label + " (just below each variant)")
         ax.legend(loc="lower right", fontsize=8.5)
-    from .format import column_format, fmt_interval
+    from ..text import column_format, fmt_interval
 
     fmt = column_format([x for r in rows for x in (r["value"], r["lo"], r["hi"], r["paper"])])
     for yi, r in zip(y, rows):
@@ -290,6 +296,21 @@ def _differs_from_paper(ctx: _Ctx) -> list[tuple[str, str]]:
             if k not in have or not _eq(have[k], want)]
 
 
+class _NoFamily:
+    name, histogram, bulk = "inputs", "", False
+
+
+def _family(ds: xr.Dataset):
+    """The registry entry of the distribution the run drew from (what its histogram says)."""
+    from ..data import distributions
+    from ..errors import UsageError
+
+    try:
+        return distributions.get(str(ds.attrs.get("dist", "")))
+    except UsageError:  # several distributions (an ablation), or one no longer registered
+        return _NoFamily()
+
+
 def _inputs_hist(ctx: _Ctx) -> Figure:
     ds = ctx.ds
     h = ds["abs_hist"]
@@ -313,6 +334,7 @@ def _inputs_hist(ctx: _Ctx) -> Figure:
     pal = colorblind(max(len(hue_vals), 1))
     fig, axes = new_fig(11, 4.4, 1, 2, sharey=True)
     tensors = [str(t) for t in ds.coords["tensor"].values]
+    dist = _family(ds)
     notes = []
     thr_i = int(np.searchsorted(lo, 5.0))
     thr = lo[thr_i] if thr_i < len(lo) else float("inf")
@@ -339,7 +361,7 @@ def _inputs_hist(ctx: _Ctx) -> Figure:
             share = f" ({100 * big / total:.3g}%)" if total > 0 else ""
             notes.append(f"{name}{' at ' + label if hue_dim else ''}: {int(big)} of {int(total)} entries"
                          f"{share} have |x| ≥ {thr:.3g}")
-        if ds.attrs.get("dist") == "outliers" and total:
+        if dist.bulk and total:
             cdf = np.array([math.erf(e / math.sqrt(2)) for e in edges])
             expect = total * np.diff(cdf)
             expect[expect < 0.5] = np.nan
@@ -358,11 +380,9 @@ def _inputs_hist(ctx: _Ctx) -> Figure:
         ax.set_title(f"|{name}| entries")
         ax.legend(loc="lower left", fontsize=8)
     setting = ", ".join(x for x in (ctx.where(keep=(hue_dim,) if hue_dim else ()), ctx.fixed_text()) if x)
-    fig.suptitle("Where the outliers are: histogram of |Q| and |K|" + (f"\n{setting}" if setting else ""),
-                 fontweight="bold")
+    fig.suptitle(f"Histogram of |Q| and |K|: {dist.name}" + (f"\n{setting}" if setting else ""), fontweight="bold")
     caption = ("Counts of |Q| and |K| entries per logarithmic bin (10 per decade), summed over seeds"
                + (f" (inputs of {', '.join(first_of)})" if first_of else "")
-               + (f"; {setting}" if setting else "") + ". The dashed line is what N(0,1) alone would give; "
-               "the excess to the right of it is the outliers. Dotted line: |x| = " + f"{thr:.3g}. "
-               + "; ".join(notes) + ".")
+               + (f"; {setting}" if setting else "") + f". {dist.histogram + ' ' if dist.histogram else ''}"
+               "Dotted line: |x| = " + f"{thr:.3g}. " + "; ".join(notes) + ".")
     return finish(fig, "inputs_hist", "Histogram of |Q| and |K|", caption)

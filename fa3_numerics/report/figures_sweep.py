@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from .figures import LABELS, METRIC_LABEL, SYMBOL, _eq, _err, _fmt_val, _positive, _py, _samples_text, coinciding
-from .plots import Figure, finish, new_fig, plain_ticks
+from .plots import Figure, colorbar_ticks, finish, new_fig, plain_ticks
 
 
 def _facets(ctx, exclude: tuple[str, ...]) -> tuple[list[str], list[list]]:
@@ -113,8 +113,7 @@ def seqlen(ctx) -> Figure:
             if j == 0:
                 ax.set_ylabel(METRIC_LABEL.get(ctx.metric, ctx.metric) if nr == 1 else ctx.metric.upper())
     handles, labels = _legend_entries(axes)
-    fig.legend(handles, labels, loc="outside right center", title="variant", ncols=1 + len(labels) // 16,
-               fontsize=9 if len(labels) <= 16 else 7)
+    fig.legend(handles, labels, title="variant", **_legend_spot(fig, labels, 3.7 * nc + 0.6))
     other = ctx.where(keep=("seqlen",) + tuple(fdims))
     setting = ", ".join(x for x in (other, ctx.fixed_text()) if x)
     fig.suptitle(f"{ctx.metric.upper()} against sequence length (log-log)" + (f"\n{setting}" if setting else ""),
@@ -124,6 +123,24 @@ def seqlen(ctx) -> Figure:
                + (f"; {setting}" if setting else "") + ". Points of different lines are shifted slightly "
                "sideways so that their intervals do not overlap. " + _merged_text(merged) + _samples_text(ctx))
     return finish(fig, "seqlen", "Error against sequence length", caption)
+
+
+def _legend_spot(fig, labels: list[str], base_width: float) -> dict:
+    """Where the figure legend of ``labels`` goes, the figure resized to hold it: to the right of
+    the panels while it is short and narrow, below them in two columns (one for labels past 60
+    characters) when it has many or long entries, which beside the panels stood taller or wider
+    than the axes they explain. Returns the ``fig.legend`` keywords."""
+    longest = max((len(t) for t in labels), default=0)
+    if len(labels) <= 10 and longest <= 40:
+        need = 0.24 * len(labels) + 1.3  # inches: entries at 9 pt with spacing, the title, the margins
+        if fig.get_figheight() < need:
+            fig.set_figheight(need)
+        return {"loc": "outside right center", "ncols": 1, "fontsize": 9}
+    ncols = 1 if longest > 60 else 2
+    rows = -(-len(labels) // ncols)
+    fig.set_figwidth(max(base_width, min(16.0, 0.075 * longest * ncols + 1.0)))
+    fig.set_figheight(fig.get_figheight() + 0.22 * rows + 0.5)
+    return {"loc": "outside lower center", "ncols": ncols, "fontsize": 8}
 
 
 def _legend_entries(axes):
@@ -158,7 +175,7 @@ def heatmaps(ctx) -> Figure:
     import seaborn as sns
     from matplotlib.colors import LogNorm
 
-    from .format import column_format
+    from ..text import column_format
 
     ds = ctx.ds
     ps = [_py(v) for v in ds.coords["p"].values]
@@ -192,8 +209,8 @@ def heatmaps(ctx) -> Figure:
                     annot_kws={"fontsize": 10}, linewidths=0.6, linecolor="white", square=False,
                     xticklabels=[_fmt_val(p) for p in ps], yticklabels=[_fmt_val(s) for s in sigmas[::-1]])
         ax.set_title(v, fontsize=11.5)
-        ax.set_xlabel("p (outlier probability)" if k // ncol == nrow - 1 else "", fontsize=10.5)
-        ax.set_ylabel("σ (outlier std)" if k % ncol == 0 else "", fontsize=10.5)
+        ax.set_xlabel(LABELS["p"] if k // ncol == nrow - 1 else "", fontsize=10.5)
+        ax.set_ylabel(LABELS["sigma"] if k % ncol == 0 else "", fontsize=10.5)
         ax.tick_params(axis="both", labelsize=10)
         ax.tick_params(axis="y", rotation=0)
     for k in range(nv, nrow * ncol):
@@ -203,20 +220,20 @@ def heatmaps(ctx) -> Figure:
     sm = ScalarMappable(norm=norm, cmap=cmap)
     cb = fig.colorbar(sm, ax=axes.ravel().tolist(), fraction=0.025, pad=0.02)
     cb.set_label(f"{ctx.metric.upper()} (log colour scale)", fontsize=10.5)
+    colorbar_ticks(cb)
     setting = ", ".join(x for x in (ctx.where(keep=("p", "sigma")), ctx.fixed_text()) if x)
-    fig.suptitle(f"{ctx.metric.upper()} over outlier probability p and outlier std σ"
+    fig.suptitle(f"{ctx.metric.upper()} over {SYMBOL['p']} and {SYMBOL['sigma']}"
                  + (f"\n{setting}" if setting else ""), fontweight="bold")
-    caption = (f"{ctx.metric.upper()} per variant over (p, σ), one shared logarithmic colour scale"
+    caption = (f"{ctx.metric.upper()} per variant over ({SYMBOL['p']}, {SYMBOL['sigma']}), one shared logarithmic colour scale"
                + (f"; {setting}" if setting else "") + ". Each cell shows the pooled value and the half-width "
                "of its 95% interval relative to the value. " + _samples_text(ctx))
-    return finish(fig, "heatmap_p_sigma", "Error over (p, σ)", caption)
+    return finish(fig, "heatmap_p_sigma", f"Error over ({SYMBOL['p']}, {SYMBOL['sigma']})", caption)
 
 
 def versus(ctx, dim: str) -> Figure:
     vals = [_py(v) for v in ctx.ds.coords[dim].values]
     rows = ctx.select(keep=(dim,))
-    many = len(ctx.variants) > 16
-    fig, axes = new_fig(6.5 + _legend_width(ctx.variants), 4.6 + (0.08 * len(ctx.variants) if many else 0))
+    fig, axes = new_fig(6.5 + _legend_width(ctx.variants), 4.6)
     ax = axes[0, 0]
     series = _series(ctx, rows, dim, vals)
     step = lambda n: min(0.05, 0.5 / max(n, 1))  # noqa: E731
@@ -232,8 +249,7 @@ def versus(ctx, dim: str) -> Figure:
     ax.set_xlabel(LABELS.get(dim, dim) + " (evenly spaced categories)")
     ax.set_ylabel(METRIC_LABEL.get(ctx.metric, ctx.metric))
     handles, names = ax.get_legend_handles_labels()
-    fig.legend(handles, names, loc="outside right center", title="variant", ncols=1 + len(names) // 16,
-               fontsize=9 if len(names) <= 16 else 7)
+    fig.legend(handles, names, title="variant", **_legend_spot(fig, names, 6.5))
     setting = ", ".join(x for x in (ctx.where(keep=(dim,)), ctx.fixed_text()) if x)
     ax.set_title(f"{ctx.metric.upper()} against {SYMBOL.get(dim, dim)}" + (f"\n{setting}" if setting else ""))
     caption = (f"{ctx.metric.upper()} against {LABELS.get(dim, dim)}, one line per variant"

@@ -1,6 +1,9 @@
 """The report of an impact study: findings, tables and figures, as Markdown and self-contained HTML.
 
-Exposed: ``render_impact``, ``findings``, ``make_impact_figures``.
+Exposed: ``render_impact``, ``impact_document``, ``make_impact_figures``, ``build_blocks``.
+
+Every finding (the checks, which layers matter, the verdict) is what the study stored in the
+dataset (``studies.impact_findings``); this module renders it.
 
 ``render_impact(ds, out)`` writes ``report.md`` (figures in ``figures/`` beside it, PNG and SVG)
 and ``report.html`` (figures embedded; opens offline), from the dataset alone (the layout is in
@@ -21,8 +24,9 @@ import numpy as np
 import xarray as xr
 
 from .document import Block, md_code, md_text
-from .format import fmt_e
-from .plots import Figure
+from ..text import fmt_e
+from .plots import Figure, spread_labels
+from .stored import findings_of, verdict_block
 # KL values are plotted on log axes; exact zeros (a pass identical to the reference) sit here.
 KL_FLOOR = 1e-16
 
@@ -98,6 +102,7 @@ def fig_kl_distribution(ds) -> Figure:
 def fig_layer_sensitivity(ds) -> Figure:
     pal = _theme()
     fig, axes = _new(10, 5.2, 2, 1, sharex=True, height_ratios=[2.2, 1])
+    fig.get_layout_engine().set(hspace=0.06)  # the panels' end tick labels would touch
     layers = ds["layer"].values
     for i, v in enumerate(ds["variant"].values):
         y = np.maximum(ds["layer_kl_mean"].sel(variant=v).values, KL_FLOOR)
@@ -107,7 +112,7 @@ def fig_layer_sensitivity(ds) -> Figure:
     axes[0][0].set_yscale("log")
     axes[0][0].set_ylabel("mean KL, nats (log)")
     axes[0][0].legend(fontsize=7, ncol=3)
-    axes[1][0].set_ylabel("top-1 changed, %")
+    axes[1][0].set_ylabel("top-1\nchanged (%)")  # two lines: one would stand taller than the panel
     axes[1][0].set_xlabel("the one layer that runs the variant")
     cap = ("Each point is a full model pass in which only that layer computes attention with the variant and every "
            "other layer uses float64 attention. Top: mean KL over tokens; bottom: share of tokens whose most likely "
@@ -193,6 +198,7 @@ def fig_assignments(ds) -> Figure:
     pal = _theme()
     fig, ax = _new(8.5, 5.0)
     ax = ax[0][0]
+    notes = []  # the point labels, spread apart once the axes are final
     n_layers = ds.sizes["model_layer"]
     for i, v in enumerate(ds["variant"].values):
         spec = str(ds["spec"].sel(variant=v).item())
@@ -200,7 +206,7 @@ def fig_assignments(ds) -> Figure:
             continue  # FP32 attention is no deployment option (and its ~1e-11 would stretch the axis)
         x, y = int(ds["cost"].sel(variant=v)) * n_layers, float(ds["kl_mean"].sel(variant=v, mask="all"))
         ax.scatter([x], [max(y, KL_FLOOR)], color="0.45", marker="s", s=36, zorder=3)
-        ax.annotate(f"{v} everywhere", (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        notes.append(ax.annotate(f"{v} everywhere", (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points"))
     budget = _json(ds, "budget", None)
     for k, a in enumerate(ds["assignment"].values):
         src = str(ds["asg_source"].sel(assignment=a).item())
@@ -208,8 +214,8 @@ def fig_assignments(ds) -> Figure:
         color = pal[0] if src == "--recipe-map" else pal[1]
         ax.scatter([x], [max(y, KL_FLOOR)], color=color, s=44, zorder=4,
                    label="--recipe-map" if src == "--recipe-map" else "budget candidates (verified)")
-        ax.annotate(_short_name(a, k), (x, y), fontsize=7, xytext=(4, -10 if k % 2 else 4), textcoords="offset points",
-                    color=color)
+        notes.append(ax.annotate(_short_name(a, k), (x, y), fontsize=7, xytext=(4, -10 if k % 2 else 4),
+                                 textcoords="offset points", color=color))
     if budget:
         ax.axhline(budget["budget"], color="crimson", ls="--", lw=1, label=f"budget KL {budget['stat']} {budget['budget']:g}")
     handles, labels = ax.get_legend_handles_labels()
@@ -218,6 +224,7 @@ def fig_assignments(ds) -> Figure:
     ax.set_yscale("log")
     ax.set_xlabel("cost: sum over layers of the audit's recipe_cost")
     ax.set_ylabel("mean KL over tokens, nats (log)")
+    spread_labels(fig, notes)
     cap = ("Cost against measured mean KL: one recipe in every layer (grey squares), `--recipe-map` assignments and "
            "the budget search's candidates, each a verified full pass. Labels A1.. and B1.. are the rows of the "
            "table above. FP32 attention (`exact`) is left out.")
@@ -280,22 +287,18 @@ def _decode_table(ds) -> str:
     return "\n".join(lines)
 
 
-def _layer_table(ds, top: int = 8) -> str:
-    fp = [v for v in ds["variant"].values if int(ds["fp8"].sel(variant=v))]
+TOP_LAYERS = 5  # layers named per variant: more stretched the table past the page
+
+
+def _layer_table(f: dict) -> str:
     lines = ["| variant | layers by mean KL (largest first) | share of Σ layers in top 3 | Σ layers / all-layer KL |",
              "|---|---|---|---|"]
-    for v in fp:
-        kl = ds["layer_kl_mean"].sel(variant=v).values
-        order = np.argsort(-kl)
-        layers = ds["layer"].values
-        total = float(np.sum(kl))
-        top3 = float(np.sum(kl[order[:3]])) / total if total > 0 else math.nan
-        full = _sel(ds, "kl_mean", variant=v, mask="all")
-        every = ds.sizes["layer"] == ds.sizes["model_layer"]  # the sum predicts the all-layer KL only then
-        ratio = float(ds["kl_mean_sum_of_layers"].sel(variant=v)) / full if full > 0 and every else math.nan
-        lines.append(f"| {md_code(v)} | " + ", ".join(f"{int(layers[i])} ({_f(kl[i])})" for i in order[:top])
-                     + f" | {_pct(top3)} | " + (f"{ratio:.2f}" if math.isfinite(ratio) else "- (not every layer swept)")
-                     + " |")
+    for r in f["layers"]:
+        share = r["top3_share"]
+        ratio = r["sum_over_all"]
+        lines.append(f"| {md_code(r['variant'])} | " + ", ".join(f"{layer} ({_f(k)})" for layer, k in r["top"][:TOP_LAYERS])
+                     + f" | {_pct(share if share is not None else math.nan)} | "
+                     + (f"{ratio:.2f}" if ratio is not None else "- (not every layer swept)") + " |")
     return "\n".join(lines)
 
 
@@ -308,129 +311,22 @@ def _spearman_table(ds) -> str:
     return "\n".join(lines)
 
 
-def _predicted(ds, recipes: list[str]) -> float:
-    """The additive prediction of an assignment's mean KL: the sum of its layers' one-layer KLs
-    (NaN unless the sweep covers every layer and every recipe of the assignment)."""
-    if "layer_kl_mean" not in ds or ds.sizes["layer"] != ds.sizes["model_layer"]:
-        return math.nan
-    known = set(str(v) for v in ds["variant"].values)
-    if not set(recipes) <= known:
-        return math.nan
-    return float(sum(_sel(ds, "layer_kl_mean", variant=r, layer=i) for i, r in enumerate(recipes)))
-
-
-def _assignment_table(ds, budget) -> str:
-    lines = ["| | assignment | source | cost | KL mean | predicted (Σ one-layer) | KL p99 | KL max | top-1 agree | Δppl | "
-             "meets budget |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    stat = {"mean": "kl_mean", "p99": "kl_p99", "max": "kl_max"}[budget["stat"]] if budget else None
-    for i, a in enumerate(ds["assignment"].values):
+def _assignment_table(ds, budget, f: dict) -> str:
+    # the maps themselves are listed under the table: one in a cell would stretch it past the page
+    lines = ["| | source | cost | KL mean | predicted (Σ one-layer) | KL p99 | KL max | top-1 agree | Δppl | "
+             "meets budget |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, (a, stored_) in enumerate(zip(ds["assignment"].values, f["assignments"])):
         s = [_sel(ds, f"asg_{k}", assignment=a) for k in ("kl_mean", "kl_p99", "kl_max", "top1_agree", "ppl_delta")]
-        meets = "-" if budget is None else ("yes" if _sel(ds, f"asg_{stat}", assignment=a) <= budget["budget"] else "no")
-        pred = _predicted(ds, [str(x) for x in ds["asg_recipe"].sel(assignment=a).values])
-        lines.append(f"| {_short_name(str(a), i)} | {md_code(a)} | {ds['asg_source'].sel(assignment=a).item()} | "
+        meets = "-" if stored_["meets"] is None else ("yes" if stored_["meets"] else "no")
+        pred = math.nan if stored_["predicted"] is None else stored_["predicted"]
+        lines.append(f"| {_short_name(str(a), i)} | {ds['asg_source'].sel(assignment=a).item()} | "
                      f"{int(ds['asg_cost'].sel(assignment=a))} | "
                      f"{_f(s[0])} | {_f(pred)} | {_f(s[1])} | {_f(s[2])} | {_pct(s[3])} | {s[4]:+.4f} | {meets} |")
     return "\n".join(lines)
 
 
-def findings(ds) -> list[str]:
-    """The headline facts, one bullet each, computed from the dataset."""
-    out = []
-    v_all = [str(v) for v in ds["variant"].values]
-    kl_all = {v: _sel(ds, "kl_mean", variant=v, mask="all") for v in v_all}
-    if "exact" in v_all:
-        e = kl_all["exact"]
-        out.append(f"Check: `exact` (FP32 tile-by-tile attention) has mean KL {_f(e)} (max "
-                   f"{_f(_sel(ds, 'kl_max', variant='exact', mask='all'))}) against the float64 reference: "
-                   + ("passes" if e <= 1e-6 else "FAILS") + " the <= 1e-6 check.")
-    none = float(np.abs(ds["kl"].sel(mask="none")).max())
-    out.append(f"Check: with no layer running a recipe the KL is {'exactly 0' if none == 0 else _f(none)} at every token "
-               + ("(passes)." if none == 0 else "(FAILS: the passes are not deterministic)."))
-    fp8 = [v for v in v_all if int(ds["fp8"].sel(variant=v))]
-    if fp8:
-        best, worst = min(fp8, key=kl_all.get), max(fp8, key=kl_all.get)
-        out.append(f"Every layer in FP8 (prefill): mean KL from {_f(kl_all[best])} ({md_code(best)}, top-1 "
-                   f"{_pct(_sel(ds, 'top1_agree', variant=best, mask='all'))}, Δppl "
-                   f"{_sel(ds, 'ppl_delta', variant=best, mask='all'):+.3f}) to {_f(kl_all[worst])} ({md_code(worst)}, top-1 "
-                   f"{_pct(_sel(ds, 'top1_agree', variant=worst, mask='all'))}, Δppl "
-                   f"{_sel(ds, 'ppl_delta', variant=worst, mask='all'):+.3f}); reference ppl {float(ds.attrs['ref_ppl']):.4f}.")
-    if "baseline" in ds.dims and "model-sdpa-bf16" in ds["baseline"].values:
-        b = _sel(ds, "base_kl_mean", baseline="model-sdpa-bf16")
-        ratio = ", ".join(f"{md_code(v)} {kl_all[v] / b:.0f}x" for v in fp8) if b > 0 else ""
-        out.append(f"For scale, the model's own BF16 SDPA has mean KL {_f(b)} (top-1 "
-                   f"{_pct(_sel(ds, 'base_top1_agree', baseline='model-sdpa-bf16'))}); FP8 over BF16: {ratio}.")
-    if "layer_kl_mean" in ds and fp8 and ds.sizes["layer"] > 0:
-        v = max(fp8, key=kl_all.get)
-        kl = ds["layer_kl_mean"].sel(variant=v).values
-        order = np.argsort(-kl)[:5]
-        out.append(f"Which layers matter ({md_code(v)}, one layer at a time): "
-                   + ", ".join(f"layer {int(ds['layer'].values[i])} ({_f(kl[i])})" for i in order)
-                   + f"; the quietest is layer {int(ds['layer'].values[np.argmin(kl)])} ({_f(kl.min())}).")
-        if ds.sizes["layer"] == ds.sizes["model_layer"]:
-            r = [float(ds["kl_mean_sum_of_layers"].sel(variant=x)) / kl_all[x] for x in fp8 if kl_all[x] > 0]
-            out.append(f"Additivity: the sum of the one-layer KLs is {min(r):.2f}-{max(r):.2f}x the all-layer KL over "
-                       "the FP8 variants (1 = the layers' effects add up).")
-    if "spearman_rho" in ds:
-        pooled = _json(ds, "spearman_pooled", {}) or {}
-        fit = _json(ds, "kl_from_rel_l2_fit", {}) or {}
-        rhos = ", ".join(f"{md_code(v)} {float(ds['spearman_rho'].sel(variant=v)):+.2f}" for v in fp8)
-        txt = f"Audit rel_l2 vs per-layer KL, Spearman ρ over layers: {rhos}"
-        if pooled:
-            txt += f"; pooled over layers x variants ρ = {pooled['rho']:+.2f} (n = {pooled['n']})"
-        if fit and math.isfinite(fit.get("b", math.nan)):
-            txt += (f"; KL ≈ {10 ** fit['a']:.3g} · rel_l2^{fit['b']:.2f} (90% of points within "
-                    f"{fit['spread']:.1f}x)")
-            # Layers the audit under-rates: measured KL far above what their rel_l2 predicts.
-            x = ds["audit_rel_l2"].sel(variant=fp8).values
-            y = ds["layer_kl_mean"].sel(variant=fp8).values
-            with np.errstate(divide="ignore", invalid="ignore"):
-                resid = np.nanmedian(np.log10(y) - (fit["a"] + fit["b"] * np.log10(x)), axis=0)  # per layer
-            if np.isfinite(resid).any():
-                worst = np.argsort(-np.nan_to_num(resid, nan=-np.inf))[:3]
-                txt += ("; layers the audit under-rates most (median over FP8 variants of measured / fitted KL): "
-                        + ", ".join(f"{int(ds['layer'].values[i])} ({10 ** resid[i]:.1f}x)" for i in worst))
-        out.append(txt + ".")
-    if "gain_pred_rho" in ds and fp8:
-        cal = ds.attrs.get("gain_calibration", "")
-        g = ds["layer_gain"].sel(variant=fp8).median("variant").values
-        top = np.argsort(-np.nan_to_num(g, nan=-np.inf))[:3]
-        rho = [float(ds["gain_pred_rho"].sel(variant=v)) for v in fp8]
-        spread = [float(ds["gain_pred_spread"].sel(variant=v)) for v in fp8]
-        ratio = [float(ds["gain_pred_ratio"].sel(variant=v)) for v in fp8]
-        out.append(f"Per-layer KL ≈ g_L · rel_l2_L²: the gain g_L is a property of the layer. With g from {md_code(cal)}'s "
-                   f"sweep, the audit's rel_l2 of each FP8 recipe predicts its per-layer KL with Spearman ρ "
-                   f"{min(rho):.2f}-{max(rho):.2f} (rel_l2 alone: the ρ above), median measured / predicted "
-                   f"{min(ratio):.2f}-{max(ratio):.2f}, 90% of layers within {max(spread):.2f}x. Layers that amplify "
-                   "most (median g over FP8 recipes): " + ", ".join(
-                       f"{int(ds['layer'].values[i])} (g = {g[i]:.3g})" for i in top)
-                   + f"; median layer {np.nanmedian(g):.3g}.")
-    if "dec_kl_mean" in ds:
-        parts = []
-        for v in ds["dvariant"].values:
-            parts.append(f"{md_code(v)} prefill {_f(kl_all[str(v)])}, " + ", ".join(
-                f"per-{kv} cache {_f(_sel(ds, 'dec_kl_mean', dvariant=v, kv=kv))}" for kv in ds["kv"].values))
-        out.append("Decode (one query row against an FP8 KV cache), mean KL: " + "; ".join(parts) + ".")
-    budget = _json(ds, "budget", None)
-    if budget:
-        best = budget.get("best")
-        if best:
-            uni = [u for u in budget["uniform"] if u["meets"]]
-            cheapest_uni = min(uni, key=lambda u: u["cost"]) if uni else None
-            counts = ""
-            if best["kind"] == "assignment" and best.get("labels"):
-                tally: dict[str, int] = {}
-                for lab in best["labels"]:
-                    tally[lab] = tally.get(lab, 0) + 1
-                counts = ": " + ", ".join(f"{n} layers {md_code(lab)}" for lab, n in sorted(tally.items(), key=lambda x: -x[1]))
-            out.append(f"Budget KL {budget['stat']} <= {budget['budget']:g}: cheapest verified assignment"
-                       f"{counts} (cost {best['cost']}, measured {_f(best['measured'])}; "
-                       + (f"the cheapest single recipe that meets it, {md_code(cheapest_uni['label'])} everywhere, costs "
-                          f"{cheapest_uni['cost']}" if cheapest_uni else "no single recipe meets it")
-                       + f"; {len(budget['attempts'])} candidates verified by full runs). The map: {md_code(best['label'])}.")
-        else:
-            out.append(f"Budget KL {budget['stat']} <= {budget['budget']:g}: no candidate met it in "
-                       f"{len(budget['attempts'])} verified runs, nor any recipe used everywhere.")
-    return out
+def _assignment_list(ds) -> str:
+    return "\n".join(f"- {_short_name(str(a), i)}: {md_code(a)}" for i, a in enumerate(ds["assignment"].values))
 
 
 def _nonfinite(ds) -> list[Block]:
@@ -446,6 +342,7 @@ def _nonfinite(ds) -> list[Block]:
 
 def build_blocks(ds, figures: list[Figure]) -> list[Block]:
     a = ds.attrs
+    f = findings_of(ds, kind="impact")
     figs = {f.name: f for f in figures}
     checks = _json(ds, "prefix_checks", {}) or {}
     blocks = [Block("h1", f"Impact of attention recipes on {md_text(a.get('model'))}'s predictions"),
@@ -458,7 +355,7 @@ def build_blocks(ds, figures: list[Figure]) -> list[Block]:
                              f"Reference: {md_text(a.get('reference'))}; its perplexity is {float(a.get('ref_ppl')):.4f}. Every "
                              "number compares a full model pass with the reference, token by token: KL(reference || "
                              "variant) of the next-token distribution in nats, top-1 agreement, perplexity."))
-    blocks += [Block("h2", "Findings"), Block("list", "\n".join(f"- {x}" for x in findings(ds)))]
+    blocks += [Block("h2", "Findings"), Block("list", "\n".join(f"- {x}" for x in f["lines"]))]
     blocks.append(Block("p", "These recipes are the ones asked for. For the recipe to deploy, with the field's remedies "
                              "(K smoothing, SageAttention, engines' FP8 KV-cache scales) screened per layer, verified on "
                              "held-out text and diagnosed, run `fa3-numerics recommend --model "
@@ -474,7 +371,7 @@ def build_blocks(ds, figures: list[Figure]) -> list[Block]:
                                                                          f"DIFFER by up to {c['max_abs_kl_diff']:.2g} nats")
                                           for k, c in checks.items()) + "."),
                    *_sweep_acc_blocks(ds),
-                   Block("table", _layer_table(ds)), Block("figure", figure=figs["layer_sensitivity"])]
+                   Block("table", _layer_table(f)), Block("figure", figure=figs["layer_sensitivity"])]
     if "audit_vs_kl" in figs:
         diff = a.get("audit_vs_sweep_rel_l2_max_rel_diff")
         blocks += [Block("h2", "How kernel-level error maps to model-level error"),
@@ -502,7 +399,8 @@ def build_blocks(ds, figures: list[Figure]) -> list[Block]:
                      "KLs, then run in full; the measured value decides, and the prediction is recalibrated by "
                      "measured / predicted before the next candidate. Candidates: "
                      + ", ".join(f"{md_code(c)} (cost {k})" for c, k in zip(budget["candidates"], budget["costs"])) + ".")
-        blocks += [Block("h2", "Mixed assignments"), Block("p", text), Block("table", _assignment_table(ds, budget)),
+        blocks += [Block("h2", "Mixed assignments"), Block("p", text), Block("table", _assignment_table(ds, budget, f)),
+                   Block("list", _assignment_list(ds)),
                    Block("figure", figure=figs["assignments"])]
     blocks += [Block("h2", "Provenance"), Block("list", _provenance(ds)),
                Block("h2", "Variants (full recipe specs)"),
@@ -548,11 +446,19 @@ def _provenance(ds) -> str:
 
 def render_impact(ds: xr.Dataset, out_dir: str | Path, formats=("html", "md")) -> list[Path]:
     """Write report.md (+ figures/) and/or report.html for an impact dataset; the files written."""
-    from .document import from_blocks, write_document
+    from .document import write_document
 
-    figures = make_impact_figures(ds)
-    doc = from_blocks(build_blocks(ds, figures))
-    return write_document(doc, out_dir, formats=tuple(formats))
+    return write_document(impact_document(ds), out_dir, formats=tuple(formats))
 
 
-__all__ = ["render_impact", "findings", "make_impact_figures", "build_blocks"]
+def impact_document(ds: xr.Dataset):
+    """The report of an impact dataset as a Document, its verdict first (what ``report`` renders
+    for kind ``impact``)."""
+    from .document import from_blocks
+
+    doc = from_blocks(build_blocks(ds, make_impact_figures(ds)))
+    doc.lead = verdict_block(findings_of(ds, kind="impact")) + doc.lead
+    return doc
+
+
+__all__ = ["render_impact", "impact_document", "make_impact_figures", "build_blocks"]

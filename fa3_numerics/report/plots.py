@@ -178,19 +178,87 @@ def finish(fig, name: str, title: str, caption: str, alt: str = "") -> Figure:
 
 
 def plain_ticks(ax, axis: str = "y", minor: bool = False) -> None:
-    """Plain tick labels on a log axis that spans at most four decades (0.02, 0.05 rather than
-    2 x 10^-2: 3 significant digits), minor labels only where it spans less than a factor of 6
-    (more crowd a decade). A wider axis keeps matplotlib's 10^n labels: one format for all ticks,
-    where plain numbers would mix 1e-05 with 0.0001."""
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    """Readable tick labels on a log axis that spans at most four decades, in plain numbers
+    (0.02, 0.05 rather than 2 x 10^-2: 3 significant digits), never a single label:
 
-    fmt = FuncFormatter(lambda v, _: f"{v:.3g}")
+    - less than about a decade and a half (ratios near 1, one decade of RMSE): evenly spaced
+      round values (0.9, 1, 1.1; or 2e-3, 4e-3, 6e-3), at least three of them;
+    - up to four decades: 1, 2 and 5 of each decade (1 and 3 past two decades).
+
+    A wider axis keeps matplotlib's 10^n labels: one format for all ticks, where plain numbers
+    would mix 1e-05 with 0.0001. ``minor`` is accepted for callers that asked for minor labels
+    on narrow axes; the rules above label every axis that spans less than four decades."""
+    import math
+
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, MaxNLocator, NullFormatter, NullLocator
+
     target = ax.yaxis if axis == "y" else ax.xaxis
     lo, hi = ax.get_ylim() if axis == "y" else ax.get_xlim()
-    if not (0 < lo < hi) or hi / lo > 1e4 or lo < 1e-4:
+    lo, hi = min(lo, hi), max(lo, hi)
+    if not (0 < lo < hi) or hi / lo > 1e4 or lo < 1e-6:
         return
-    target.set_major_formatter(fmt)
-    target.set_minor_formatter(fmt if minor and hi < 2.5 * lo else NullFormatter())
+    decades = math.log10(hi / lo)
+    sig = FuncFormatter(lambda v, _: f"{v:.3g}")
+    if decades < 1.2:
+        for nbins in (4, 6, 8, 10):
+            locs = [v for v in MaxNLocator(nbins=nbins, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi)
+                    if lo <= v <= hi and v > 0]
+            if len(locs) >= 3:
+                break
+        target.set_major_locator(FixedLocator(locs))
+    else:
+        subs = (1.0, 2.0, 5.0) if decades <= 2.2 else (1.0, 3.0)
+        target.set_major_locator(LogLocator(base=10, subs=subs))
+    target.set_major_formatter(sig)
+    target.set_minor_locator(NullLocator())
+    target.set_minor_formatter(NullFormatter())
 
 
-__all__ = ["Figure", "DPI", "theme", "colorblind", "COLORBLIND", "new_fig", "finish", "plain_ticks"]
+def spread_labels(fig, labels, step_pt: float = 8.0, tries: int = 12) -> None:
+    """Move point labels (``Annotation``s in offset points) down, then up, a step at a time until
+    none overlaps a label placed before it: labels of points that cluster (verified assignments
+    of nearly the same cost and KL) would print on one another."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    r = canvas.get_renderer()
+    placed = []
+    for lab in labels:
+        x0, y0 = lab.xyann
+        for k in range(tries + 1):
+            dy = step_pt * ((k + 1) // 2) * (-1 if k % 2 else 1)
+            lab.xyann = (x0, y0 + dy)
+            box = lab.get_window_extent(r)
+            if not any(box.overlaps(b) for b in placed):
+                break
+        placed.append(lab.get_window_extent(r))
+
+
+def colorbar_ticks(cb) -> None:
+    """A log colour bar labelled as ``plain_ticks`` labels a log axis: a few round values in
+    plain numbers, no crowded minor labels (over a narrow range the default labels every minor
+    tick in scientific notation, one on top of the next)."""
+    import math
+
+    from matplotlib.ticker import LogLocator, MaxNLocator
+
+    lo, hi = (float(cb.norm.vmin), float(cb.norm.vmax)) if cb.norm is not None else (0.0, 0.0)
+    if not (0 < lo < hi) or hi / lo > 1e4 or getattr(cb.norm, "__class__", type).__name__ != "LogNorm":
+        return
+    decades = math.log10(hi / lo)
+    if decades < 1.2:
+        locs = []
+        for nbins in (4, 6, 8):
+            locs = [v for v in MaxNLocator(nbins=nbins, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi) if lo <= v <= hi]
+            if len(locs) >= 3:
+                break
+    else:
+        subs = (1.0, 2.0, 5.0) if decades <= 2.2 else (1.0, 3.0)
+        locs = [v for v in LogLocator(base=10, subs=subs).tick_values(lo, hi) if lo <= v <= hi]
+    cb.minorticks_off()
+    cb.set_ticks(locs, labels=[f"{v:.3g}" for v in locs])
+
+
+__all__ = ["Figure", "DPI", "theme", "colorblind", "COLORBLIND", "new_fig", "finish", "plain_ticks", "colorbar_ticks",
+           "spread_labels"]

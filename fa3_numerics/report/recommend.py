@@ -1,5 +1,6 @@
 """The report of a ``recommend`` study: the verdict first, then the evidence. Reads the dataset only
-(``studies.recommend_dataset.findings`` and its variables); computes nothing the study did not.
+(its ``findings`` attribute, written by ``studies.recommend_dataset``, and its variables);
+computes nothing the study did not.
 
 Exposed: ``recommend_document``, ``render_recommend``.
 """
@@ -10,8 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .document import Bullets, Document, Para, Section, Table, write_document
-from .format import fmt_e
+from .document import Bullets, Document, Para, Section, Table, Verdict, write_document
+from .stored import findings_of
+from ..text import fmt_e
+
+
+LONG_LABEL = 48  # characters of a recipe label past which a table names it by a short name
 
 
 def _m(v: dict) -> str:
@@ -57,26 +62,30 @@ def _verdict(f: dict) -> list:
                                                 "no statistic over its threshold")
                      + (f"; measured, the largest rel_l2 reduction comes from {meas}" if meas else "") + ".")
     lines.append(f"Budget: {budget}.")
-    return [Para(line, role="headline") for line in lines]
+    return [Verdict(lines)]
 
 
 def recommend_document(ds) -> Document:
-    from ..studies.recommend_dataset import findings
-
-    f = findings(ds)
+    f = findings_of(ds)
     doc = Document(f"recommend: {f['model']} on {f['target']}")
     doc.lead = _verdict(f) + [Para(f"Calibration: {f['texts']['calibration']}; held-out: {f['texts']['held_out']}; "
                                    f"reference ppl {f['reference_ppl']:.4g}; accumulator {f['accumulator']}; "
                                    f"{f['seconds']:.0f} s.", role="where")]
-    rows = [[v["label"], v["kind"], fmt_e(v["predicted"]), fmt_e(v["kl_mean"]), f"{v['bf16_multiple']:.1f}",
-             f"{100 * v['top1_agree']:.2f}%", f"{v['ppl_delta']:+.4f}", str(v["cost"]), "yes" if v["meets"] else "no"]
+    # a per-layer map is listed under the table by a short name: in a cell it stretched the table
+    # past the page
+    maps = [v["label"] for v in f["verified"] if len(v["label"]) > LONG_LABEL]
+    short = {lab: f"map {i + 1} (below)" for i, lab in enumerate(maps)}
+    rows = [[short.get(v["label"], v["label"]), v["kind"], fmt_e(v["predicted"]), fmt_e(v["kl_mean"]),
+             f"{v['bf16_multiple']:.1f}", f"{100 * v['top1_agree']:.2f}%", f"{v['ppl_delta']:+.4f}", str(v["cost"]),
+             "yes" if v["meets"] else "no"]
             for v in f["verified"]]
     bf = f["bf16_sdpa"]
     rows.append(["model's own BF16 SDPA", "noise", "", fmt_e(bf["kl_mean"]), "1.0", f"{100 * bf['top1_agree']:.2f}%",
                  f"{bf['ppl_delta']:+.4f}", "", ""])
     verified = Section("Verified end to end", [Table(["recipe", "kind", "predicted KL", "KL mean", "x BF16", "top-1",
                                                       "dppl", "cost", "meets"], rows,
-                                                     numeric=[False, False] + [True] * 6 + [False])])
+                                                     numeric=[False, False] + [True] * 6 + [False])]
+                       + ([Bullets([f"{short[m].split(' (')[0]}: `{m}`" for m in maps])] if maps else []))
     cand = [str(c) for c in ds["candidate"].values]
     screen_rows = []
     for c in cand:

@@ -7,7 +7,7 @@ Exposed: ``full_table``, ``pivot_tables``, ``text_table``, ``markdown_table``, `
 A variant whose samples hold NaN or Inf shows "non-finite (k of n samples)" in place of its
 value, and the summary opens with the list of such results: never an estimate over the finite
 rest that would read as complete. Every column uses one number format
-(``fa3_numerics.report.format.column_format``); an interval over fewer than 8 samples is marked
+(``fa3_numerics.text.column_format``); an interval over fewer than 8 samples is marked
 with ``FEW`` and explained at the top.
 """
 
@@ -22,10 +22,10 @@ from ..engine.conventions import attr_list
 from ..engine.dataset import summary_table
 from ..numerics.metrics.bootstrap import MIN_SAMPLES, few_samples
 from .document import Table, md_code, md_table, md_text
-from .format import FEW, column_format, fmt_e, fmt_interval, fmt_ratio, fmt_value
+from .figures import SYMBOL
+from ..text import FEW, column_format, fmt_e, fmt_interval, fmt_ratio, fmt_value
 
 _ROW_KEYS = ("variant", "value", "lo", "hi", "n", "nonfinite", "paper", "ratio")
-SYMBOL = {"p": "p", "sigma": "σ", "seqlen": "seqlen", "head_dim": "head dim", "causal": "causal"}
 
 
 def cell_keys(rows: list[dict]) -> list[str]:
@@ -89,10 +89,12 @@ def _eq(a, b) -> bool:
         return a == b
 
 
-def pivot_tables(ds: xr.Dataset, rows: list[dict], metric: str, ref: dict, max_cells: int = 8) -> list[Table]:
-    """Variants against cells, the best of each column in bold: one table of every cell when
-    there are at most ``max_cells``, else one per swept parameter with the others at the
-    reference cell ``ref``."""
+def pivot_tables(ds: xr.Dataset, rows: list[dict], metric: str, ref: dict, marked: list[str] | None = None,
+                 max_cells: int = 8) -> list[Table]:
+    """Variants against cells: one table of every cell when there are at most ``max_cells``,
+    else one per swept parameter with the others at the reference cell ``ref``. In bold, the
+    lowest of each column among ``marked`` (the study's low-precision variants; every variant
+    when None): an FP16 row, always lowest, would otherwise take every column."""
     keys = cell_keys(rows)
     variants = [str(v) for v in ds["variant"].values]
     cells = list(dict.fromkeys(tuple(r[k] for k in keys) for r in rows))
@@ -112,8 +114,8 @@ def pivot_tables(ds: xr.Dataset, rows: list[dict], metric: str, ref: dict, max_c
         fmt = column_format([r["value"] for row in picked for r in row if r])
         best = []
         for j in range(len(wheres)):
-            col = [row[j]["value"] for row in picked if row[j] and not row[j]["nonfinite"]
-                   and math.isfinite(row[j]["value"])]
+            col = [row[j]["value"] for v, row in zip(variants, picked) if row[j] and not row[j]["nonfinite"]
+                   and math.isfinite(row[j]["value"]) and (marked is None or v in marked)]
             best.append((max(col) if worse_lower else min(col)) if col else None)
         body = []
         for v, row in zip(variants, picked):
@@ -123,17 +125,23 @@ def pivot_tables(ds: xr.Dataset, rows: list[dict], metric: str, ref: dict, max_c
                     cells_txt.append("-")
                     continue
                 t = fmt_value(r["value"], r["nonfinite"], r["n"], fmt)
-                cells_txt.append(f"**{t}**" if best[j] is not None and r["value"] == best[j] else t)
+                eligible = marked is None or v in marked
+                cells_txt.append(f"**{t}**" if eligible and best[j] is not None and r["value"] == best[j] else t)
             body.append([md_code(v)] + cells_txt)
         if d:
             fixed = _cell_label({k: v for k, v in ref.items() if k != d})
             cols = ["variant"] + [f"{SYMBOL.get(d, d)}={fmt_param(w[d])}" for w in wheres]
-            caption = f"{metric.upper()} against {SYMBOL.get(d, d)} at {fixed}; the best of each column in bold."
+            caption = f"{metric.upper()} against {SYMBOL.get(d, d)} at {fixed}; {_bold_rule(marked)}."
         else:
             cols = ["variant"] + [_cell_label(w) for w in wheres]
-            caption = f"{metric.upper()} of each variant in each cell; the best of each column in bold."
+            caption = f"{metric.upper()} of each variant in each cell; {_bold_rule(marked)}."
         out.append(Table(cols, body, [False] + [True] * len(wheres), caption=caption))
     return out
+
+
+def _bold_rule(marked) -> str:
+    return ("the best low-precision value of each column in bold" if marked else
+            "the best of each column in bold")
 
 
 def _worse_lower(metric: str) -> bool:

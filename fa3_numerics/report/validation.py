@@ -3,7 +3,9 @@
 
 Exposed: ``validation_document``, ``markdown_validation``, ``write_validation``, ``fig_fidelity``.
 
-The page leads with the verdict per accumulator model, then the figure of F per case, then the
+The page leads with the verdict the study stored (``studies.validate_findings``: pass or fail
+against the fidelity band, the accumulator model that matches, those to avoid), the ranking per
+accumulator model, then the figure of F per case, then the
 tables (every case; per layer x head on a capture). ``markdown_validation(ds)`` is the body without
 the title, for commands and scripts that print or embed it (``validate``'s stdout,
 ``kernels/device/h200.py``). Datasets written before the non-finite counts existed still render.
@@ -16,8 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from .document import Bullets, Document, Fig, Para, Section, Table, md_code, md_text, render
-from .format import fmt_f
+from ..text import fmt_f
 from .plots import Figure, finish, new_fig, plain_ticks, theme
+from .stored import findings_of, verdict_block
 
 
 def _nonfinite_cell(ds, i: int, accs: list[str]) -> str:
@@ -32,20 +35,11 @@ def _nonfinite_cell(ds, i: int, accs: list[str]) -> str:
     return f"**kernel {int(k)}; emulator-only " + "/".join(str(int(x)) if np.isfinite(x) else "-" for x in only) + "**"
 
 
-def _findings(ds) -> list[str]:
-    if "nonfinite_kernel" not in ds:
-        return []
-    from ..studies.validate import findings
-
-    return findings(ds)
-
-
-def _case_table(ds, accs: list[str]) -> Table:
-    from ..studies.validate import F_LIMIT
-
-    head = ["case", "format", "n", "causal", "h/kv", "d", "data", "descale", "rot", "RMSE(kernel)"]
-    head += [f"F {a}" for a in accs] + [f"identical {a}" for a in accs] + ["non-finite"]
-    body = []
+def _case_tables(ds, accs: list[str], F_LIMIT: float) -> list[Table]:
+    """Every case as two tables that each fit the page: what the case is, then what it measured."""
+    what_head = ["case", "format", "n", "causal", "h/kv", "d", "data", "descale", "rot"]
+    got_head = ["case", "RMSE(kernel)"] + [f"F {a}" for a in accs] + [f"identical {a}" for a in accs] + ["non-finite"]
+    what, got = [], []
     for i in range(ds.sizes["case"]):
         c = ds.isel(case=i)
         fp8 = str(c["dtype"].values) == "fp8"
@@ -66,12 +60,16 @@ def _case_table(ds, accs: list[str]) -> Table:
         data = (f"p {float(c['p']):g}, σ {float(c['sigma']):g}" if dist == "outliers" else
                 f"layer {c['params'].values}".replace("layer=", "") if dist.startswith("capture-file:") else
                 f"{dist} {c['params'].values}")
-        body.append([md_code(c['case'].values), str(c["dtype"].values), str(int(c["seqlen"])), "yes" if int(c["causal"]) else "no",
+        name = md_code(c['case'].values)
+        what.append([name, str(c["dtype"].values), str(int(c["seqlen"])), "yes" if int(c["causal"]) else "no",
                      f"{int(c['heads'])}/{int(c['kv_heads'])}", str(int(c["head_dim"])), data,
-                     str(c["gran"].values) if fp8 else "-", str(c["rot"].values),
-                     "-" if not np.isfinite(rk) else f"{rk:.3e}"] + fs + idn + [_nonfinite_cell(ds, i, accs)])
-    numeric = [False, False, True, False, True, True, False, False, False, True] + [True] * (2 * len(accs)) + [False]
-    return Table(head, body, numeric, long=len(body) > 30, summary="Every case")
+                     str(c["gran"].values) if fp8 else "-", str(c["rot"].values)])
+        got.append([name, "-" if not np.isfinite(rk) else f"{rk:.3e}"] + fs + idn + [_nonfinite_cell(ds, i, accs)])
+    long = len(got) > 30
+    return [Table(got_head, got, [False, True] + [True] * (2 * len(accs)) + [False], long=long,
+                  summary="What every case measured"),
+            Table(what_head, what, [False, False, True, False, True, True, False, False, False], long=long,
+                  summary="What every case is")]
 
 
 def _per_head(ds, accs: list[str]) -> list:
@@ -97,12 +95,8 @@ def _per_head(ds, accs: list[str]) -> list:
                   [False, True, True, False, True, True])]
 
 
-def _ranking(ds) -> list:
-    from ..studies.validate import F_LIMIT, accumulator_ranking
-
-    # Datasets written before the non-finite counts have no nonfinite_emulator_only: the ranking
-    # then counts none, which is all that is known of them.
-    rank = accumulator_ranking(ds)
+def _ranking(f: dict) -> list:
+    rank, F_LIMIT = f["ranking"], f["f_limit"]
     if not rank:
         return []
     return [Table(["acc", "max F", "median F", "mean bit-identical", "cases",
@@ -117,7 +111,8 @@ def fig_fidelity(ds) -> Figure | None:
     """F per case and accumulator model, log axis, the F limit marked."""
     import matplotlib as mpl
 
-    from ..studies.validate import F_AIM, F_LIMIT
+    f_ = findings_of(ds, kind="validation")
+    F_AIM, F_LIMIT = f_["f_aim"], f_["f_limit"]
 
     f = ds["fidelity"].values
     if not np.isfinite(f).any():
@@ -153,9 +148,7 @@ def fig_fidelity(ds) -> Figure | None:
                       "bit-identical) is drawn at the left edge.")
 
 
-def _intro(ds) -> str:
-    from ..studies.validate import F_LIMIT
-
+def _intro(ds, F_LIMIT: float) -> str:
     label = ds.attrs.get("kernel_label", ds.attrs.get("backend", "?"))
     return (f"Kernel: {md_code(label)} ({ds.attrs.get('kernel_version', ds.attrs.get('kernel_module', ''))}) on "
             f"{ds.attrs.get('device_name', ds.attrs.get('device', '?'))}; emulator default acc "
@@ -167,19 +160,20 @@ def _intro(ds) -> str:
 
 def _blocks(ds, with_figure: bool) -> tuple[list, list[Section]]:
     accs = [str(a) for a in ds["acc"].values]
-    lead: list = [Para(_intro(ds), "where")]
-    bad = _findings(ds)
+    f = findings_of(ds, kind="validation")
+    lead: list = verdict_block(f) + [Para(_intro(ds, f["f_limit"]), "where")]
+    bad = f["nonfinite"]
     if bad:
         lead += [Para("**Non-finite outputs** (F and the identical share are over the outputs finite in both):",
                       "warning"), Bullets(bad, "warning")]
     sections = []
-    ranking = _ranking(ds)
+    ranking = _ranking(f)
     if ranking:
         sections.append(Section("Which accumulator model the kernel matches", ranking))
     fig = fig_fidelity(ds) if with_figure else None
     if fig is not None:
         sections.append(Section("Figure", [Fig(fig)]))
-    sections.append(Section("Every case", [_case_table(ds, accs)] + _per_head(ds, accs)))
+    sections.append(Section("Every case", _case_tables(ds, accs, f["f_limit"]) + _per_head(ds, accs)))
     return lead, sections
 
 

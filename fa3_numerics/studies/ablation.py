@@ -456,7 +456,10 @@ def run_ablation(ab: Ablation, *, cache_dir: Path | None = None, workers: int | 
         "cpu_cores": os.cpu_count() or 0, "loadavg_start": load0, "loadavg_end": load1,
         "reference": "float64 attention, chunked over queries",
     })
-    return results_dataset(out, dims=dims, coords=coords, attrs=attrs, hist=hist, hist_dims=dims[:4] + ["seed"])
+    from .ablation_findings import with_findings
+
+    return with_findings(results_dataset(out, dims=dims, coords=coords, attrs=attrs, hist=hist,
+                                         hist_dims=dims[:4] + ["seed"]))
 
 
 def _loadavg() -> str:

@@ -156,9 +156,13 @@ def plan(capture, *, variants: str | list[str] | None = None, backend: str = "em
 
 def audit(capture, *, variants: str | list[str] | None = None, backend: str = "emulate", rows: int = 256,
           layers: str | list[int] | None = None, seed: int = 0, device: str = "cpu",
-          progress: Callable[[str], None] = _progress, cache_dir: Path | None = None) -> "xarray.Dataset":  # noqa: F821
+          progress: Callable[[str], None] = _progress, cache_dir: Path | None = None,
+          budget: float | None = None, budget_metric: str = "rmse", rank_by: str = "worst",
+          rank_metric: str = "rel_l2", top: int = 10) -> "xarray.Dataset":  # noqa: F821
     """Audit ``capture`` (a ``Capture`` or a path) and return the dataset (see module docstring).
-    ``cache_dir``: where finished (layer, variant) results are kept, so that a rerun resumes."""
+    ``cache_dir``: where finished (layer, variant) results are kept, so that a rerun resumes.
+    ``budget`` .. ``top``: what the findings stored in the dataset rank and recommend by
+    (``studies.audit_findings``; recorded as attributes, which a report of the dataset follows)."""
     from ..engine.provenance import provenance
 
     t_start = time.perf_counter()
@@ -231,7 +235,11 @@ def audit(capture, *, variants: str | list[str] | None = None, backend: str = "e
             dims = ["layer", "kv_head", "k_block"]
         ds[name] = (dims, arr, {"description": (f"{tensor.upper()}: " if name != key else "") + desc})
     ds.attrs["wall_seconds"] = round(time.perf_counter() - t_start, 3)
-    return ds
+    ds.attrs.update({"budget": "" if budget is None else float(budget), "budget_metric": budget_metric,
+                     "rank_by": rank_by, "rank_metric": rank_metric, "top": int(top)})
+    from .audit_findings import with_findings
+
+    return with_findings(ds)
 
 
 # --------------------------------------------------------------------------------------------

@@ -296,7 +296,9 @@ def _assemble(res: Results):
     })
     ds = xr.Dataset(data, coords=coords, attrs={k: (v if isinstance(v, (str, int, float)) else json.dumps(v))
                                                  for k, v in attrs.items()})
-    return apply_conventions(ds)
+    from .backward_findings import with_findings
+
+    return with_findings(apply_conventions(ds))
 
 
 def stage_shares(ds, grad: str, variant: str) -> dict[str, float]:

@@ -230,9 +230,11 @@ def compare(a: xr.Dataset, b: xr.Dataset, metric: str = "rmse", level: float = 0
                          "n_a": xa.size, "n_b": xb.size, "nonfinite_a": nonfinite_samples(xa)[0],
                          "nonfinite_b": nonfinite_samples(xb)[0],
                          "same_spec": spec_a.get(v) == spec_b.get(w)})
-    return {"metric": metric, "dims": dims, "rows": rows, "differs": differs, "paired": paired, "level": level,
-            "pool": rule, "only_a": [v for v in va if v not in {p[0] for p in pairs}],
-            "only_b": [v for v in vb if v not in {p[1] for p in pairs}]}
+    res = {"metric": metric, "dims": dims, "rows": rows, "differs": differs, "paired": paired, "level": level,
+           "pool": rule, "only_a": [v for v in va if v not in {p[0] for p in pairs}],
+           "only_b": [v for v in vb if v not in {p[1] for p in pairs}]}
+    res.update({"nonfinite": findings(res), "sample_warnings": sample_warnings(res), "verdict": verdict(res)})
+    return res
 
 
 def _differs(a: xr.Dataset, b: xr.Dataset, dims: list[str]) -> list[str]:
@@ -276,6 +278,39 @@ def findings(res: dict) -> list[str]:
                 out.append(f"non-finite results in {side.upper()}: variant {r[f'variant_{side}']!r}, {_cell(res, r)}: "
                            f"{k} of {r[f'n_{side}']} samples")
     return out
+
+
+def verdict(res: dict) -> dict:
+    """What the comparison says, first: how many ratios' intervals lie wholly above or below 1
+    (B surely worse or better than A beyond sampling noise), the largest of each, in words."""
+    m = res["metric"].upper()
+    worse = [r for r in res["rows"] if math.isfinite(r["ratio_lo"]) and r["ratio_lo"] > 1 or r["ratio"] == math.inf]
+    better = [r for r in res["rows"] if math.isfinite(r["ratio_hi"]) and r["ratio_hi"] < 1 or r["ratio"] == 0.0]
+    n = sum(1 for r in res["rows"] if r["covers_1"] is not None)
+    lines = []
+
+    def name(r):
+        cell = _cell(res, r)
+        return f"`{r['variant']}`" + (f" at {cell}" if res["dims"] else "")
+
+    if worse:
+        w = max(worse, key=lambda r: r["ratio"])
+        lines.append(f"**B is worse than A** in {len(worse)} of {n} compared row(s), beyond sampling noise (the whole "
+                     f"95% interval of B/A above 1); the largest: {name(w)}, {m} ×{w['ratio']:.3f}"
+                     + (f" [{w['ratio_lo']:.3f}, {w['ratio_hi']:.3f}]" if math.isfinite(w["ratio_lo"]) else "") + ".")
+    if better:
+        b = min(better, key=lambda r: r["ratio"])
+        lines.append(f"**B is better than A** in {len(better)} of {n} row(s); the largest gain: {name(b)}, {m} "
+                     f"×{b['ratio']:.3f}" + (f" [{b['ratio_lo']:.3f}, {b['ratio_hi']:.3f}]"
+                                              if math.isfinite(b["ratio_lo"]) else "") + ".")
+    if not worse and not better and n:
+        lo = min(r["ratio_lo"] for r in res["rows"] if math.isfinite(r["ratio_lo"]))
+        hi = max(r["ratio_hi"] for r in res["rows"] if math.isfinite(r["ratio_hi"]))
+        lines.append(f"**No difference beyond sampling noise**: every one of the {n} ratio intervals covers 1 "
+                     f"(B/A intervals span [{lo:.3f}, {hi:.3f}]).")
+    if res["differs"]:
+        lines.append("The runs' settings differ (see the warnings): the ratios compare different settings.")
+    return {"worse": len(worse), "better": len(better), "compared": n, "lines": lines}
 
 
 def sample_warnings(res: dict) -> list[str]:

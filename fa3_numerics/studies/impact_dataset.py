@@ -170,7 +170,9 @@ def assemble(info: dict, ref, recipes, dec, map_layers, results: dict, audit_ds,
     attrs.update(provenance(info["device"]))
     attrs.update({"format": IMPACT_FORMAT, "kind": "impact", "token_ids_sha256": token_ids_sha256(info["input_ids"])})
     ds.attrs.update({k: (v if isinstance(v, (str, int, float)) else json.dumps(v)) for k, v in attrs.items()})
-    return ds
+    from .impact_findings import with_findings
+
+    return with_findings(ds)
 
 
 def _attrs(info, ref, results, data, labels, sweep, budget) -> dict:

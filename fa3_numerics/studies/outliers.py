@@ -329,9 +329,10 @@ def _assemble(res: Results):
         "reference": "float64 attention, chunked over queries",
     })
     from ..engine.dataset import results_dataset  # xarray: imported beside the runs (engine.prefetch)
+    from .run_findings import with_findings
 
-    return results_dataset(metrics, dims=dims, coords=coords, attrs=attrs,
-                           hist=hist.reshape(shape_sw + list(hist.shape[1:])), hist_dims=dims_sw + ["seed"])
+    return with_findings(results_dataset(metrics, dims=dims, coords=coords, attrs=attrs,
+                                         hist=hist.reshape(shape_sw + list(hist.shape[1:])), hist_dims=dims_sw + ["seed"]))
 
 
 class OutliersStudy(Study):

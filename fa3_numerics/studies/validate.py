@@ -1,7 +1,7 @@
 """Validation of the emulator against a hardware backend (the compiled FA3 kernel).
 
 Exposed: ``Case``, ``GRIDS``, ``grid``, ``case_recipe``, ``with_dist``, ``captured_cases``,
-``run_validation``, ``accumulator_ranking``, ``findings``, ``markdown_validation``, ``F_LIMIT``,
+``run_validation``, ``accumulator_ranking``, ``findings``, ``F_LIMIT``,
 ``F_AIM``.
 
 For each case the same float64 inputs go through the kernel and through the emulator, on the
@@ -430,7 +430,9 @@ def run_validation(cases: list[Case], *, device: str = "cuda", backend: str = "f
     except Exception:  # noqa: BLE001
         pass
     ds.attrs.update({k: (v if isinstance(v, (str, int, float)) else json.dumps(v)) for k, v in attrs.items()})
-    return ds
+    from .validate_findings import with_findings
+
+    return with_findings(ds)
 
 
 def _rms_pool(per_sample_rmse: np.ndarray) -> float:
@@ -479,13 +481,6 @@ def accumulator_ranking(ds) -> list[dict]:
     return sorted(out, key=lambda r: (r["nonfinite_only"] > 0, r["max_F"], r["median_F"]))
 
 
-def markdown_validation(ds) -> str:
-    """The validation table (rendered by ``fa3_numerics.report.validation``)."""
-    from ..report.validation import markdown_validation as render
-
-    return render(ds)
-
-
 class ValidationStudy(Study):
     """Emulator against kernel on the ``engine.study`` protocol (``fa3-numerics validate``): the
     cases and the backend are checked when it is made; the dataset is ``validation.nc``."""
@@ -510,5 +505,5 @@ class ValidationStudy(Study):
         return findings(ds)
 
 
-__all__ = ["ValidationStudy", "Case", "GRIDS", "grid", "case_recipe", "with_dist", "captured_cases", "skips", "tasks", "run_validation",
-           "accumulator_ranking", "findings", "markdown_validation", "F_LIMIT", "F_AIM"]
+__all__ = ["ValidationStudy", "Case", "GRIDS", "grid", "case_recipe", "with_dist", "captured_cases", "skips", "tasks",
+           "run_validation", "accumulator_ranking", "findings", "F_LIMIT", "F_AIM"]

@@ -245,8 +245,8 @@ def validation(out: Out, args, sz: Sizes, fa3_name: str, deadline: float) -> Non
 
     from fa3_numerics.engine.backends import get_backend
     from fa3_numerics.engine.dataset import write
-    from fa3_numerics.studies.validate import (Case, accumulator_ranking, captured_cases, grid, markdown_validation,
-                                               run_validation)
+    from fa3_numerics.report.validation import markdown_validation
+    from fa3_numerics.studies.validate import Case, accumulator_ranking, captured_cases, grid, run_validation
 
     kernel = get_backend(fa3_name)
     why = kernel.check(args.device)

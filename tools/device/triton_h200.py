@@ -293,7 +293,8 @@ def validation_cases(grid_name: str):
 
 def triton_validation(out: Out, args=None, sz: Sizes | None = None, deadline: float | None = None) -> None:
     from fa3_numerics.kernels.triton_.backend import TritonBackend, TritonTwoLevelBackend
-    from fa3_numerics.studies.validate import accumulator_ranking, markdown_validation, run_validation
+    from fa3_numerics.report.validation import markdown_validation
+    from fa3_numerics.studies.validate import accumulator_ranking, run_validation
 
     sz = sz or TRITON_SIZES
     cases = validation_cases(sz.grids[0])

@@ -1,6 +1,7 @@
 """Registry of input distributions for Q, K, V.
 
-Exposed: ``AttnShape``, ``register``, ``get``, ``available``, ``generate``.
+Exposed: ``AttnShape``, ``register``, ``get``, ``available``, ``generate``, ``param_label``,
+``param_long_name``, ``param_symbol``.
 
 A distribution is a function ``fn(shape, seed, **params) -> (q, k, v)`` returning float64
 tensors laid out (batch, heads, seqlen, head_dim) for Q and (batch, kv_heads, seqlen,
@@ -11,6 +12,13 @@ machine (generation happens on the CPU in float64; callers move the result).
 Add a family as one module in this package that calls ``register``: every module here is
 imported on first use, so no list needs editing. Third-party families can register from
 anywhere.
+
+An entry also says how reports and datasets write it: ``labels`` gives each parameter its
+symbol, its long name (the dataset coordinate's CF ``long_name``) and its axis label (``p``:
+"p", "outlier probability per entry", "outlier probability p (per entry)"), and ``histogram`` the sentence a report
+puts under the |Q|, |K| histogram of inputs drawn from it (what the shape of the counts shows;
+empty when the family has nothing to add), with ``bulk`` whether the N(0,1) bulk alone is the
+reference curve to draw beside the counts.
 """
 
 from __future__ import annotations
@@ -72,6 +80,12 @@ class Entry:
     # True: ``fn`` takes ``device=`` and draws there (a CUDA generator on a GPU); False: drawn on
     # the CPU and moved.
     on_device: bool = False
+    # parameter -> (symbol, long name, axis label) as datasets and reports write them
+    labels: dict[str, tuple[str, str, str]] = dataclasses.field(default_factory=dict)
+    # the sentence under a histogram of |Q| and |K| drawn from this family; whether the N(0,1) bulk
+    # alone is drawn beside the counts as their reference
+    histogram: str = ""
+    bulk: bool = False
 
 
 _REGISTRY: dict[str, Entry] = {}
@@ -79,12 +93,16 @@ _loaded = False
 
 
 def register(name: str, *, description: str, params: dict[str, tuple[float, str]] | None = None,
-             validate: Callable[[dict], None] | None = None, on_device: bool = False):
+             validate: Callable[[dict], None] | None = None, on_device: bool = False,
+             labels: dict[str, tuple[str, str, str]] | None = None, histogram: str = "", bulk: bool = False):
     """Decorator: register ``fn`` under ``name`` with its parameters' defaults and help.
-    ``on_device``: ``fn`` accepts ``device=`` and draws its tensors there."""
+    ``on_device``: ``fn`` accepts ``device=`` and draws its tensors there. ``labels``: parameter ->
+    (symbol, long name, axis label) for datasets and reports (default: the name and its help); ``histogram``, ``bulk``:
+    what a report says under, and draws beside, a histogram of inputs from this family."""
 
     def deco(fn):
-        _REGISTRY[name] = Entry(name, fn, description, dict(params or {}), validate, on_device)
+        _REGISTRY[name] = Entry(name, fn, description, dict(params or {}), validate, on_device, dict(labels or {}),
+                                histogram, bulk)
         return fn
 
     return deco
@@ -110,6 +128,34 @@ def get(name: str) -> Entry:
     if key in _REGISTRY:
         return _REGISTRY[key]
     raise UsageError(f"unknown distribution {name!r}; choose one of: {', '.join(sorted(_REGISTRY))}")
+
+
+def param_symbol(name: str) -> str:
+    """How reports write parameter ``name`` in a cell ("σ" for sigma): the first registered family
+    that labels it, else the name itself."""
+    for entry in available().values():
+        if name in entry.labels:
+            return entry.labels[name][0]
+    return name
+
+
+def _label(name: str, i: int) -> str:
+    entries = available().values()
+    for entry in entries:
+        if name in entry.labels:
+            return entry.labels[name][i]
+    return next((text for entry in entries for p, (_, text) in entry.params.items() if p == name), "")
+
+
+def param_long_name(name: str) -> str:
+    """The long name of parameter ``name`` (a dataset coordinate's ``long_name``): its family's,
+    else its help text; '' when no registered family takes it."""
+    return _label(name, 1)
+
+
+def param_label(name: str) -> str:
+    """The axis label of parameter ``name`` in a report's figures (its family's, else its help)."""
+    return _label(name, 2)
 
 
 def generate(name: str, shape: AttnShape, seed: int, *, device: str = "cpu",

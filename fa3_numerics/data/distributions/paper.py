@@ -74,6 +74,10 @@ def outliers_like(shape: tuple[int, ...], g: torch.Generator, p: float, sigma: f
             "sigma": (10.0, "standard deviation of the outlier term")},
     validate=_validate,
     on_device=True,
+    labels={"p": ("p", "outlier probability per entry", "outlier probability p (per entry)"),
+            "sigma": ("σ", "outlier standard deviation (x the N(0,1) bulk)", "outlier std σ (× the N(0,1) bulk)")},
+    histogram="The dashed line is what N(0,1) alone would give; the excess to the right of it is the outliers.",
+    bulk=True,
 )
 def paper_outliers(shape: AttnShape, seed: int, *, p: float, sigma: float, device: str = "cpu"):
     g = generator(seed, device)

@@ -1,15 +1,23 @@
-"""How numbers read in every report: one place, so tables of different studies agree.
+"""How the toolkit writes text from data: Markdown escaping and number formats, one place, so
+that the sentences a study stores as its findings and the tables a report renders agree.
 
-Exposed: ``fmt_e``, ``fmt_f``, ``fmt_value``, ``nonfinite_text``, ``column_format``, ``ratio_format``,
-``fmt_interval``, ``fmt_ratio``, ``FEW``.
+Exposed: ``md_code``, ``md_text`` (Markdown escaping); ``fmt_e``, ``fmt_f``, ``fmt_value``,
+``nonfinite_text``, ``column_format``, ``ratio_format``, ``fmt_interval``, ``fmt_ratio``, ``FEW``
+(numbers).
+
+Studies write their findings as Markdown sentences (a variant's name as a code span, numbers as
+plain text) and the reports render them; both use these functions, so a name that holds a
+backtick or ``<img onerror=...>`` never reaches a renderer as markup, whoever wrote the sentence.
 
 A column of a table uses one format for all its numbers (``column_format``): three significant
 digits in plain notation when every value lies in [0.01, 1000), else three significant digits in
 scientific notation for the whole column, so that "0.0234" never stands above "8.82e-03".
-An interval uses its value's format.
+An interval uses its value's format. Pure string functions: nothing here imports the rest of
+the package.
 """
 
 from __future__ import annotations
+
 
 import math
 from typing import Callable, Iterable
@@ -92,5 +100,39 @@ def fmt_value(value: float, bad: int = 0, n: int = 0, fmt: Callable[[float], str
     return nonfinite_text(bad, n) if bad else fmt(value)
 
 
-__all__ = ["fmt_e", "fmt_f", "fmt_value", "nonfinite_text", "column_format", "ratio_format", "fmt_interval", "fmt_ratio",
-           "FEW"]
+
+
+
+# CommonMark's backslash-escapable punctuation that can start markup inline ("|" is left to the
+# table writer, which escapes it in every cell).
+_MD_SPECIAL = set("\\`*_[]<>&!#~")
+
+
+def md_text(text) -> str:
+    """``text`` as plain Markdown text: markup characters backslash-escaped, newlines as spaces
+    (a newline could start a heading, a list or a table row)."""
+    flat = " ".join(str(text).splitlines())
+    out = []
+    for i, c in enumerate(flat):
+        # "_" inside a word (x86_64, rel_l2) never starts emphasis in CommonMark: left as it is
+        inner = c == "_" and flat[i - 1:i].isalnum() and flat[i + 1:i + 2].isalnum()
+        out.append("\\" + c if c in _MD_SPECIAL and not inner else c)
+    return "".join(out)
+
+
+def md_code(text) -> str:
+    """``text`` as one Markdown code span that holds it literally, whatever it holds: the fence is
+    one backtick longer than the longest run of backticks inside, padded with a space where the
+    text starts or ends with a backtick; newlines become spaces (a code span is one line here)."""
+    flat = " ".join(str(text).splitlines())
+    run = longest = 0
+    for c in flat:
+        run = run + 1 if c == "`" else 0
+        longest = max(longest, run)
+    fence = "`" * (longest + 1)
+    pad = " " if flat[:1] == "`" or flat[-1:] == "`" or (flat[:1] == " " and flat[-1:] == " ") else ""
+    return f"{fence}{pad}{flat}{pad}{fence}" if flat else "` `"
+
+
+__all__ = ["md_code", "md_text", "fmt_e", "fmt_f", "fmt_value", "nonfinite_text", "column_format", "ratio_format",
+           "fmt_interval", "fmt_ratio", "FEW"]
