@@ -32,7 +32,8 @@ class Layer:
 
 
 LAYERS: tuple[Layer, ...] = (
-    Layer("base", ("errors", "env", "files", "layers"), why="errors, environment settings and whole-or-nothing files, which every layer uses"),
+    Layer("base", ("errors", "env", "files", "layers", "text"),
+          why="errors, environment settings, whole-or-nothing files, number formats and Markdown escaping, which every layer uses"),
     Layer("numerics", ("numerics",), why="formats, quantizers, recipes, the emulator, metrics"),
     Layer("data", ("data", "experiments"), why="input distributions, captures, row sampling, experiment files"),
     Layer("engine", ("engine",), why="running tasks, caching, datasets, the backend registry"),
