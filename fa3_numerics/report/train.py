@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .document import Document, Fig, Para, Section, Table, write_document
-from .format import fmt_e
+from ..text import fmt_e
 
 
 def _gap(g) -> str:
