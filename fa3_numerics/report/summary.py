@@ -65,17 +65,12 @@ def markdown_table(ds: xr.Dataset, metric: str = "rmse") -> str:
 
 
 def text_table(ds: xr.Dataset, metric: str = "rmse") -> str:
-    """The full table as aligned plain text (the command's stdout)."""
+    """The full table as plain text (the command's stdout), drawn by rich."""
+    from .console import table_text
+
     t = full_table(ds, metric)
     strip = lambda c: c.replace("`", "").replace("**", "")  # noqa: E731
-    head = [strip(c) for c in t.columns]
-    body = [[strip(c) for c in r] for r in t.rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-
-    def line(cols):
-        return "  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(cols, widths, t.numeric)).rstrip()
-
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+    return table_text([strip(c) for c in t.columns], [[strip(c) for c in r] for r in t.rows], t.numeric)
 
 
 def _cell_label(where: dict) -> str:
@@ -227,9 +222,11 @@ def _impact_table(ds) -> str:
             s = ds.sel(baseline=b)
             rows.append((str(b), fmt_e(float(s.base_kl_mean)), fmt_e(float(s.base_kl_p99)), fmt_e(float(s.base_kl_max)),
                          f"{100 * float(s.base_top1_agree):.2f}%", f"{float(s.base_ppl_delta):+.4f}"))
-    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [f"every layer, {ds.attrs.get('tokens')} tokens, reference ppl {float(ds.attrs['ref_ppl']):.4f}:"]
-    lines += ["  " + "  ".join(c.ljust(n) for c, n in zip(r, w)) for r in rows]
+    from .console import table_text
+
+    lines = [table_text(rows[0], rows[1:], [False, True, True, True, True, True],
+                        title=f"every layer, {ds.attrs.get('tokens')} tokens, reference ppl "
+                              f"{float(ds.attrs['ref_ppl']):.4f}:")]
     budget = ds.attrs.get("budget", "")
     if budget:
         b = json.loads(budget)
