@@ -887,3 +887,41 @@ def test_markdown_template_lets_no_raw_html_through_whatever_a_report_module_for
     assert md.count("onerror") >= 6 and f"`{raw}`" in md  # kept, as text; the code span untouched
     assert md_no_html("\\<b> <<i>") == "\\<b> <\\<i>"  # an escaped "<" is not escaped twice
     assert md_no_html("KL <= 1e-6, p < 0.05") == "KL <= 1e-6, p < 0.05"  # no tag can start there
+
+
+# -- Ctrl-C with dask workers: one line, no worker tracebacks, a rerun resumes -------------------------
+
+@pytest.mark.slow
+def test_ctrl_c_with_workers_is_one_message_and_resumes(tmp_path, cli):
+    import re
+    import signal
+    import time
+
+    pytest.importorskip("distributed")
+    out = tmp_path / "o"
+    args = ["run", "outliers", "--seqlen", "1024", "--heads", "2", "--batch", "1", "--rows", "128",
+            "--variants", "fa3-fp8,fa3-fp16", "--seeds", ",".join(map(str, range(16))), "--out", str(out)]
+    cmd = [sys.executable, "-c", "from fa3_numerics.cli import main; main()", *args]
+    # Its own process group, as a terminal's foreground job: Ctrl-C reaches the driver and every worker.
+    proc = subprocess.Popen([*cmd, "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not list((out / ".cells").glob("*.npz")) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before a cell finished"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("interrupted; finished results are kept") and len(lines) <= 4, err
+    cached = len(list((out / ".cells").glob("*.npz")))
+    assert cached >= 1
+    code, _, err = cli(*args)  # the rerun, in this process
+    assert code == 0, err
+    reused = re.search(r"(\d+) variant result\(s\) reused", err)
+    assert reused and int(reused.group(1)) >= 1, err
