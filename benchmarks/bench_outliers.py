@@ -58,7 +58,9 @@ def _cmd() -> list[str]:
 
 
 _LAUNCHER = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
-             "print(f'fa3n-maxrss-kib={resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}', file=sys.stderr); "
+             "u = resource.getrusage(resource.RUSAGE_CHILDREN); "
+             "print(f'fa3n-maxrss-kib={u.ru_maxrss}', file=sys.stderr); "
+             "print(f'fa3n-cpu-s={u.ru_utime + u.ru_stime}', file=sys.stderr); "
              "sys.exit(rc)")
 
 
@@ -172,8 +174,11 @@ def main() -> int:
             phase_lines.append((phases[0] if phases else "", task_phases[0] if task_phases else ""))
             peak_kib = [int(ln.split("=", 1)[1]) for ln in lines if ln.startswith("fa3n-maxrss-kib=")]
             rss.append(peak_kib[-1] * 1024 / 1e9 if peak_kib else math.nan)
-            print(f"  {walls[-1]:.1f} s, peak RSS {rss[-1]:.2f} GB; " + (phases[0] if phases else "(no timings line)"),
-                  flush=True)
+            # CPU seconds (both threads, every process of the run): the work done, which a shared
+            # machine inflates less than the wall time (spin-waiting threads still count).
+            cpu = [float(ln.split("=", 1)[1]) for ln in lines if ln.startswith("fa3n-cpu-s=")]
+            print(f"  {walls[-1]:.1f} s wall, {cpu[-1] if cpu else math.nan:.1f} CPU s, peak RSS {rss[-1]:.2f} GB; "
+                  + (phases[0] if phases else "(no timings line)"), flush=True)
             if res.returncode != 0:
                 print(res.stderr[-2000:], file=sys.stderr)
                 print(f"FAIL: the run exited with {res.returncode}")
