@@ -141,7 +141,8 @@ def main() -> int:
     ap.add_argument("--strict", action="store_true", help="exit 1 when a criterion fails")
     ap.add_argument("--repeat", type=int, default=1, help="runs; the median wall time is reported")
     ap.add_argument("--check", type=Path, metavar="BASE.nc",
-                    help="compare the run's dataset bit for bit with this one (check_outputs.py); exit 1 if they differ")
+                    help="compare the run's dataset bit for bit with this one (check_outputs.py); exit 1 if they "
+                         "differ")
     args = ap.parse_args()
 
     from fa3_numerics.engine.dataset import read, summary_table
@@ -192,16 +193,17 @@ def main() -> int:
         f64, f32, floor = (f64 + g64) / 2, (f32 + g32) / 2, (floor + after) / 2
         mid = walls.index(sorted(walls)[len(walls) // 2])
         if phase_lines[mid][0]:
-            print(f"\nwhere the time of the median run went (FA3N_TIMINGS=1; floors: the mean of the two readings):")
+            print("\nwhere the time of the median run went (FA3N_TIMINGS=1; floors: the mean of the two readings):")
             _print_phases(_phases(phase_lines[mid][0]), _phases(phase_lines[mid][1]) if phase_lines[mid][1] else [],
                           f64, f32)
         prev = PREVIOUS
-        print(f"\nwall {', '.join(f'{w:.1f}' for w in walls)} s; median {wall:.1f} s = {wall / floor:.2f} x the floor of "
-              f"{floor:.1f} s (target 1.5); previous: {prev['ratio']:.2f} x ({prev['wall']:.1f} s against "
+        print(f"\nwall {', '.join(f'{w:.1f}' for w in walls)} s; median {wall:.1f} s = {wall / floor:.2f} x the "
+              f"floor of {floor:.1f} s (target 1.5); previous: {prev['ratio']:.2f} x ({prev['wall']:.1f} s against "
               f"{prev['floor']:.1f} s, {prev['when']})")
-        print(f"peak RSS {peak:.2f} GB = {peak * 1e9 / 2 ** 30:.2f} GiB (target <= 2 GB; previous {prev['peak_gb']:.2f} GB); "
+        print(f"peak RSS {peak:.2f} GB = {peak * 1e9 / 2 ** 30:.2f} GiB (target <= 2 GB; previous "
+              f"{prev['peak_gb']:.2f} GB); "
               f"the floor and the runs are comparable only while the machine's load stays the same (floor before and "
-              f"after: {min(floor * 2 - after, after):.1f} / {max(floor * 2 - after, after):.1f} s)")
+              f"after: {floor * 2 - after:.1f} / {after:.1f} s)")
         path = out / "outliers.nc"
     identical = True
     if args.check:

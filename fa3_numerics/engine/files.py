@@ -1,8 +1,8 @@
 """Files written whole or not at all, and output folders that one process owns at a time.
 
 Exposed: ``atomic_path``, ``atomic_write``, ``write_error``, ``folder_error``, ``make_folder``, ``temp_file``,
-``is_own_temp``, ``OutputFolder``, ``OutputFileLock``, ``output_folder``, ``output_file``, ``clean_stale_temps``, ``clean_dead_temps``,
-``TEMP_GLOB``.
+``is_own_temp``, ``OutputFolder``, ``OutputFileLock``, ``output_folder``, ``output_file``, ``clean_stale_temps``,
+``clean_dead_temps``, ``TEMP_GLOB``.
 
 Every file the toolkit writes goes through ``atomic_path``: the content goes to a hidden temp
 file ``.NAME.fa3n-<random>.tmp`` in the same folder (``temp_file``), which is renamed over
@@ -364,5 +364,5 @@ def output_folder(text: str | os.PathLike | None, option: str = "--out") -> Outp
 
 
 __all__ = ["atomic_path", "atomic_write", "write_error", "folder_error", "make_folder", "temp_file", "is_own_temp",
-           "OutputFolder", "OutputFileLock", "output_folder", "output_file", "clean_stale_temps", "clean_dead_temps", "TEMP_GLOB",
-           "PLACE_ERRNOS"]
+           "OutputFolder", "OutputFileLock", "output_folder", "output_file", "clean_stale_temps", "clean_dead_temps",
+           "TEMP_GLOB", "PLACE_ERRNOS"]
