@@ -1,7 +1,8 @@
 """Files written whole or not at all, and output folders that one process owns at a time.
 
-Exposed: ``atomic_path``, ``atomic_write``, ``write_error``, ``temp_file``, ``is_own_temp``, ``OutputFolder``,
-``output_folder``, ``output_file``, ``clean_stale_temps``, ``clean_dead_temps``, ``TEMP_GLOB``.
+Exposed: ``atomic_path``, ``atomic_write``, ``write_error``, ``folder_error``, ``make_folder``, ``temp_file``,
+``is_own_temp``, ``OutputFolder``, ``OutputFileLock``, ``output_folder``, ``output_file``, ``clean_stale_temps``,
+``clean_dead_temps``, ``TEMP_GLOB``.
 
 Every file the toolkit writes goes through ``atomic_path``: the content goes to a hidden temp
 file ``.NAME.fa3n-<random>.tmp`` in the same folder (``temp_file``), which is renamed over
@@ -17,6 +18,12 @@ lock also keeps two runs from interleaving their files in one folder (the datase
 summary of the other): the second refuses at once. The kernel drops an flock when its process
 dies, so a killed run never blocks the next one.
 
+A command that writes one file outside an owned folder for a long time (a capture: minutes of
+model loading and a forward pass before the write) holds that file for the whole command with
+``OutputFileLock``: an flock on a hidden ``.NAME.fa3n-lock`` beside it, removed when the command
+ends, so a second command writing the same file refuses at once instead of replacing the first's
+file with its own. A killed holder's lock file is empty and is taken over by the next one.
+
 A single file written outside an owned folder (a capture) is written inside a private temp
 folder of the same naming that the writer holds an flock on (``atomic_path(path, hold=True)``);
 the next writer of the same name removes those that no living process holds
@@ -25,7 +32,9 @@ folder need no hold: the folder's lock already says whose their temp files are.
 
 A device that refuses the bytes (full, over quota, read-only) ends the write with one line
 naming the file and the fix (``write_error``, a ``UsageError``), the temp file removed: never a
-traceback and never a partial file.
+traceback and never a partial file. So does a folder that cannot be made (``make_folder``: a
+figures folder, the folder of a file, a capture's private temp folder): full, read-only, no
+permission, or a file in the way, each one line naming the folder (``folder_error``).
 
 A command that creates its output folder and then refuses its input removes the folder again
 when nothing was written into it, so a refused run leaves no empty folder behind.
@@ -87,8 +96,8 @@ def atomic_path(path: str | os.PathLike, hold: bool = False) -> Iterator[Path]:
     path = Path(path)
     require(not path.is_dir(), f"cannot write {path}: a folder of that name is in the way; remove it (or pass "
             "another output folder)")
+    make_folder(path.parent)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         if hold:
             holder = Path(tempfile.mkdtemp(prefix=f".{path.name}.{TEMP_TAG}", suffix=".tmp", dir=path.parent))
             fd = os.open(holder, os.O_RDONLY)
@@ -98,7 +107,7 @@ def atomic_path(path: str | os.PathLike, hold: bool = False) -> Iterator[Path]:
             fd, tmp = temp_file(path)
             os.close(fd)
     except OSError as exc:
-        raise (write_error(exc, path) or exc) from None
+        raise (write_error(exc, path) or folder_error(exc, path.parent)) from None
     try:
         yield tmp
         os.chmod(tmp, 0o666 & ~_umask())
@@ -135,6 +144,36 @@ def write_error(exc: BaseException, path: str | os.PathLike) -> UsageError | Non
         return None
     return UsageError(f"cannot write {path}: {_FULL[code]}; free some space (or write elsewhere) and run again - "
                       "nothing partial was left, finished results are kept")
+
+
+# errno of a place that takes no file or folder: the device's refusals above, no permission, a file
+# where a folder should be (or under one)
+PLACE_ERRNOS = frozenset(_FULL) | {errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOTDIR}
+
+
+def folder_error(exc: OSError, folder: str | os.PathLike) -> UsageError:
+    """The one-line error for ``exc`` raised while making ``folder`` or a file in it: a full or
+    read-only device as ``write_error`` says it, else the system's reason (no permission, a file
+    in the way) with the fix."""
+    where = Path(exc.filename) if getattr(exc, "filename", None) else Path(folder)
+    full = write_error(exc, where)
+    if full is not None:
+        return full
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if exc.errno in (errno.EEXIST, errno.ENOTDIR):
+        reason = "a file is in the way of a folder"
+    return UsageError(f"cannot create a folder or file in {where}: {reason.lower()}; make it writable (or write "
+                      "elsewhere) and run again - nothing partial was left, finished results are kept")
+
+
+def make_folder(folder: str | os.PathLike) -> Path:
+    """``folder`` and its missing parents, created; any failure one line (``folder_error``)."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise folder_error(exc, folder) from None
+    return folder
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
@@ -276,10 +315,54 @@ class OutputFolder:
             pass  # something else appeared meanwhile: keep it
 
 
+class OutputFileLock:
+    """One output file held for one command (see the module docstring): ``with
+    OutputFileLock(path, "--out"):``; a second holder of the same path, in any process, gets a
+    ``UsageError`` at once. The lock file is created beside ``path`` (whose folder must exist)
+    and removed on exit; a holder checks, once it has the flock, that the name still leads to the
+    file it locked (a holder that was leaving may have removed it meanwhile) and tries again."""
+
+    def __init__(self, path: str | os.PathLike, option: str = "--out"):
+        self.path = Path(path)
+        self.option = option
+        self.lock = self.path.with_name(f".{self.path.name}.{TEMP_TAG}lock")
+        self._fd: int | None = None
+
+    def __enter__(self) -> Path:
+        import fcntl
+
+        while True:
+            try:
+                fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())
+            except OSError as exc:
+                raise folder_error(exc, self.lock.parent) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise UsageError(f"another fa3-numerics process is writing {self.path}; wait for it to finish or "
+                                 f"pass another {self.option}") from None
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.lock))
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._fd = fd
+                return self.path
+            os.close(fd)  # the file was removed by the holder that just left: lock the new one
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            self.lock.unlink(missing_ok=True)  # while still holding it: a waiter then retries on a fresh file
+            os.close(self._fd)
+            self._fd = None
+
+
 def output_folder(text: str | os.PathLike | None, option: str = "--out") -> OutputFolder:
     """``OutputFolder(text, option)``: validate now (so bad input fails before any work), lock on entry."""
     return OutputFolder(text, option)
 
 
-__all__ = ["atomic_path", "atomic_write", "write_error", "temp_file", "is_own_temp", "OutputFolder", "output_folder",
-           "output_file", "clean_stale_temps", "clean_dead_temps", "TEMP_GLOB"]
+__all__ = ["atomic_path", "atomic_write", "write_error", "folder_error", "make_folder", "temp_file", "is_own_temp",
+           "OutputFolder", "OutputFileLock", "output_folder", "output_file", "clean_stale_temps", "clean_dead_temps",
+           "TEMP_GLOB", "PLACE_ERRNOS"]

@@ -159,3 +159,27 @@ def test_cuda_starts_early_only_for_a_cuda_device_in_this_process(argv, device):
     if t is not None:
         t.join(timeout=60)  # without a GPU or driver it ends quietly
         assert not t.is_alive()
+
+
+def test_input_summary_is_the_histogram_and_the_checks_of_separate_passes():
+    """One pass per tensor gives what check_inputs and input_histogram compute on their own: the
+    same counts, amaxes and non-finite counts; and check_inputs refuses from it as from its own pass."""
+    import numpy as np
+    import torch
+
+    from fa3_numerics.engine.inputs import _nonfinite_and_amax, check_inputs, input_histogram, input_summary
+    from fa3_numerics.errors import UsageError
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 300, 16, generator=g, dtype=torch.float64) * 30 for _ in range(3))
+    summary = input_summary(q, k, v)
+    if summary is None:
+        pytest.skip("no compiled fast paths here")
+    assert np.array_equal(summary.hist, input_histogram(q, k, v))
+    assert summary.checks == tuple(_nonfinite_and_amax(t) for t in (q, k, v))
+    check_inputs(q, k, v, scale=0.25, where="here", summary=summary)
+    k[0, 1, 7, 3] = float("inf")
+    bad = input_summary(q, k, v)
+    assert bad.checks[1][0] == 1 and bad.checks[0][0] == bad.checks[2][0] == 0
+    with pytest.raises(UsageError, match="1 non-finite value"):
+        check_inputs(q, k, v, scale=0.25, where="here", summary=bad)

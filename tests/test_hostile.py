@@ -887,3 +887,165 @@ def test_markdown_template_lets_no_raw_html_through_whatever_a_report_module_for
     assert md.count("onerror") >= 6 and f"`{raw}`" in md  # kept, as text; the code span untouched
     assert md_no_html("\\<b> <<i>") == "\\<b> <\\<i>"  # an escaped "<" is not escaped twice
     assert md_no_html("KL <= 1e-6, p < 0.05") == "KL <= 1e-6, p < 0.05"  # no tag can start there
+
+
+# -- Ctrl-C with dask workers: one line, no worker tracebacks, a rerun resumes -------------------------
+
+@pytest.mark.slow
+def test_ctrl_c_with_workers_is_one_message_and_resumes(tmp_path, cli):
+    import re
+    import signal
+    import time
+
+    pytest.importorskip("distributed")
+    out = tmp_path / "o"
+    args = ["run", "outliers", "--seqlen", "1024", "--heads", "2", "--batch", "1", "--rows", "128",
+            "--variants", "fa3-fp8,fa3-fp16", "--seeds", ",".join(map(str, range(16))), "--out", str(out)]
+    cmd = [sys.executable, "-c", "from fa3_numerics.cli import main; main()", *args]
+    # Its own process group, as a terminal's foreground job: Ctrl-C reaches the driver and every worker.
+    proc = subprocess.Popen([*cmd, "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not list((out / ".cells").glob("*.npz")) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before a cell finished"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("interrupted; finished results are kept") and len(lines) <= 4, err
+    cached = len(list((out / ".cells").glob("*.npz")))
+    assert cached >= 1
+    code, _, err = cli(*args)  # the rerun, in this process
+    assert code == 0, err
+    reused = re.search(r"(\d+) variant result\(s\) reused", err)
+    assert reused and int(reused.group(1)) >= 1, err
+
+
+# -- a folder that cannot be made: one line, whoever makes it ------------------------------------------
+
+def _refuse_mkdir(monkeypatch, name: str, code: int):
+    """Path.mkdir fails with ``code`` for folders called ``name`` (as a full device, a read-only
+    one or a folder without write permission does: root ignores permission bits, so a test cannot
+    make a real one)."""
+    import pathlib
+
+    real = pathlib.Path.mkdir
+
+    def mkdir(self, *a, **k):
+        if self.name == name:
+            raise OSError(code, os.strerror(code), str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
+
+
+@pytest.mark.parametrize("code,words", [(28, "no space left on the device"), (13, "permission denied"),
+                                        (30, "the file system is read-only")])
+def test_a_folder_that_cannot_be_made_for_a_file_is_one_line(tmp_path, monkeypatch, code, words):
+    from fa3_numerics.engine.files import atomic_write, make_folder
+    from fa3_numerics.errors import UsageError
+
+    _refuse_mkdir(monkeypatch, "figures", code)
+    with pytest.raises(UsageError, match=words) as err:
+        atomic_write(tmp_path / "figures" / "a.png", b"x")
+    assert len(str(err.value).splitlines()) == 1 and "figures" in str(err.value)
+    with pytest.raises(UsageError, match=words):
+        make_folder(tmp_path / "figures")
+    assert list(tmp_path.iterdir()) == []
+    assert make_folder(tmp_path / "other" / "deeper").is_dir()  # negative control: other folders are made
+
+
+def test_a_file_in_the_way_of_a_folder_for_a_file_is_one_line(tmp_path):
+    from fa3_numerics.engine.files import atomic_write
+    from fa3_numerics.errors import UsageError
+
+    (tmp_path / "figures").write_text("a file, not a folder")
+    with pytest.raises(UsageError, match="a file is in the way of a folder"):
+        atomic_write(tmp_path / "figures" / "a.png", b"x")
+    assert (tmp_path / "figures").read_text() == "a file, not a folder"
+
+
+def _render_run_report(ds, out):
+    from fa3_numerics.report import render_run_report
+
+    render_run_report(ds, out)
+
+
+@pytest.mark.parametrize("code,words", [(28, "no space left on the device"), (13, "permission denied")])
+def test_the_report_process_says_a_figures_folder_it_cannot_make_in_one_line(tmp_path, monkeypatch, capfd, code,
+                                                                             words):
+    """The report writes its figures folder itself, in the process forked for it: a folder it cannot
+    make is the command line's one line and exit 2, as a full disk is for a file."""
+    from fa3_numerics.cli import guarded
+    from fa3_numerics.engine.dataset import read
+    from fa3_numerics.engine.report_process import ReportProcess
+
+    ds = read(os.path.join(os.path.dirname(__file__), "..", "reports", "outliers", "default", "outliers.nc"))
+    _refuse_mkdir(monkeypatch, "figures", code)  # before the fork: the child has it too
+    proc = ReportProcess.start((), guarded)
+    assert proc.run(_render_run_report, ds, str(tmp_path / "o")) == 2
+    err = capfd.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: cannot ") and "figures" in last and words in last, err
+    assert not (tmp_path / "o" / "figures").exists()
+
+
+# -- two captures into one file: the second refuses at once ---------------------------------------------
+
+def test_a_second_capture_into_the_same_file_refuses_before_loading(tmp_path, monkeypatch):
+    import fa3_numerics.data.capture as capture_mod
+    from fa3_numerics.engine.files import OutputFileLock
+    from fa3_numerics.errors import UsageError
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(capture_mod, "load_model", no_load)
+    monkeypatch.setattr(capture_mod, "resolve_model", no_load)
+    out = tmp_path / "cap.safetensors"
+    with OutputFileLock(out):  # what a running capture holds
+        with pytest.raises(UsageError, match=r"another fa3-numerics process is writing .*cap.safetensors"):
+            capture_mod.capture(out=out, tokens=8)
+        with pytest.raises(AssertionError, match="loaded"):  # another file of the same folder is free
+            capture_mod.capture(out=tmp_path / "other.safetensors", tokens=8)
+    # Released (and its lock file gone), the same file is free again.
+    assert [p.name for p in tmp_path.iterdir()] == []
+    with pytest.raises(AssertionError, match="loaded"):
+        capture_mod.capture(out=out, tokens=8)
+
+
+_HOLD = """
+import sys, time
+from fa3_numerics.engine.files import OutputFileLock
+with OutputFileLock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_capture_lock_is_held_across_processes_and_dropped_by_a_kill(tmp_path):
+    import signal
+
+    from fa3_numerics.engine.files import OutputFileLock
+    from fa3_numerics.errors import UsageError
+
+    out = tmp_path / "cap.safetensors"
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        with pytest.raises(UsageError, match="another fa3-numerics process is writing"):
+            with OutputFileLock(out):
+                pass
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    with OutputFileLock(out):  # a killed holder blocks nobody; its lock file is taken over
+        pass
+    assert list(tmp_path.iterdir()) == []

@@ -361,3 +361,26 @@ def test_randn_map_is_the_one_checked_and_shapes_are_kept():
     u = torch.rand(32, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     other = torch.sqrt(-2 * torch.log(1 - u[0::2])) * torch.cos(2 * math.pi * u[1::2])
     assert not torch.equal(other, out.flatten()[:16])
+
+
+@pytest.mark.parametrize("skip32,n", [(0, 1), (0, 311), (0, 312), (0, 313), (1, 312), (1, 5001), (623, 7),
+                                      (5, 1 << 17)])
+def test_uniforms_are_torch_rand_bits_and_leave_the_generator_where_torch_does(skip32, n):
+    """The compiled MT19937 draws torch.rand's float64 uniforms from the generator's own state,
+    whatever its position (``skip32`` single 32-bit draws first, so that a double's two words
+    straddle the 624-word refresh), and sets the state where torch's draws leave it: the next
+    draws of every kind agree too."""
+    if native._lib() is None:
+        pytest.skip("no compiled fast paths here")
+    g_ref, g = torch.Generator().manual_seed(1000 + n), torch.Generator().manual_seed(1000 + n)
+    for gen in (g_ref, g):
+        torch.rand(skip32, generator=gen, dtype=torch.float32)  # one 32-bit word per value
+    ref = torch.rand(n, generator=g_ref, dtype=torch.float64)
+    out = native._rand_fast(n, g)
+    assert torch.equal(out.view(torch.int64), ref.view(torch.int64))
+    assert torch.equal(g.get_state(), g_ref.get_state())
+    assert torch.equal(torch.randn(40, generator=g), torch.randn(40, generator=g_ref))
+    # negative control: a generator one word further on gives other uniforms
+    g_off = torch.Generator().manual_seed(1000 + n)
+    torch.rand(skip32 + 1, generator=g_off, dtype=torch.float32)
+    assert not torch.equal(native._rand_fast(n, g_off), ref)

@@ -878,11 +878,20 @@ def capture(model: str = DEFAULT_MODEL, out: str | os.PathLike = "capture.safete
     Every input is checked before the model is loaded; nothing is written unless the whole
     capture succeeds.
     """
-    say = log or (lambda _msg: None)
-    t_start = time.perf_counter()
+    from ..files import OutputFileLock
+
     require(isinstance(tokens, int) and tokens >= 1,
             f"--tokens must be at least 1 (got {tokens}); e.g. --tokens {DEFAULT_TOKENS}")
     out_path = _check_out(out)
+    # Held from before the model loads to after the rename: a second capture into the same file
+    # refuses at once instead of replacing this one's file with its own minutes later.
+    with OutputFileLock(out_path, "--out"):
+        return _capture(model, out_path, text, tokens, layers, log)
+
+
+def _capture(model: str, out_path: Path, text, tokens: int, layers, log) -> Capture:
+    say = log or (lambda _msg: None)
+    t_start = time.perf_counter()
     if isinstance(layers, str) or layers is None:
         parse_layers(layers)  # syntax check now; range check once the model is known
     else:

@@ -24,8 +24,11 @@ dask is imported only here, inside functions: runs with ``workers=0`` never need
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -127,6 +130,38 @@ def dashboard_address() -> str:
     return os.environ.get("FA3N_DASHBOARD", "").strip() or f"{LOOPBACK}:0"
 
 
+@contextlib.contextmanager
+def _children_ignore_ctrl_c():
+    """Start processes that ignore SIGINT: a terminal's Ctrl-C reaches every process of its
+    group, and a dask worker process that gets it prints two tracebacks of its event loop
+    (36 lines for two workers) before the driver, which handles Ctrl-C, closes the cluster and
+    its workers anyway. An ignored signal stays ignored through fork and exec, and Python and
+    asyncio install their own SIGINT handlers only over the default one, so the workers never
+    see it. This process ignores it too while the workers start (seconds), then handles it again."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+class _HeartbeatAfterScheduler(logging.Filter):
+    """Drops a LocalCluster worker's "failed to communicate with scheduler during heartbeat" and its
+    traceback: the scheduler lives in the driver, so it is gone only when the driver closes the
+    cluster (a Ctrl-C, an error), and a worker still beating then has nothing to tell the user."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Failed to communicate with scheduler during heartbeat")
+
+
+def dask_setup(worker) -> None:
+    """Preloaded by each LocalCluster worker (``local_cluster``): quiet the shutdown race's log."""
+    logging.getLogger("distributed.worker").addFilter(_HeartbeatAfterScheduler())
+
+
 def local_cluster(workers: int, gpus: list[str] | None = None):
     """A LocalCluster of ``workers`` single-threaded worker processes, scheduler, workers and
     dashboard listening on the loopback interface (the dashboard where FA3N_DASHBOARD says).
@@ -135,17 +170,19 @@ def local_cluster(workers: int, gpus: list[str] | None = None):
 
     # Without bokeh the scheduler still serves a few HTTP routes at this address: keep it local too.
     options = dict(threads_per_worker=1, processes=True, host=LOOPBACK, dashboard_address=dashboard_address(),
-                   worker_dashboard_address=None, silence_logs=logging.ERROR)
-    if gpus is None:
-        return LocalCluster(n_workers=workers, **options)
-    # The nanny sets ``env`` in the worker process before the worker starts, hence before any task
-    # imports torch and long before CUDA reads CUDA_VISIBLE_DEVICES (at its first call).
-    cluster = LocalCluster(n_workers=0, **options)
-    cluster.worker_spec.update({i: {"cls": cluster.new_spec["cls"],
-                                    "options": {**cluster.new_spec["options"], "env": {"CUDA_VISIBLE_DEVICES": gpu}}}
-                                for i, gpu in enumerate(gpus)})
-    cluster.sync(cluster._correct_state)  # start them now, while the caller's dask.config applies
-    return cluster
+                   worker_dashboard_address=None, silence_logs=logging.ERROR, preload=[__name__])
+    with _children_ignore_ctrl_c():
+        if gpus is None:
+            return LocalCluster(n_workers=workers, **options)
+        # The nanny sets ``env`` in the worker process before the worker starts, hence before any task
+        # imports torch and long before CUDA reads CUDA_VISIBLE_DEVICES (at its first call).
+        cluster = LocalCluster(n_workers=0, **options)
+        cluster.worker_spec.update({i: {"cls": cluster.new_spec["cls"],
+                                        "options": {**cluster.new_spec["options"],
+                                                    "env": {"CUDA_VISIBLE_DEVICES": gpu}}}
+                                    for i, gpu in enumerate(gpus)})
+        cluster.sync(cluster._correct_state)  # start them now, while the caller's dask.config applies
+        return cluster
 
 
 def _has_bokeh() -> bool:

@@ -1,7 +1,7 @@
 """What a task computes on: Q, K, V drawn from a distribution or read from a capture, checked.
 
 Exposed: ``DistInputs``, ``CaptureInputs``, ``TensorInputs``, ``check_inputs``, ``input_histogram``,
-``HIST_EDGES``.
+``input_summary``, ``InputSummary``, ``HIST_EDGES``.
 
 Inputs are small picklable descriptions (a dask worker draws them itself), each with
 ``draw(device) -> (q, k, v)`` in float64 on that device, laid out (batch, heads, seqlen,
@@ -92,11 +92,37 @@ class TensorInputs:
         return "tensors in memory"
 
 
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, where: str) -> None:
-    """Refuse non-finite inputs, and inputs whose float64 attention overflows (see module docstring)."""
+@dataclasses.dataclass(frozen=True)
+class InputSummary:
+    """What one pass over Q, K and V gives: the |x| histogram ([3, bins], as ``input_histogram``)
+    and each tensor's (non-finite count, amax of the finite |x|), as ``check_inputs`` needs."""
+
+    hist: np.ndarray
+    checks: tuple[tuple[int, float], ...]
+
+
+def input_summary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> InputSummary | None:
+    """The histogram and the checks' numbers in one C pass per tensor (CPU float64); None where
+    the compiled pass does not apply (then ``check_inputs`` and ``input_histogram`` each read)."""
+    from ..numerics import native
+
+    rows, checks = [], []
+    for t in (q, k, v):
+        fast = native.abs_stats(t, HIST_EDGES) if t.numel() else None
+        if fast is None:
+            return None
+        rows.append(fast[0].numpy().astype(np.float64))
+        checks.append((fast[2], fast[1]))
+    return InputSummary(np.stack(rows), tuple(checks))
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, where: str,
+                 summary: InputSummary | None = None) -> None:
+    """Refuse non-finite inputs, and inputs whose float64 attention overflows (see module docstring).
+    ``summary``: the same tensors' ``input_summary``, so that they are not read again."""
     amaxes = []
-    for name, t in (("Q", q), ("K", k), ("V", v)):
-        bad, amax = _nonfinite_and_amax(t)
+    for i, (name, t) in enumerate((("Q", q), ("K", k), ("V", v))):
+        bad, amax = summary.checks[i] if summary is not None else _nonfinite_and_amax(t)
         if bad:
             raise UsageError(f"{where}: {bad} non-finite value(s) in {name}; FP8 casts would saturate them into "
                              "finite results, so they are refused: fix the data or the distribution's parameters")

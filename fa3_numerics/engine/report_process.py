@@ -26,6 +26,20 @@ from typing import Callable
 from .forking import flush_output, read_all
 
 
+def _place_errors_as_usage(fn: Callable, args: tuple) -> None:
+    """``fn(*args)``, a folder or file it could not make (full, read-only, no permission, a file in
+    the way: ``files.PLACE_ERRNOS``) raised as the one-line ``UsageError`` of ``files.folder_error``:
+    the report's writers make their figure folders themselves."""
+    from .files import PLACE_ERRNOS, folder_error
+
+    try:
+        fn(*args)
+    except OSError as exc:
+        if exc.errno not in PLACE_ERRNOS or not exc.filename:
+            raise
+        raise folder_error(exc, exc.filename) from None
+
+
 class ReportProcess:
     """``start(modules)`` forks a child that imports ``modules`` and waits; ``run(fn, *args)``
     sends it ``fn(*args)`` (pickled; ``fn`` must be a module-level function) and returns its exit
@@ -58,7 +72,7 @@ class ReportProcess:
                     code = 0
                 else:
                     fn, args = pickle.loads(data)
-                    code = guard(lambda: fn(*args))
+                    code = guard(lambda: _place_errors_as_usage(fn, args))
             except KeyboardInterrupt:
                 code = 130  # the parent got the same Ctrl-C and says so
             except BaseException:  # noqa: BLE001 - the child must end here whatever happens

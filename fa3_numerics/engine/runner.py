@@ -42,7 +42,8 @@ from ..numerics.recipe import Recipe
 from . import cache as _cache
 from .heap import release_free_memory
 from .backends import get_backend
-from .inputs import HIST_EDGES, CaptureInputs, DistInputs, TensorInputs, check_inputs, default_scale, input_histogram
+from .inputs import (HIST_EDGES, CaptureInputs, DistInputs, TensorInputs, check_inputs, default_scale, input_histogram,
+                     input_summary)
 from .progress import PhaseClock, Progress, as_progress, short_name
 from .sampling import deterministic_matmuls, query_rows
 
@@ -173,10 +174,12 @@ def compute_task(task: Task, cache_dir: str | None = None, threads: int = 0,
     q, k, v = task.inputs.draw(device)
     n, d = q.shape[2], q.shape[3]
     scale = default_scale(d, task.softmax_scale)
-    check_inputs(q, k, v, scale=scale, where=where)
+    # One pass over the inputs gives both the checks' numbers and the histogram, where both are wanted.
+    summary = input_summary(q, k, v) if task.hist_key is not None else None
+    check_inputs(q, k, v, scale=scale, where=where, summary=summary)
     hist = None
     if task.hist_key is not None:
-        hist = input_histogram(q, k, v)
+        hist = summary.hist if summary is not None else input_histogram(q, k, v)
         if cdir is not None and task.hist_key:
             _cache.save(cdir / f"{task.hist_key}.npz", {"hist": hist})
     q, k, v = (t.to(device) for t in (q, k, v))

@@ -754,3 +754,76 @@ void fa3n_box_muller16(int64_t blocks, double *restrict d, double mean, double s
         }
     }
 }
+
+/* ---- torch.rand(n, dtype=float64) on the CPU: the same draws from the same generator ----
+ *
+ * torch's CPU generator is MT19937 (ATen/core/MT19937RNGEngine.h: Cokus's form, the state
+ * refreshed when `--left` reaches 0). A float64 uniform takes two 32-bit draws, the first the
+ * high word (CPUGeneratorImpl::random64), keeps the low 53 bits and scales them by 2^-53
+ * (transformation::uniform_real; `* (1 - 0) + 0` changes nothing). torch computes them one at a
+ * time through a kernel that calls the generator per element (~25 ns a value here); the same
+ * recurrence inline is ~2 ns. state: the 624 words; left, next: the engine's counters, updated.
+ * native.randn checks the bits and the generator's state after against torch before first use. */
+#define MT_N 624
+#define MT_M 397
+static inline uint32_t mt_twist(uint32_t u, uint32_t v) {
+    return (((u & 0x80000000u) | (v & 0x7fffffffu)) >> 1) ^ ((v & 1u) ? 0x9908b0dfu : 0u);
+}
+
+static void mt_refresh(uint32_t *st) {
+    uint32_t *p = st;
+    for (int j = MT_N - MT_M + 1; --j; p++) *p = p[MT_M] ^ mt_twist(p[0], p[1]);
+    for (int j = MT_M; --j; p++) *p = p[MT_M - MT_N] ^ mt_twist(p[0], p[1]);
+    *p = p[MT_M - MT_N] ^ mt_twist(p[0], st[0]);
+}
+
+static inline double mt_u53(uint64_t hi, uint64_t lo) {
+    return (double)(((hi << 32) | lo) & ((UINT64_C(1) << 53) - 1)) * 0x1p-53;
+}
+
+/* The words are tempered a run at a time (every word the state holds before its next refresh) and
+ * then paired, so both loops vectorise; a double whose two words straddle a refresh takes its high
+ * word from the run before. After a refresh `left` is 625 - (words read since), `next` the words
+ * read: what the engine holds after the same draws one at a time. */
+void fa3n_mt_uniform64(uint32_t *restrict st, int32_t *restrict left, uint32_t *restrict next, int64_t n,
+                       double *restrict out) {
+    int64_t l = *left, nx = *next, i = 0;
+    uint32_t buf[MT_N];
+    int have_hi = 0;
+    uint64_t hi = 0;
+    while (i < n) {
+        if (l == 1) { /* the engine's `--left == 0`: refresh before the next word */
+            mt_refresh(st);
+            l = MT_N + 1;
+            nx = 0;
+        }
+        const int64_t need = 2 * (n - i) - have_hi;
+        const int64_t k = need < l - 1 ? need : l - 1;
+        for (int64_t j = 0; j < k; j++) {
+            uint32_t y = st[nx + j];
+            y ^= (y >> 11);
+            y ^= (y << 7) & 0x9d2c5680u;
+            y ^= (y << 15) & 0xefc60000u;
+            y ^= (y >> 18);
+            buf[j] = y;
+        }
+        int64_t j = 0;
+        if (have_hi) {
+            out[i++] = mt_u53(hi, buf[0]);
+            j = 1;
+            have_hi = 0;
+        }
+        const int64_t pairs = (k - j) / 2;
+        for (int64_t q = 0; q < pairs; q++) out[i + q] = mt_u53(buf[j + 2 * q], buf[j + 2 * q + 1]);
+        i += pairs;
+        j += 2 * pairs;
+        if (j < k) {
+            hi = buf[j];
+            have_hi = 1;
+        }
+        l -= k;
+        nx += k;
+    }
+    *left = (int32_t)l;
+    *next = (uint32_t)nx;
+}

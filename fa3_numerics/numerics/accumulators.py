@@ -65,7 +65,36 @@ def _mma(p, v, c, fmts):
 
 @register_accumulator("fp32", "float32 accumulation (an ideal tensor core)")
 def fp32(acc, p, v, fmts):
-    return acc.add_(torch.matmul(p, v))  # acc is the emulator's own buffer
+    # acc is the emulator's own buffer. acc + P V in one call (baddbmm, beta = 1) where the BLAS
+    # adds acc to the finished float32 product, as the separate product and add do: then the
+    # tile's product needs no buffer of its own and no second pass (the emulator's largest
+    # temporaries on the CPU); elsewhere the product and the add.
+    if _fused_add_same(acc, p, v):
+        lead = acc.shape[:-2]
+        acc.view(-1, *acc.shape[-2:]).baddbmm_(p.reshape(-1, *p.shape[-2:]), v.reshape(-1, *v.shape[-2:]))
+        return acc.view(*lead, *acc.shape[-2:])
+    return acc.add_(torch.matmul(p, v))
+
+
+_FUSED_SAME: dict = {}
+
+
+def _fused_add_same(acc: torch.Tensor, p: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``acc.baddbmm_(p, v)`` gives the bits of ``acc.add_(p @ v)`` here: CPU float32 tensors
+    of one batch shape, and a probe of the same GEMM shape that agrees (a BLAS that adds C part-way
+    through the k loop rounds otherwise: MKL does beyond ~400 keys; checked once per shape and
+    thread count)."""
+    if not (acc.device.type == "cpu" and acc.dtype == p.dtype == v.dtype == torch.float32 and acc.is_contiguous()
+            and p.dim() >= 3 and p.shape[:-2] == v.shape[:-2] == acc.shape[:-2]):
+        return False
+    m, k, n = p.shape[-2], p.shape[-1], v.shape[-1]
+    key = (m, k, n, torch.get_num_threads())
+    if key not in _FUSED_SAME:
+        g = torch.Generator().manual_seed(m * 7919 + k * 131 + n)
+        pp, vv = torch.rand(2, m, k, generator=g), torch.randn(2, k, n, generator=g)
+        c = torch.randn(2, m, n, generator=g)
+        _FUSED_SAME[key] = torch.equal(c.clone().add_(torch.matmul(pp, vv)), c.clone().baddbmm_(pp, vv))
+    return _FUSED_SAME[key]
 
 
 @register_accumulator("fp22", "Hopper tensor-core model: aligned truncating accumulation (FP8: 13 bits per "

@@ -605,13 +605,14 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
             qv = quantize_dequantize(qv * root, qk_fmt)
         qd = head(qd_all, bi, hi)
         qd = qd[c:c + chunk] if qd.shape[0] > 1 else qd
-        s = torch.matmul(qv, kv_head(bi, hi)[0].transpose(-1, -2)) * (qd * head(kd_all, bi, hi).transpose(-1, -2))
+        # In place on the product's own buffer: each step the same float32 rounding as out of place.
+        s = torch.matmul(qv, kv_head(bi, hi)[0].transpose(-1, -2)).mul_(qd * head(kd_all, bi, hi).transpose(-1, -2))
         if pre.bias is not None:  # smooth=qk: the correction joins S before S is rounded and scaled
             s = s + head(pre.bias, bi, hi).index_select(0, torch.div(idx, pre.block_m, rounding_mode="floor"))
         s = quantize_dequantize(s, s_fmt)
         if not split:
             # A narrow S is scaled after the matmul, in its own format (a second rounding).
-            s = quantize_dequantize(s * scale, s_fmt) if narrow_s else s * scale
+            s = quantize_dequantize(s * scale, s_fmt) if narrow_s else s.mul_(scale)
         if mk is not None:
             return quantize_dequantize(_mask.softmax_rows32(s, mk, idx, hi, pre.seqlen_q, nk), sm_fmt)
         if not causal:
@@ -650,11 +651,17 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
         p_mult = 2.0 ** recipe.p_offset if p_fmt.saturate else 1.0
     out = torch.empty((b, h, r, dv), dtype=torch.float64, device=dev)
     tick = PROGRESS.get()  # progress hook
+    v_deq: dict = {}  # the current head's descaled V, computed once for its row chunks
     for i_blk, (bi, hi, c) in enumerate(blocks):
         p_rows = kept.pop((bi, hi, c)).to(torch.float32) if (bi, hi, c) in kept else softmax_rows(bi, hi, c)
-        p8 = cast_p(p_rows * p_mult, recipe, materialised=True)
-        v_deq = kv_head(bi, hi)[1] * head(vd_all, bi, hi)
-        o = torch.matmul(p8, v_deq) / p_mult
+        # p_rows is this block's own buffer; x * 1 and x / 1 are x, so a unit multiplier is skipped.
+        p8 = cast_p(p_rows.mul_(p_mult) if p_mult != 1.0 else p_rows, recipe, materialised=True)
+        if (bi, hi) not in v_deq:
+            v_deq.clear()
+            v_deq[(bi, hi)] = kv_head(bi, hi)[1] * head(vd_all, bi, hi)
+        o = torch.matmul(p8, v_deq[(bi, hi)])
+        if p_mult != 1.0:
+            o.div_(p_mult)
         out[bi, hi, c:c + chunk] = quantize_dequantize(o, recipe.out, torch.float64)
         if tick is not None:  # progress hook
             tick(i_blk + 1, len(blocks), "row blocks")

@@ -18,7 +18,9 @@ vectorises it for the CPU it runs on):
 - ``fa3n_decode_u8``: FP8 to float32 by table lookup;
 - ``fa3n_rescale_rows``: the O rescale between KV tiles, with the kernel's flush to zero;
 - ``fa3n_abs_stats``: histogram, amax and non-finite count of an input in one pass;
-- ``fa3n_box_muller16``: torch.randn's map from uniforms to normals (float64), on every thread.
+- ``fa3n_box_muller16``: torch.randn's map from uniforms to normals (float64), on every thread;
+- ``fa3n_mt_uniform64``: torch.rand's float64 uniforms from the generator's own MT19937 state
+  (torch draws them through a per-element call, 2-3x slower), the state set after as torch's.
 
 Each returns what its PyTorch reference returns; tests/test_native.py compares them. (The
 softmax's float32 exp2 is computed in double by each path's own exp2, so the two could differ
@@ -133,8 +135,10 @@ def _lib():
     lib.fa3n_rescale_rows.argtypes = [i64, i64, p, p, i32, i32]
     lib.fa3n_abs_stats.argtypes = [i64, p, p, i32, p, p, p, i32]
     lib.fa3n_box_muller16.argtypes = [i64, p, f64, f64, i32]
+    lib.fa3n_mt_uniform64.argtypes = [p, p, p, i64, p]
     for fn in (lib.fa3n_softmax_step, lib.fa3n_round_f64, lib.fa3n_round_f32, lib.fa3n_fwht,
-               lib.fa3n_decode_u8, lib.fa3n_rescale_rows, lib.fa3n_abs_stats, lib.fa3n_box_muller16):
+               lib.fa3n_decode_u8, lib.fa3n_rescale_rows, lib.fa3n_abs_stats, lib.fa3n_box_muller16,
+               lib.fa3n_mt_uniform64):
         fn.restype = None
     _STATE["lib"] = lib
     _STATE["why"] = None
@@ -310,8 +314,41 @@ def fwht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+# torch's CPU generator state (get_state's bytes: CPUGeneratorImplState in ATen/CPUGeneratorImpl.cpp):
+# uint64 seed, int32 left, int32 seeded, uint64 next, uint64 state[624], three doubles and an int of
+# the old normal cache, then a float and a bool; 5056 bytes on x86-64.
+_GEN_BYTES, _GEN_LEFT, _GEN_NEXT, _GEN_WORDS = 5056, 8, 16, 24
+
+
+def _rand_fast(n: int, g: torch.Generator) -> torch.Tensor | None:
+    """``torch.rand(n, generator=g, dtype=torch.float64)`` drawn by ``fa3n_mt_uniform64`` from
+    ``g``'s own MT19937 state, which is then set to where torch's draws would leave it; None when
+    the state is not the layout above."""
+    import numpy as np
+
+    state = g.get_state()
+    if state.numel() != _GEN_BYTES or state.dtype != torch.uint8:
+        return None
+    raw = state.numpy()
+    words = raw[_GEN_WORDS:_GEN_WORDS + 624 * 8].view(np.uint64)
+    mt = words.astype(np.uint32)  # the engine keeps 32-bit words; the legacy layout stores them widened
+    left = np.array(raw[_GEN_LEFT:_GEN_LEFT + 4].view(np.int32))
+    nxt = np.array(raw[_GEN_NEXT:_GEN_NEXT + 8].view(np.uint64).astype(np.uint32))
+    if not (0 < int(left[0]) <= 624 and int(nxt[0]) <= 624):
+        return None
+    out = torch.empty(n, dtype=torch.float64)
+    _lib().fa3n_mt_uniform64(mt.ctypes.data, left.ctypes.data, nxt.ctypes.data, n, _ptr(out))
+    words[:] = mt
+    raw[_GEN_LEFT:_GEN_LEFT + 4] = left.view(np.uint8)
+    raw[_GEN_NEXT:_GEN_NEXT + 8] = nxt.astype(np.uint64).view(np.uint8)
+    g.set_state(state)
+    return out
+
+
 def _randn_fast(n: int, g: torch.Generator) -> torch.Tensor:
-    x = torch.rand(n, generator=g, dtype=torch.float64)
+    x = _rand_fast(n, g)
+    if x is None:
+        x = torch.rand(n, generator=g, dtype=torch.float64)
     _lib().fa3n_box_muller16(n // 16, _ptr(x), 0.0, 1.0, _threads())
     if n % 16:  # as torch: 16 fresh uniforms for the last 16 values, mapped as one block
         tail = torch.rand(16, generator=g, dtype=torch.float64)
@@ -325,10 +362,14 @@ def _randn_matches_torch() -> bool:
     or libm could compute them otherwise, and then torch.randn is used)."""
     if "randn_ok" not in _STATE:
         ok = True
-        for n in (16, 40, 1000):
-            a = torch.randn(n, generator=torch.Generator().manual_seed(12345 + n), dtype=torch.float64)
-            b = _randn_fast(n, torch.Generator().manual_seed(12345 + n))
+        for n in (16, 40, 1000, 1337):  # 1000 and 1337 values: several refreshes of the 624 words
+            ga, gb = torch.Generator().manual_seed(12345 + n), torch.Generator().manual_seed(12345 + n)
+            if n == 1337:  # a generator part-way through its words, as the second tensor of a draw is
+                torch.rand(3, generator=ga), torch.rand(3, generator=gb)
+            a = torch.randn(n, generator=ga, dtype=torch.float64)
+            b = _randn_fast(n, gb)
             ok = ok and torch.equal(a.view(torch.int64), b.view(torch.int64))
+            ok = ok and torch.equal(ga.get_state(), gb.get_state())  # the next draws are torch's too
         _STATE["randn_ok"] = ok
     return _STATE["randn_ok"]
 
