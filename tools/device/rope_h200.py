@@ -45,8 +45,8 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-T0 = time.perf_counter()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, T0, event_times, log, quantile  # noqa: E402 - tools/device/common.py: the scripts' shared helpers
 
 
 def map_kernels_package() -> None:
@@ -66,10 +66,6 @@ def map_kernels_package() -> None:
     mod = importlib.util.module_from_spec(spec)
     sys.modules["fa3_numerics.kernels"] = mod
     spec.loader.exec_module(mod)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
 
 
 def optional(what: str, fn):
@@ -250,27 +246,8 @@ class Context:
         return fp8_fa3_rope_sdpa, (activate_flash_attention_impl, restore_flash_attention_impl), torchao.__version__
 
     def time_ms(self, fn) -> dict:
-        torch = self.torch
-        for _ in range(self.args.warmup):
-            fn()
-        if self.dev == "cuda":
-            torch.cuda.synchronize()
-        ms = []
-        for _ in range(self.args.reps):
-            if self.dev != "cuda":
-                t = time.perf_counter()
-                fn()
-                ms.append((time.perf_counter() - t) * 1e3)
-                continue
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ms.append(a.elapsed_time(b))
-        ms.sort()
-        q = lambda f: ms[min(len(ms) - 1, int(f * (len(ms) - 1) + 0.5))]  # noqa: E731
-        return {"ms": q(0.5), "p10": q(0.1), "p90": q(0.9)}
+        ms = [t * 1e3 for t in event_times(fn, self.args.reps, warmup=self.args.warmup)]
+        return {"ms": quantile(ms, 0.5), "p10": quantile(ms, 0.1), "p90": quantile(ms, 0.9)}
 
     def _copy_bw(self) -> float:
         torch = self.torch

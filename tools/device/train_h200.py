@@ -24,19 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-T0 = time.perf_counter()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import T0, log  # noqa: E402 - tools/device/common.py: the scripts' shared helpers
+
 GGUF = Path("/tmp/stage/files/SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:6.1f} s] {msg}", flush=True)
 
 
 def attention_timing(variants: list[str], batch: int, tokens: int) -> None:
@@ -75,7 +72,7 @@ def attention_timing(variants: list[str], batch: int, tokens: int) -> None:
     log(f"torch SDPA forward + backward, same shape: {1e3 * clock(sdpa):.2f} ms")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--run", type=Path, default=Path("/tmp/train-run"))
@@ -86,7 +83,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--probe-every", type=int, default=10)
     ap.add_argument("--checkpoint-every", type=int, default=100)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     from fa3_numerics.data.capture import smollm2_path
 
