@@ -248,14 +248,14 @@ def write_document(doc: Document, out_dir: str | Path, *, stem: str = "report", 
     """Write ``doc`` into ``out_dir``: ``<stem>.md`` with every figure as PNG and SVG in
     ``figure_dir`` (stale figures of an earlier render removed), ``<stem>.html`` self-contained,
     and ``extra`` (name, bytes) files; each whole or not at all. Returns the files written."""
-    from ..engine.files import atomic_write
+    from ..files import atomic_write, make_folder
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out)  # a folder that cannot be made is one line, not a traceback
     written: list[Path] = []
     if "md" in formats:
         fig_dir = out / figure_dir if figure_dir else out
-        fig_dir.mkdir(parents=True, exist_ok=True)
+        make_folder(fig_dir)
         figs = doc.figures()
         if figure_dir:  # a folder of our own: figures of an earlier render with other dims go
             keep = {f"{f.name}.{ext}" for f in figs for ext in ("png", "svg")}
