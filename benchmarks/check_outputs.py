@@ -23,8 +23,10 @@ from pathlib import Path
 import numpy as np
 
 # Global attributes that record where, when and how fast a run was made, not what it computed.
+# The code's hash changes with any edit of a source that can decide a number (the cache key's
+# code part), whether or not the numbers change: what the check is for is whether they did.
 PROVENANCE = ("python", "platform", "hostname", "git_commit", "command", "created_utc", "history", "wall_seconds",
-              "cells_reused", "source", "device_name")
+              "cells_reused", "source", "device_name", "code_version")
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -74,7 +76,7 @@ def compare(base, new, ignore: set[str] = frozenset()) -> list[str]:
                              f"{vn.attrs.get(key)!r} in the new file")
     skip = set(PROVENANCE) | set(ignore)
     for key in sorted(set(base.attrs) | set(new.attrs)):
-        if key in skip or key.startswith("version_"):
+        if key in skip or key.startswith("version_") or key.endswith("_seconds"):
             continue
         if key not in base.attrs or key not in new.attrs or not _same_attr(base.attrs[key], new.attrs[key]):
             diffs.append(f"global attribute {key!r} is {base.attrs.get(key)!r} in the base, "
