@@ -16,7 +16,7 @@ on this machine's disk; any other version downloads a CUDA build of several GB).
     python benchmarks/dep_ranges.py --oldest            # the full suite, oldest admitted releases
     python benchmarks/dep_ranges.py --newest --fast     # the numerics subset, newest releases
     python benchmarks/dep_ranges.py --oldest --json out.json
-    python benchmarks/dep_ranges.py --oldest tests/test_impact.py tests/test_capture.py   # some files
+    python benchmarks/dep_ranges.py --oldest tests/studies/test_impact.py tests/data/test_capture.py   # some files
 
 It prints the versions installed for each declared package and pytest's closing line; exit code
 0 when the suite passed.

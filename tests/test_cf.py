@@ -109,7 +109,7 @@ def test_the_stored_pooling_rule_gives_the_reports_estimate(run_nc):
 
 def test_a_dataset_from_before_compliance_is_upgraded(tmp_path):
     """Units UDUNITS rejects, written by older versions, become "1" with their meaning in long_name."""
-    old = ROOT / "tests" / "data" / "h200_table3_before_conventions.nc"
+    old = ROOT / "tests" / "fixtures" / "h200_table3_before_conventions.nc"
     assert xr.load_dataset(old, engine="h5netcdf")["rmse"].attrs.get("units") in (None, "output units")
     ds = xr.load_dataset(write(read(old), tmp_path / "old.nc"), engine="h5netcdf")
     for name in list(ds.data_vars) + list(ds.coords):
@@ -128,7 +128,7 @@ def test_fresh_run_passes_the_cf_check(run_nc):
 def test_the_checker_finds_errors_in_datasets_from_before(tmp_path):
     """Negative control: datasets as older versions wrote them fail the check, so a pass means something:
     one from before the conventions (no long names), one from before CF compliance (units, fill values)."""
-    errors = _checker_errors(_copy(ROOT / "tests" / "data" / "h200_table3_before_conventions.nc", tmp_path))
+    errors = _checker_errors(_copy(ROOT / "tests" / "fixtures" / "h200_table3_before_conventions.nc", tmp_path))
     assert any("long_name" in e and "rmse" in e for e in errors), errors
     committed = ROOT / "reports" / "outliers" / "default" / "outliers.nc"
     raw = xr.load_dataset(committed, engine="h5netcdf")
@@ -149,7 +149,7 @@ def _copy(src: Path, tmp_path: Path) -> Path:
 KINDS = {
     "validation": "reports/h200/validation.nc",
     "table3-triton": "reports/h200/triton/table3_hardware.nc",
-    "before-conventions": "tests/data/h200_table3_before_conventions.nc",
+    "before-conventions": "tests/fixtures/h200_table3_before_conventions.nc",
     "backward": "reports/backward/k-bias/backward.nc",
     "recommend": "reports/recommend-smollm2/recommend.nc",
     "audit": "reports/audit-smollm2/audit.nc",

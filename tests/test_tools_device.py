@@ -159,7 +159,7 @@ def test_fidelity_from_dumps_refuses_a_dump_drawn_another_way(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    fixture = REPO / "tests" / "data" / "fa3_h200_s1000_h4_d128.safetensors"
+    fixture = REPO / "tests" / "fixtures" / "fa3_h200_s1000_h4_d128.safetensors"
     if not fixture.is_file():
         pytest.skip("kernel fixture not present")
     fid = _load("fidelity_from_dumps")

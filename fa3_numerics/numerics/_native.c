@@ -8,7 +8,7 @@
  * ---- the Hopper FP8 MMA model, in float arithmetic ----
  *
  * Built on first use by native.py (gcc -O3 -march=native -fopenmp) and checked bit for bit
- * against the PyTorch reference by tests/test_mma.py and tests/test_native.py. For every output
+ * against the PyTorch reference by tests/numerics/test_mma.py and tests/numerics/test_native.py. For every output
  * (l, i, j) and every k-step of K_STEP = 32 products (numerics/mma.py):
  *
  *   emax = max(E(a_ik) + E(b_kj) over non-zero products, E(C) if C != 0),  s = 2^(13 - emax)

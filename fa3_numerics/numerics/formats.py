@@ -117,7 +117,7 @@ def round_to_format(x: torch.Tensor, fmt: str | Format) -> torch.Tensor:
 def round_fast(x: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     """``round_to_format`` for finite ``x``, through the compiled rounding when it applies (CPU,
     float32/float64, a format narrower than float32, E2M1 included); same dtype as ``x``, same
-    numbers (tests/test_native.py checks the compiled rounding against ``round_to_format``).
+    numbers (tests/numerics/test_native.py checks the compiled rounding against ``round_to_format``).
     Infinities saturate or overflow alike in both; NaN stays NaN in both, except in E2M1, whose
     reference maps it to a signed zero: a NaN there takes the reference."""
     f = element_format(fmt)

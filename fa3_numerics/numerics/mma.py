@@ -29,12 +29,12 @@ S(a) S(b) 2^(E(a) + E(b) - 14) and, in units of the step's ulp,
 
 an integer below 2^15 in magnitude, so a step's sum (32 terms and C) fits in an int32.
 
-Three implementations compute the same numbers bit for bit (tests/test_mma.py enumerates edge
+Three implementations compute the same numbers bit for bit (tests/numerics/test_mma.py enumerates edge
 cases and random draws): ``hopper_fp8_mma_reference`` in plain PyTorch (any device, float64
 where exponents would leave the float32 range), a compiled fast path
 (``fa3_numerics.numerics.native``: C with OpenMP on the CPU, built on first use) that
 ``hopper_fp8_mma`` uses when it is available, and a Triton kernel for CUDA tensors
-(``kernels/triton_/mma_model.py``; tests/test_mma_triton.py), which ``hopper_fp8_mma`` and
+(``kernels/triton_/mma_model.py``; tests/kernels/test_mma_triton.py), which ``hopper_fp8_mma`` and
 ``hopper_mma`` (both models) use when triton imports. The core does not import it: it is found
 through the ``DEVICE_MMA`` registry (``device_mma``), where the kernels package registers it. Each fast path hands non-finite operands
 to the reference.

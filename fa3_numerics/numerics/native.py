@@ -22,7 +22,7 @@ vectorises it for the CPU it runs on):
 - ``fa3n_mt_uniform64``: torch.rand's float64 uniforms from the generator's own MT19937 state
   (torch draws them through a per-element call, 2-3x slower), the state set after as torch's.
 
-Each returns what its PyTorch reference returns; tests/test_native.py compares them. (The
+Each returns what its PyTorch reference returns; tests/numerics/test_native.py compares them. (The
 softmax's float32 exp2 is computed in double by each path's own exp2, so the two could differ
 where 2^x lies within ~2^-51 of a float32 rounding boundary; none does on the test data.)
 

@@ -268,7 +268,7 @@ _KERNEL_FWD = [
            "(descale_q/k/v, (1,1,1,1) float32; TE's scale = 448 / amax, here from this call's amax), S = Q K^T * "
            "attn_scale * descale_q * descale_k, softmax in float32, P scaled by scale_s and cast to E4M3 "
            "(scale_s = 2^poff, 448 to 6 digits: P~ fills E4M3; TE's 448 / amax_S if the kernel reports amax_S = 1, "
-           "which the device log of tests/test_kernels_cudnn.py shows), O = (P V) * descale_s * "
+           "which the device log of tests/kernels/test_kernels_cudnn.py shows), O = (P V) * descale_s * "
            "descale_v written in E4M3 times scale_o (Hopper writes FP8 O only; a BF16 O from FP8 needs Blackwell: "
            "vllm-project/vllm #45251), scale_o = 448 / amax_o from the kernel's Amax_O (oscale=amax). Inferred, to "
            "be settled by validate --backend cudnn-fp8: the P V accumulator (acc=fp22, Hopper's FP8 wgmma without "

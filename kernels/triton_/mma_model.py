@@ -7,7 +7,7 @@ Exposed: ``available``, ``for_device``, ``mma``, ``mma_raw``, ``Tile``, ``STATS`
 bit for bit, for finite operands; it returns None for a non-finite operand or accumulator, and
 for a sum that overflows float32 mid-chain, so that the caller runs the reference, which
 propagates those as it always has. ``numerics/mma.py`` calls it for CUDA tensors when triton
-imports (``FA3N_TRITON_MMA=0`` turns it off). tests/test_mma_triton.py compares the two.
+imports (``FA3N_TRITON_MMA=0`` turns it off). tests/kernels/test_mma_triton.py compares the two.
 
 Why floats rather than the docstring's integer significands. The model's term for one product is
 trunc(a b 2^(bits - emax)), with emax the largest E(a) + E(b) of the step (or E(C)). On the GPU

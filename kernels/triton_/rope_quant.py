@@ -25,7 +25,7 @@ Rounding, stated because the bytes depend on it:
 - ``exact=True`` (default): everything after RoPE in float64 with the emulator's order (the same
   butterflies, division by sqrt(d), mean subtraction, amax / fmt.max in float64 rounded to float32,
   x / descale in float64, round-to-odd to float32 then one RNE cast). The bytes and descales equal
-  ``prepare()`` applied to the float32 RoPE output (tests/test_kernels_rope.py checks them).
+  ``prepare()`` applied to the float32 RoPE output (tests/kernels/test_kernels_rope.py checks them).
 - ``exact=False``: float32 after RoPE; the rotation is three BF16 tensor-core dots with the +-1
   matrix (the float32 RoPE output split exactly into three BF16 parts, so every product is exact
   and only the float32 sums round). Near-ties can round the other way (the tests measure how

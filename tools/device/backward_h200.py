@@ -18,7 +18,7 @@ float64 autograd, to ``$OUT/backward_h200.json``. The cuDNN check needs the whee
     PYTHONPATH=/tmp/site:. python3 tools/device/backward_h200.py --out "$OUT"
 
 Without CUDA it refuses in one line (exit 2). Nothing here has run on the device yet: the emulator side
-runs on the CPU in tests/test_backward.py; the kernel calls follow the cudnn-frontend documentation
+runs on the CPU in tests/studies/test_backward.py; the kernel calls follow the cudnn-frontend documentation
 (docs/operations/Attention.md) and its Python bindings' argument order, unverified.
 """
 

@@ -11,8 +11,8 @@ python3 -c "import torch, triton, typer, rich, importlib.metadata as m; print('t
 fa3-numerics backends --device cuda 2>&1 | tee "$OUT/backends.txt"
 # GPU tests: what skips on the CPU runs here (the rest of the suite is the CPU's).
 timeout ${CHECK_TEST_S:-300} python3 -m pytest -q -p no:cacheprovider --maxfail=5 --durations=8 -m "not slow" \
-  ${CHECK_TESTS:-tests/test_kernels_fa3.py tests/test_kernels_sage.py tests/test_kernels_triton.py tests/test_mma.py \
-  tests/test_mma_triton.py tests/test_backends.py} 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
+  ${CHECK_TESTS:-tests/kernels/test_kernels_fa3.py tests/kernels/test_kernels_sage.py tests/kernels/test_kernels_triton.py tests/numerics/test_mma.py \
+  tests/kernels/test_mma_triton.py tests/engine/test_backends.py} 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
 timeout 120 fa3-numerics validate --grid small --backend fa3 --device cuda --out /tmp/val 2>&1 | tail -25 | tee "$OUT/validate.txt"
 cp /tmp/val/validation.nc "$OUT/" 2>/dev/null
 timeout 150 python3 benchmarks/bench_cli.py --gpu --repeat 3 2>&1 | tee "$OUT/bench_cli_gpu.txt"

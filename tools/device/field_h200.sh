@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the cudnn-fp8 and torchao-fp8 backends: install the carried wheels, list the
 # backends, run `fa3-numerics validate` on the small grid for each (then the stress grid while the
-# time budget lasts), and the GPU tests of tests/test_kernels_cudnn.py and tests/test_kernels_torchao.py.
+# time budget lasts), and the GPU tests of tests/kernels/test_kernels_cudnn.py and tests/kernels/test_kernels_torchao.py.
 # Everything goes to $OUT (field.log, one folder per validation: cudnn-small/, torchao-small/).
 # Device tool, from the checkout's root:
 #   run(command="bash tools/device/field_h200.sh", carry=[".whl"], timeout_s=600)
@@ -53,7 +53,7 @@ run_grid() {  # backend grid seconds
 # The GPU tests first: they say quickly whether each path runs, with tracebacks where not.
 step "GPU tests"
 timeout "${FIELD_TESTS_S:-70}" python3 -m pytest -q -rs -s -p no:cacheprovider \
-  tests/test_kernels_cudnn.py tests/test_kernels_torchao.py 2>&1 | tail -n 60
+  tests/kernels/test_kernels_cudnn.py tests/kernels/test_kernels_torchao.py 2>&1 | tail -n 60
 run_grid cudnn-fp8 small "${FIELD_SMALL_S:-100}"
 run_grid torchao-fp8 small "${FIELD_SMALL_S:-100}"
 

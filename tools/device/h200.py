@@ -565,8 +565,8 @@ def emulator_devices(out: Out, args) -> None:
 
 
 def kernel_tests(out: Out, args) -> None:
-    """The tests that need this machine, in this process: the FA3 kernel's (tests/test_kernels_fa3.py)
-    and the Triton MMA model's bit-identity with the reference (tests/test_mma_triton.py)."""
+    """The tests that need this machine, in this process: the FA3 kernel's (tests/kernels/test_kernels_fa3.py)
+    and the Triton MMA model's bit-identity with the reference (tests/kernels/test_mma_triton.py)."""
     import pytest
 
     files = ["test_kernels_fa3.py", "test_mma_triton.py"]

@@ -24,7 +24,7 @@ BF16 (target >= 1.05), RMSE of each output against a float64 reference (exact Ro
 attention) on a seeded subset of query rows with a bootstrap interval over (batch, head), and the
 pre-pass's own time and bandwidth (minimal bytes / time; per-head descales read Q and K twice, so
 the traffic column counts both reads) against the copy bandwidth. Timing: CUDA events, warm-ups,
-median (p10-p90) of ``--reps`` calls. Also runs tests/test_kernels_rope.py on the GPU (bytes equal
+median (p10-p90) of ``--reps`` calls. Also runs tests/kernels/test_kernels_rope.py on the GPU (bytes equal
 ``prepare()``'s with the hardware cast) and records its summary.
 
 Files in ``--out`` (default $OUT): ``rope_h200.json`` (every number, the environment) and
@@ -197,8 +197,8 @@ def env_info(torch) -> dict:
 
 
 def run_tests(timeout: float) -> dict:
-    """tests/test_kernels_rope.py on the GPU: the exact path's bytes equal prepare()'s (hardware cast)."""
-    log("pytest tests/test_kernels_rope.py (GPU layer)")
+    """tests/kernels/test_kernels_rope.py on the GPU: the exact path's bytes equal prepare()'s (hardware cast)."""
+    log("pytest tests/kernels/test_kernels_rope.py (GPU layer)")
     env = dict(os.environ, FA3N_NATIVE="0")  # the emulator's PyTorch path: same numbers, no compile
     try:
         p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_pytest"], capture_output=True,
@@ -424,7 +424,7 @@ def markdown(res: dict) -> str:
              "95% bootstrap interval over (batch, head). Target: ours / bf16 >= 1.05.", ""]
     t = res.get("tests")
     if t:
-        lines += [f"GPU pytest tests/test_kernels_rope.py: rc {t['rc']}, `{t['tail'][-1] if t['tail'] else ''}`", ""]
+        lines += [f"GPU pytest tests/kernels/test_kernels_rope.py: rc {t['rc']}, `{t['tail'][-1] if t['tail'] else ''}`", ""]
     for sh in res["shapes"]:
         b, h, s, d = sh["shape"]
         lines += [f"## b={b} h={h} s={s} d={d}", ""]

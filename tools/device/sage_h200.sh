@@ -29,5 +29,5 @@ for g in ${SAGE_GRIDS:-}; do
   if [ -n "${SAGE_KEEP:-}" ]; then mkdir -p "$OUT/$g" && cp /tmp/val-$g/validation.nc /tmp/val-$g/validation.md "$OUT/$g/"; fi
 done
 if [ -n "${SAGE_TESTS:-}" ]; then
-  python3 -m pytest -q tests/test_kernels_sage.py 2>&1 | tail -n 15
+  python3 -m pytest -q tests/kernels/test_kernels_sage.py 2>&1 | tail -n 15
 fi

@@ -98,7 +98,7 @@ def environment(out: Out, args) -> dict:
 
 def triton_checks(out: Out, args=None, sz: Sizes | None = None) -> None:
     """The kernels' correctness checks on the device (the same functions the CPU tests run in the
-    interpreter), plus pytest of tests/test_kernels_triton.py."""
+    interpreter), plus pytest of tests/kernels/test_kernels_triton.py."""
     import torch
 
     from fa3_numerics.kernels.triton_ import selfcheck
@@ -127,7 +127,7 @@ def triton_checks(out: Out, args=None, sz: Sizes | None = None) -> None:
              + ", ".join(f"{k} {v}" for k, v in res["cast"].items()),
              f"- GQA equals K/V repeated per Q head bit for bit: {res['gqa']['gqa_identical']}; fully masked rows are 0: "
              f"{res['gqa']['masked_rows_zero']}",
-             f"- tests/test_kernels_triton.py on this machine: pytest exit code {code}", "",
+             f"- tests/kernels/test_kernels_triton.py on this machine: pytest exit code {code}", "",
              "Kernel against the emulator per accumulator model (outliers p 0.01 sigma 10, every row):", "",
              "| recipe | backend | n | h/kv | d | causal | RMSE(kernel) | F fp32 | F fp22 | F two-level | identical fp22 | identical two-level |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -146,7 +146,7 @@ def triton_checks(out: Out, args=None, sz: Sizes | None = None) -> None:
 
 
 def triton_tests(out: Out, args=None, sz: Sizes | None = None) -> None:
-    """tests/test_kernels_triton.py on the device, and the cast comparison in detail."""
+    """tests/kernels/test_kernels_triton.py on the device, and the cast comparison in detail."""
     import pytest
 
     from fa3_numerics.kernels.triton_ import selfcheck
@@ -157,7 +157,7 @@ def triton_tests(out: Out, args=None, sz: Sizes | None = None) -> None:
     code = int(pytest.main(["-q", "-p", "no:cacheprovider", "-rs", str(REPO / "tests" / "test_kernels_triton.py")]))
     out.timings["tests"] = {"pytest_exit_code": code, "seconds": round(time.perf_counter() - t, 1), "cast": cast}
     out.save_timings()
-    out.section("triton_tests", f"## tests/test_kernels_triton.py on the device\n\npytest exit code {code} "
+    out.section("triton_tests", f"## tests/kernels/test_kernels_triton.py on the device\n\npytest exit code {code} "
                                 f"({'all passed' if code == 0 else 'failures: see log.txt'}); hardware vs soft casts: {cast}")
 
 

@@ -32,7 +32,7 @@ tails and the cross-channel structure that set the amax, and the amax sets the F
 fit (``fit_capture``) still reports the parametric summary (per (head, channel) mean and std
 of the position-free Q, K and V, outlier channels, sink norms); ``Fit.describe()`` prints it.
 
-Checked (tests/test_distributions_captured.py and the audit report): at the captured length,
+Checked (tests/data/test_distributions_captured.py and the audit report): at the captured length,
 the per-channel amax profile of Q and K per head is within 10% (relative L2 over channels,
 mean over heads) and the audit error of the generated tensors is within 25% of the capture's.
 

@@ -231,8 +231,8 @@ def test_fa3_backend_feeds_the_kernel_the_bytes_of_the_h200_fixture():
     from fa3_numerics.numerics.emulator import prepare
     from fa3_numerics.kernels.fa3 import kernel_inputs
 
-    root = Path(__file__).resolve().parents[1]
-    fixture = root / "tests" / "data" / "fa3_h200_s1000_h4_d128.safetensors"
+    root = Path(__file__).resolve().parents[2]
+    fixture = root / "tests" / "fixtures" / "fa3_h200_s1000_h4_d128.safetensors"
     if not fixture.is_file():
         pytest.skip("kernel fixture not present")
     cfg = json.loads(safe_open(str(fixture), "pt").metadata()["config"])

@@ -3,7 +3,7 @@
 CPU: the refusal without a GPU or the package, the recipe per validation case and the shape
 skips; the emulator against an independent NumPy transcription of ``sageattn``; the emulator's
 quantizer, FP16 wgmma model and whole output against the kernel's own outputs from an H200
-(tests/data/sage1_h200.npz, from tools/device/sage_h200.py: probes, Q codes of the paper-shape
+(tests/fixtures/sage1_h200.npz, from tools/device/sage_h200.py: probes, Q codes of the paper-shape
 case, the n-333 case at 128 rows). GPU (skipped here): the backend against the emulator.
 """
 
@@ -24,7 +24,7 @@ from fa3_numerics.numerics.emulator import emulate
 from fa3_numerics.numerics.recipe import Recipe, get_recipe
 from fa3_numerics.studies.validate import Case, case_recipe, grid, skips
 
-DATA = Path(__file__).parent / "data" / "sage1_h200.npz"
+DATA = Path(__file__).resolve().parents[1] / "fixtures" / "sage1_h200.npz"
 SAGE = get_recipe("sage1").recipe
 
 

@@ -326,7 +326,7 @@ def test_run_report_and_summary_escape_every_user_string():
     from fa3_numerics.report.run import build_document
     from fa3_numerics.report.summary import markdown_summary
 
-    ds = read(os.path.join(os.path.dirname(__file__), "data", "h200_table3_before_conventions.nc")).isel(variant=[0, 1])
+    ds = read(os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "h200_table3_before_conventions.nc")).isel(variant=[0, 1])
     names = [f"{EVIL}{i}" for i in range(ds.sizes["variant"])]
     ds = ds.assign_coords(variant=names, spec=("variant", names))
     ds.attrs.update(command=f"fa3-numerics run outliers --out '{EVIL}'", description=EVIL, experiment=EVIL,
@@ -344,7 +344,7 @@ def test_compare_markdown_escapes_variant_names_and_paths(tmp_path):
     from fa3_numerics.report.compare import markdown_report, text_report
     from fa3_numerics.studies.compare import compare
 
-    ds = read(os.path.join(os.path.dirname(__file__), "data", "h200_table3_before_conventions.nc"))
+    ds = read(os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "h200_table3_before_conventions.nc"))
     names = [f"{EVIL}{i}" for i in range(ds.sizes["variant"])]
     ds = ds.assign_coords(variant=names)
     ds.attrs.update(command=EVIL, device_name=EVIL)
@@ -598,7 +598,7 @@ def test_a_file_as_the_build_cache_names_it_not_the_compiler(tmp_path, monkeypat
 def _table3():
     from fa3_numerics.engine.dataset import read
 
-    return read(os.path.join(os.path.dirname(__file__), "data", "h200_table3_before_conventions.nc"))
+    return read(os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "h200_table3_before_conventions.nc"))
 
 
 def test_an_all_zero_dataset_draws_every_figure():
@@ -986,7 +986,7 @@ def test_the_report_process_says_a_figures_folder_it_cannot_make_in_one_line(tmp
     from fa3_numerics.engine.dataset import read
     from fa3_numerics.engine.report_process import ReportProcess
 
-    ds = read(os.path.join(os.path.dirname(__file__), "..", "reports", "outliers", "default", "outliers.nc"))
+    ds = read(os.path.join(os.path.dirname(__file__), "..", "..", "reports", "outliers", "default", "outliers.nc"))
     _refuse_mkdir(monkeypatch, "figures", code)  # before the fork: the child has it too
     proc = ReportProcess.start((), guarded)
     assert proc.run(_render_run_report, ds, str(tmp_path / "o")) == 2

@@ -24,7 +24,7 @@ from fa3_numerics.numerics.formats import get_format
 from fa3_numerics.numerics.mma import hopper_fp8_mma, hopper_fp8_mma_reference, hopper_mma
 from fa3_numerics.numerics.recipe import Recipe
 
-DATA = Path(__file__).parent / "data" / "fa3_h200_s1000_h4_d128.safetensors"
+DATA = Path(__file__).resolve().parents[1] / "fixtures" / "fa3_h200_s1000_h4_d128.safetensors"
 
 
 def _fast(a, b, c=None, **kw):

@@ -23,7 +23,7 @@ import pytest
 
 from fa3_numerics.testing import run_cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGE_PX = 1180  # report.html.j2: body max-width
 CELL_PX_PER_CHAR = 7.6  # .86em of 16 px in a sans-serif face: the average advance of a character
 CELL_PAD_PX = 2 * 0.55 * 13.8 + 1  # th/td padding (.55em each side at .86em) and the border

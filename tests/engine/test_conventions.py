@@ -1,7 +1,7 @@
 """Datasets follow the CF/xarray conventions (engine/conventions.py), and older datasets still load.
 
 One tiny run (2 p values, seqlen 64, 2 heads) is written through the CLI; the committed
-tests/data/h200_table3_before_conventions.nc stands for a dataset written before the conventions.
+tests/fixtures/h200_table3_before_conventions.nc stands for a dataset written before the conventions.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fa3_numerics.engine.dataset import read, write
 
 # reports/h200/table3_emulator.nc as the H200 script wrote it before the conventions (git 16ba9d8^);
 # kept here because the committed reports have since been rewritten in the new conventions.
-OLD = Path(__file__).resolve().parent / "data" / "h200_table3_before_conventions.nc"
+OLD = Path(__file__).resolve().parents[1] / "fixtures" / "h200_table3_before_conventions.nc"
 
 
 pytestmark = pytest.mark.slow  # datasets written through the CLI

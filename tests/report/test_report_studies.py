@@ -11,7 +11,7 @@ import pytest
 
 from fa3_numerics.testing import run_cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 H200 = ROOT / "reports" / "h200"
 
 
