@@ -87,7 +87,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
 
         OutputFolder(out, "--out")  # --out checked before the capture is read
         settings = {"budget": "" if budget is None else budget, "budget_metric": budget_metric, "rank_by": rank_by,
-                    "rank_metric": rank_metric}
+                    "rank_metric": rank_metric, "top": top}
         study = AuditStudy(file, variants=variants, backend=backend, rows=rows, layers=layers, seed=seed,
                            device=device, settings=settings)
         labels = [lab for lab, _ in study.recipes]

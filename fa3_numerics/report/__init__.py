@@ -146,13 +146,14 @@ def render_report(ds: xr.Dataset, out_dir: str | Path, formats=FORMATS, metric: 
 
 
 def render_run_report(ds: xr.Dataset, out_dir: str | Path, formats=FORMATS, metric: str = "rmse") -> list[Path]:
-    """The report of a run's dataset in ``formats`` and its ``summary.md``; return the files written."""
+    """The report of a run's dataset in ``formats`` and, with Markdown, its ``summary.md``; return the
+    files written."""
     from ..engine.files import atomic_write
     from .summary import markdown_summary
 
     formats = _check_formats(formats)
     doc = run_document(ds, metric)
-    written = [atomic_write(Path(out_dir) / "summary.md", markdown_summary(ds))]
+    written = [atomic_write(Path(out_dir) / "summary.md", markdown_summary(ds))] if "md" in formats else []
     return written + write_document(doc, out_dir, formats=formats, stem="report", figure_dir="figures")
 
 

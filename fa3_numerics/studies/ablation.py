@@ -69,6 +69,7 @@ from ..numerics.keys import factors
 from ..numerics.metrics import METRICS
 from ..numerics.recipe import Recipe
 from ..numerics.tiles import fa3_tiles
+from .stored import StoredFindings
 from .attribution import STAGES, exact_recipe, stage_label, stage_recipe
 from .outliers import _progress, read_toml, toml_values
 
@@ -487,7 +488,7 @@ def capture_item(path: str, layer: int = 0) -> DataItem:
     return DataItem(f"capture {Path(path).stem} layer {int(layer)}", f"capture-file:{path}", (("layer", int(layer)),))
 
 
-class AblationStudy(Study):
+class AblationStudy(StoredFindings, Study):
     """A factorial ablation (``load_ablation``) on the ``engine.study`` protocol: its cells go through
     ``run_tasks`` and the one cache; ``run_ablation`` assembles the dataset with its attribution."""
 

@@ -44,6 +44,7 @@ from ..numerics.keys import keys
 from ..numerics.metrics import METRICS, metrics
 from ..numerics.recipe import PRESETS, Recipe, parse_recipes
 from ..numerics.tiles import check_head_dim, fa3_tiles
+from .stored import StoredFindings
 from .audit_stats import SINK_TOKENS, STAT_DEFINITIONS
 
 # The paper's FP8 rows, then the remedies of the field (issue 11): the public kernel with K smoothed,
@@ -343,7 +344,7 @@ def check_recommendations(ds, rec: dict) -> list[str]:
     return problems
 
 
-class AuditStudy(Study):
+class AuditStudy(StoredFindings, Study):
     """An audit of a capture on the ``engine.study`` protocol: ``plan`` checks the capture and the
     options when the study is made; each (layer, variant) cell is cached in OUT/.cells."""
 
@@ -362,10 +363,13 @@ class AuditStudy(Study):
                 f"{self.options['device']}")
 
     def run(self, ctx):
-        return audit(self.cap, progress=ctx.progress, cache_dir=ctx.cache, **self.options)
+        # the report's settings go in, so the stored findings are the ones the report shows
+        st = self.settings
+        report = {"budget": None if st.get("budget", "") == "" else float(st["budget"]),
+                  **{k: st[k] for k in ("budget_metric", "rank_by", "rank_metric", "top") if k in st}}
+        return audit(self.cap, progress=ctx.progress, cache_dir=ctx.cache, **self.options, **report)
 
     def assemble(self, ds):
-        ds.attrs.update(self.settings)
         return ds
 
     def nonfinite(self, ds) -> list:

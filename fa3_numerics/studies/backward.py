@@ -46,6 +46,7 @@ from ..numerics.backward_reference import reference_gradients
 from ..numerics.keys.backward import PRODUCTS
 from ..numerics.metrics import METRICS, per_sample
 from ..numerics.recipe import BACKWARD_PRESETS, Recipe
+from .stored import StoredFindings
 from .attribution import exact_recipe
 from .outliers import Experiment
 
@@ -96,7 +97,7 @@ STUDY_MODULES = ("fa3_numerics.studies.backward", "fa3_numerics.studies.attribut
                  "fa3_numerics.studies.outliers")
 
 
-class BackwardStudy(Study):
+class BackwardStudy(StoredFindings, Study):
     """The study (module docstring) on the ``engine.study`` protocol. Its command (``run
     backward``) is made from ``options`` by the command line; each (cell, seed) is one cached
     unit, so an interrupted run resumes."""

@@ -49,6 +49,7 @@ from ..engine.study import Study, StudyContext
 from ..errors import UsageError, require
 from ..numerics.granularity import PerHead, PerTensor, PerToken
 from ..numerics.recipe import Recipe, parse_recipes
+from .stored import StoredFindings
 from .impact_model import REF, SDPA_BF16, SDPA_FP32, Attn, ModelRunner, recipe_attn, score
 
 DEFAULT_VARIANTS = ("exact", "fa3-fp16", "baseline-fp8", "fa3-fp8", "fa3-fp8-kernel", "fa3-fp8-kernel-hadamard")
@@ -158,7 +159,7 @@ def code_version(backend: str = "emulate", device: str = "cpu", text: str | Path
     return code_key(backend=backend, device=device, study=STUDY_MODULES, inputs=[text] if text is not None else [])
 
 
-class ImpactStudy(Study):
+class ImpactStudy(StoredFindings, Study):
     """The study (module docstring) on the ``engine.study`` protocol: every input is checked when
     it is made, before the folder is touched or the model loads; ``run`` loads the model and
     computes the passes (each cached in OUT/.cells as it finishes); ``assemble`` builds the dataset."""

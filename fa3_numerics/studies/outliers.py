@@ -39,6 +39,7 @@ from ..engine.provenance import provenance
 from ..engine.runner import Job, Task, run_tasks
 from ..engine.sampling import ROWS_SAMPLING, effective_rows
 from ..engine.study import Study
+from .stored import StoredFindings
 from ..errors import UsageError, require
 from ..numerics.metrics import METRICS
 from ..numerics.recipe import PRESETS, parse_recipes
@@ -335,7 +336,7 @@ def _assemble(res: Results):
                                          hist=hist.reshape(shape_sw + list(hist.shape[1:])), hist_dims=dims_sw + ["seed"]))
 
 
-class OutliersStudy(Study):
+class OutliersStudy(StoredFindings, Study):
     """An experiment TOML's run (``run outliers`` and any other ``experiments/NAME.toml``) on the
     ``engine.study`` protocol: its tasks go through ``run_tasks`` and the one cache."""
 

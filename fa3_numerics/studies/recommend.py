@@ -52,6 +52,7 @@ from ..engine.study import Study
 from ..errors import UsageError, require
 from ..numerics import calibration as calib
 from ..numerics.recipe import Recipe
+from .stored import StoredFindings
 from .impact_analysis import layer_rel_l2, summarize
 from .impact_model import REF, SDPA_BF16, ModelRunner, recipe_attn, score
 from .recommend_targets import candidates as target_candidates
@@ -338,7 +339,7 @@ def run_prepared(prep: dict, progress: Callable[[str], None] = _stderr):
     return ds, artifact
 
 
-class RecommendStudy(Study):
+class RecommendStudy(StoredFindings, Study):
     """``fa3-numerics recommend`` on the ``engine.study`` protocol: checked when made (before the
     model loads), the folder held while it runs, ``recommend.json`` beside the dataset, exit 4
     when no verified candidate meets the budget (every file still written)."""

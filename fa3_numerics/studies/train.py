@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from ..engine.study import Study, StudyContext, StudyOption
+from .stored import StoredFindings
 from ..errors import require
 from ..numerics.recipe import Recipe, parse_recipes
 
@@ -124,7 +125,7 @@ class _Runs:
         return done
 
 
-class TrainStudy(Study):
+class TrainStudy(StoredFindings, Study):
     """The study (module docstring) on the ``engine.study`` protocol: options checked when made
     (before the folder is touched or the weights load); ``run`` trains with checkpoints in
     OUT/.cells; ``assemble`` builds the dataset with its findings."""

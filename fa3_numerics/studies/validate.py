@@ -43,6 +43,7 @@ from typing import Callable
 import numpy as np
 
 from ..engine.study import Study
+from .stored import StoredFindings
 from ..errors import UsageError, require
 
 F_LIMIT = 0.01  # the bar for every FP8 case
@@ -481,7 +482,7 @@ def accumulator_ranking(ds) -> list[dict]:
     return sorted(out, key=lambda r: (r["nonfinite_only"] > 0, r["max_F"], r["median_F"]))
 
 
-class ValidationStudy(Study):
+class ValidationStudy(StoredFindings, Study):
     """Emulator against kernel on the ``engine.study`` protocol (``fa3-numerics validate``): the
     cases and the backend are checked when it is made; the dataset is ``validation.nc``."""
 

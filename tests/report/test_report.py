@@ -145,7 +145,8 @@ def test_report_command_remakes_the_run_report(sweep, tmp_path, cli):
     rc, out, err = cli("report", sweep, "--out", tmp_path)
     assert rc == 0, err
     src = sweep.parent
-    files = ["report.md", "report.html"] + [f"figures/{n}.{e}" for n in figure_plan(read(sweep)) for e in ("png", "svg")]
+    files = ["summary.md", "report.md", "report.html"] + [f"figures/{n}.{e}" for n in figure_plan(read(sweep))
+                                                          for e in ("png", "svg")]
     for rel in files:
         assert (tmp_path / rel).read_bytes() == (src / rel).read_bytes(), rel
     # the final line lists every file written, and only those
@@ -164,7 +165,7 @@ def test_single_cell_figures_and_formats(single, tmp_path, cli):
     assert len(audit.imgs) == 2
     rc, _, err = cli("report", single, "--out", tmp_path / "m", "--format", "md")
     assert rc == 0, err
-    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["figures", "report.md"]
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["figures", "report.md", "summary.md"]
     assert sorted(p.name for p in (tmp_path / "m" / "figures").iterdir()) == [
         "inputs_hist.png", "inputs_hist.svg", "variants.png", "variants.svg"]
 
@@ -172,8 +173,8 @@ def test_single_cell_figures_and_formats(single, tmp_path, cli):
 def test_render_report_returns_written_files(single, tmp_path):
     paths = render_report(read(single), tmp_path)
     assert {p.relative_to(tmp_path).as_posix() for p in paths} == {
-        "report.md", "report.html", "figures/variants.png", "figures/inputs_hist.png", "figures/variants.svg",
-        "figures/inputs_hist.svg"}
+        "summary.md", "report.md", "report.html", "figures/variants.png", "figures/inputs_hist.png",
+        "figures/variants.svg", "figures/inputs_hist.svg"}
     assert not list(tmp_path.rglob("*.tmp"))
 
 
