@@ -66,9 +66,9 @@ def build_app() -> typer.Typer:
         if hasattr(mod, "register"):
             mod.register(app, run_app)
     from . import _conventions
-    from .options import dist_params, factor_list
+    from .options import dist_params, factor_flag, factor_list
 
-    _conventions.apply(app, set(dist_params()) | {name for name, _, _ in factor_list()})
+    _conventions.apply(app, set(dist_params()), {factor_flag(name, help_text) for name, help_text, _ in factor_list()})
     for typer_app in (app, run_app):
         for cmd in typer_app.registered_commands:
             name = cmd.name or cmd.callback.__name__

@@ -53,10 +53,11 @@ def _metavar(name: str, annotation, info: OptionInfo, list_option: bool) -> str 
     return BY_TYPE.get(base)
 
 
-def apply(app: typer.Typer, list_options: set[str] = frozenset()) -> None:
+def apply(app: typer.Typer, list_options: set[str] = frozenset(), level_flags: set[str] = frozenset()) -> None:
     """Give every option of ``app``'s commands (and its sub-apps') the conventions above.
     ``list_options``: generated options (distribution parameters, factor levels) that take
-    comma lists."""
+    comma lists of numbers; ``level_flags``: the flags of those that take level names (ablation
+    factors: ``--p-handling``, never a distribution's ``--p``)."""
     apps = [app] + [g.typer_instance for g in app.registered_groups]
     for a in apps:
         for cmd in a.registered_commands:
@@ -81,7 +82,8 @@ def apply(app: typer.Typer, list_options: set[str] = frozenset()) -> None:
                 if name == "seeds" and not any(d.startswith("--seed") and d != "--seeds" for d in decls):
                     info.param_decls = tuple(decls or ["--seeds"]) + ("--seed",)
                 if info.metavar is None:
-                    mv = _metavar(name, annotation, info, name in list_options)
+                    mv = "LEVEL,..." if level_flags & set(decls) else _metavar(name, annotation, info,
+                                                                               name in list_options)
                     if mv is not None:
                         info.metavar = mv
 

@@ -21,8 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-GROUPS = ("fa3_numerics.studies", "fa3_numerics.reports", "fa3_numerics.backends", "fa3_numerics.keys",
-          "fa3_numerics.distributions")
+GROUP_PREFIX = "fa3_numerics."
 
 
 def _folder() -> Path:
@@ -52,9 +51,12 @@ def fingerprint() -> str:
         h.update(importlib.metadata.version("fa3-numerics").encode())
     except importlib.metadata.PackageNotFoundError:
         pass
-    for group in GROUPS:
-        for ep in sorted(importlib.metadata.entry_points(group=group), key=lambda e: e.name):
-            h.update(f"{group}:{ep.name}={ep.value}".encode())
+    # every plug-in of every registry of ours (studies, reports, recipe keys, backends, ...)
+    # (through the distributions: entry_points() without a group differs across Python releases)
+    eps = {(ep.group, ep.name, ep.value) for d in importlib.metadata.distributions() for ep in d.entry_points
+           if ep.group.startswith(GROUP_PREFIX)}
+    for group, name, value in sorted(eps):
+        h.update(f"{group}:{name}={value}".encode())
     return h.hexdigest()[:20]
 
 
