@@ -52,6 +52,17 @@ DTYPES = ("fp8", "bf16")
 GRANS = ("head", "tensor")  # the descales the public kernel takes
 
 
+def _defaults(dist: str) -> dict[str, float]:
+    """The registry's default parameters of family ``dist`` ({} for one the registry cannot name)."""
+    from ..data.dist_spec import parse_dist
+
+    try:
+        entry = parse_dist(dist).entry
+    except UsageError:
+        return {}
+    return {k: v for k, (v, _) in entry.params.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     seqlen: int = 2048
@@ -59,8 +70,6 @@ class Case:
     kv_heads: int = 8
     head_dim: int = 128
     causal: bool = False
-    p: float = 0.001  # outliers only
-    sigma: float = 10.0  # outliers only
     gran: str = "head"  # descales: head = one per (batch, kv-head), tensor = one for all
     rot: str = "none"  # none or hadamard (applied to Q and K before quantizing)
     dtype: str = "fp8"  # fp8 (e4m3 in, BF16 out) or bf16
@@ -68,7 +77,9 @@ class Case:
     seed: int = 0
     rows: int = 0  # query rows compared per (batch, head), drawn at random (0 = every row)
     dist: str = "outliers"  # any registered distribution (generate name, e.g. capture-file:PATH)
-    params: str = ""  # its parameters as k=v,k=v (outliers: p and sigma above)
+    # the family's parameters that differ from its registry defaults, as (name, value) pairs
+    # (``with_data`` sets them; the registry's entry says which names a family takes)
+    params: tuple[tuple[str, float], ...] = ()
     scale: float = 0.0  # softmax scale; 0 = 1/sqrt(head_dim)
 
     def __post_init__(self):
@@ -82,18 +93,26 @@ class Case:
         check_head_dim(self.head_dim)
         require(self.heads % self.kv_heads == 0, f"validation case: heads {self.heads} is not a multiple of "
                 f"kv_heads {self.kv_heads}")
-        self.data()  # parse now: a bad parameter fails where the case is made
+        if isinstance(self.params, str):  # "k=v,k=v", as --dist writes them
+            pairs = []
+            for part in filter(None, (x.strip() for x in self.params.split(","))):
+                k, eq, v = part.partition("=")
+                require(bool(eq), f"validation case params {self.params!r}: write k=v,k=v")
+                pairs.append((k.strip(), float(v)))
+            object.__setattr__(self, "params", tuple(pairs))
+        known = _defaults(self.dist)
+        bad = [k for k, _ in self.params if known and k not in known]
+        require(not bad, f"validation case: distribution {self.dist!r} takes {', '.join(sorted(known))}, not "
+                f"{', '.join(bad)}")
 
     def data(self) -> tuple[str, dict]:
-        """(distribution, parameters) of the case's inputs."""
-        if self.dist == "outliers":
-            return "outliers", {"p": self.p, "sigma": self.sigma}
-        params = {}
-        for part in filter(None, (x.strip() for x in self.params.split(","))):
-            k, eq, v = part.partition("=")
-            require(bool(eq), f"validation case params {self.params!r}: write k=v,k=v")
-            params[k.strip()] = float(v)
-        return self.dist, params
+        """(distribution, parameters) of the case's inputs: the family's registry defaults with the
+        case's own values over them (the paper's outliers: p 0.001, sigma 10)."""
+        return self.dist, {**_defaults(self.dist), **dict(self.params)}
+
+    def with_data(self, **params: float) -> "Case":
+        """The case with these distribution parameters set (the others kept)."""
+        return dataclasses.replace(self, params=tuple(sorted({**dict(self.params), **params}.items())))
 
     @property
     def name(self) -> str:
@@ -102,12 +121,14 @@ class Case:
             parts.append(f"kv{self.kv_heads}")
         if self.causal:
             parts.append("causal")
+        data = self.data()[1]
         if self.dist == "outliers":
-            parts.append(f"p{self.p:g}s{self.sigma:g}")
+            parts.append(f"p{data['p']:g}s{data['sigma']:g}")
         elif self.dist.startswith("capture-file:"):
-            parts.append(f"layer{int(self.data()[1].get('layer', 0))}")
+            parts.append(f"layer{int(data.get('layer', 0))}")
         else:
-            parts.append(self.dist + ("[" + self.params + "]" if self.params else ""))
+            given = ",".join(f"{k}={v:g}" for k, v in self.params)
+            parts.append(self.dist + ("[" + given + "]" if given else ""))
         if self.dtype == "fp8":
             parts.append(self.gran)
         if self.rot != "none":
@@ -153,27 +174,27 @@ def _small() -> list[Case]:
         r(b, seqlen=1000),
         r(b, seqlen=333),  # shorter than two tiles, ragged
         r(b, causal=True),
-        r(b, p=0.0),
-        r(b, p=0.01, sigma=10.0),
-        r(b, p=0.001, sigma=3.0),
+        b.with_data(p=0.0),
+        b.with_data(p=0.01, sigma=10.0),
+        b.with_data(p=0.001, sigma=3.0),
         r(b, kv_heads=2, causal=True, rot="hadamard", seqlen=1000),
         r(b, dtype="bf16", causal=True, seqlen=1000),
     ]
 
 
 def _stress() -> list[Case]:
-    """The regimes where the Hopper MMA model once gave NaN (issue 9): heavy outliers, every head
+    """The regimes where the Hopper MMA model once gave NaN: heavy outliers, every head
     dim, MQA, ragged and long sequences, and BF16 up to 8192. Sized so that the grid (kernel and
     three accumulator models) takes a few minutes on one H200: 4-8 heads, every row up to
     seqlen 4097, sampled rows beyond."""
-    c = Case(seqlen=2048, heads=8, kv_heads=8, p=0.01, sigma=30.0)
+    c = Case(seqlen=2048, heads=8, kv_heads=8).with_data(p=0.01, sigma=30.0)
     r = dataclasses.replace
     return [
         c,                                                                  # heavy outliers, the baseline shape
-        r(c, p=0.05),                                                       # dense outliers
-        r(c, sigma=100.0),
-        r(c, p=0.002, sigma=300.0),                                         # rare, huge outliers
-        r(c, sigma=300.0, rot="hadamard"),
+        c.with_data(p=0.05),                                                # dense outliers
+        c.with_data(sigma=100.0),
+        c.with_data(p=0.002, sigma=300.0),                                  # rare, huge outliers
+        r(c.with_data(sigma=300.0), rot="hadamard"),
         r(c, head_dim=64, seqlen=1000, causal=True),                        # ragged, causal
         r(c, head_dim=96, seqlen=1500),                                     # Paley-12 head dim
         r(c, head_dim=192, seqlen=777, rot="hadamard"),
@@ -184,15 +205,15 @@ def _stress() -> list[Case]:
         r(c, kv_heads=2, head_dim=192, gran="tensor"),                      # GQA 4:1
         r(c, seqlen=16384, heads=4, kv_heads=4, rows=256),                  # long, sampled rows
         r(c, seqlen=16384, heads=4, kv_heads=4, rows=256, causal=True, rot="hadamard"),
-        r(c, seqlen=333, p=0.05, sigma=300.0),                              # short, ragged, extreme
-        r(c, gran="tensor", p=0.02, sigma=100.0, causal=True),
-        r(c, p=0.001, sigma=15.0, seqlen=4097, heads=4, kv_heads=4),        # one key past a tile
-        r(c, head_dim=64, kv_heads=1, p=0.05, sigma=300.0, gran="tensor", rot="hadamard"),
+        r(c.with_data(p=0.05, sigma=300.0), seqlen=333),                    # short, ragged, extreme
+        r(c.with_data(p=0.02, sigma=100.0), gran="tensor", causal=True),
+        r(c.with_data(p=0.001, sigma=15.0), seqlen=4097, heads=4, kv_heads=4),  # one key past a tile
+        r(c.with_data(p=0.05, sigma=300.0), head_dim=64, kv_heads=1, gran="tensor", rot="hadamard"),
         r(c, dtype="bf16", seqlen=8192, heads=4, kv_heads=4, rows=1024),    # BF16 at the paper's length
         r(c, dtype="bf16", seqlen=8192, heads=4, kv_heads=4, rows=1024, causal=True),
-        r(c, dtype="bf16", head_dim=96, seqlen=1000, p=0.05, sigma=300.0),
+        r(c.with_data(p=0.05, sigma=300.0), dtype="bf16", head_dim=96, seqlen=1000),
         r(c, dtype="bf16", head_dim=256, kv_heads=1, seqlen=1500, causal=True),
-        r(c, dtype="bf16", head_dim=192, sigma=100.0),
+        r(c.with_data(sigma=100.0), dtype="bf16", head_dim=192),
     ]
 
 
@@ -201,8 +222,8 @@ def _full() -> list[Case]:
     for n, causal, d, (h, hkv), gran, rot, (p, sigma) in itertools.product(
             (1000, 2048), (False, True), (64, 128, 256), ((8, 8), (8, 2)), ("head", "tensor"),
             ("none", "hadamard"), ((0.001, 10.0), (0.01, 3.0))):
-        out.append(Case(seqlen=n, causal=causal, head_dim=d, heads=h, kv_heads=hkv, gran=gran, rot=rot, p=p,
-                        sigma=sigma))
+        out.append(Case(seqlen=n, causal=causal, head_dim=d, heads=h, kv_heads=hkv, gran=gran,
+                        rot=rot).with_data(p=p, sigma=sigma))
     for n, causal, d in itertools.product((1000, 2048), (False, True), (64, 128, 256)):
         out.append(Case(seqlen=n, causal=causal, head_dim=d, dtype="bf16"))
     return out
@@ -237,9 +258,8 @@ def with_dist(cases: list[Case], spec: str) -> list[Case]:
     if entry.validate:
         entry.validate(full)
     if ds.family == "outliers":
-        return [dataclasses.replace(c, **ds.params) for c in cases]
-    params = ",".join(f"{k}={v:g}" for k, v in ds.params.items())
-    return [dataclasses.replace(c, dist=ds.name, params=params) for c in cases]
+        return [c.with_data(**ds.params) for c in cases]
+    return [dataclasses.replace(c, dist=ds.name, params=tuple(sorted(ds.params.items()))) for c in cases]
 
 
 def captured_cases(path: str, *, layers: str | None = None, rows: int = 0) -> list[Case]:
@@ -257,7 +277,7 @@ def captured_cases(path: str, *, layers: str | None = None, rows: int = 0) -> li
                 causal=cap.causal, dist=f"capture-file:{path}", scale=cap.scale, rows=rows)
     out = []
     for layer in sel:
-        c = dataclasses.replace(base, params=f"layer={layer}")
+        c = dataclasses.replace(base, params=(("layer", float(layer)),))
         out += [c, dataclasses.replace(c, rot="hadamard"), dataclasses.replace(c, dtype="bf16")]
     return out
 
@@ -389,8 +409,20 @@ def run_validation(cases: list[Case], *, device: str = "cuda", backend: str = "f
                     if v["nonfinite_kernel"][i] or np.nansum(v["nonfinite_emulator"][i]) else ""))
     coords = {"case": [c.name for c in cases], "acc": accs, "sample": np.arange(ns)}
     for f in dataclasses.fields(Case):
+        if f.name == "params":
+            continue
         vals = [getattr(c, f.name) for c in cases]
         coords[f.name] = ("case", [int(x) for x in vals] if isinstance(vals[0], bool) else vals)
+    # the data of each case as the datasets have always held it: p and sigma of the paper's
+    # outliers (for a case of another family, the outliers' defaults, as before: the dataset's
+    # dist and params coordinates say what it drew), and the parameters given to any other
+    # family as k=v,k=v
+    paper = _defaults("outliers")
+    datas = [c.data()[1] if c.dist == "outliers" else paper for c in cases]
+    coords["p"] = ("case", [float(d["p"]) for d in datas])
+    coords["sigma"] = ("case", [float(d["sigma"]) for d in datas])
+    coords["params"] = ("case", [",".join(f"{k}={v:g}" for k, v in c.params) if c.dist != "outliers" else ""
+                                 for c in cases])
     coords["spec"] = ("case", [case_recipe(c, backend=kernel).short_str() for c in cases])
     coords["skipped"] = ("case", skipped)
     # The F bar applies to every FP8 case of the FA3 kernel, and to every case of a kernel that

@@ -141,7 +141,7 @@ needs_kernel = pytest.mark.skipif(not _kernel_ok(), reason=f"cuDNN's sdpa_fp8 ca
 
 GPU_CASES = [Case(seqlen=1000, heads=4, kv_heads=4, head_dim=128),
              Case(seqlen=777, heads=4, kv_heads=2, head_dim=64, causal=True),
-             Case(seqlen=512, heads=4, kv_heads=1, head_dim=128, rot="hadamard", p=0.01, sigma=30.0)]
+             Case(seqlen=512, heads=4, kv_heads=1, head_dim=128, rot="hadamard").with_data(p=0.01, sigma=30.0)]
 
 
 # Measured on an H200 (reports/h200/field): the cudnn-fp8-fwd preset does not yet describe what

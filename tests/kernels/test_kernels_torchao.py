@@ -152,7 +152,7 @@ _MISMATCH = pytest.mark.xfail(strict=True, reason="torchao's quantizer on n % 12
                                                   "modelled (F 0.04-0.09 on the H200, reports/h200/field)")
 GPU_CASES = [pytest.param(Case(seqlen=1000, heads=4, kv_heads=4, head_dim=128), marks=_MISMATCH),
              pytest.param(Case(seqlen=777, heads=8, kv_heads=2, head_dim=64, causal=True), marks=_MISMATCH),
-             Case(seqlen=2048, heads=8, kv_heads=8, head_dim=128, p=0.01, sigma=30.0)]
+             Case(seqlen=2048, heads=8, kv_heads=8, head_dim=128).with_data(p=0.01, sigma=30.0)]
 
 
 @needs_kernel

@@ -20,7 +20,7 @@ def test_small_grid_covers_the_issue_axes():
     assert {True, False} <= {c.causal for c in fp8}
     assert any(c.kv_heads < c.heads for c in fp8)  # GQA
     assert {64, 128, 256} <= {c.head_dim for c in fp8}
-    assert len({(c.p, c.sigma) for c in fp8}) >= 3
+    assert len({(c.data()[1]['p'], c.data()[1]['sigma']) for c in fp8}) >= 3
     assert {"head", "tensor"} <= {c.gran for c in fp8}
     assert {"none", "hadamard"} <= {c.rot for c in fp8}
     assert any(c.dtype == "bf16" for c in cases)
@@ -107,7 +107,7 @@ def test_stress_grid_covers_the_regimes_and_stays_small():
     fp8 = [c for c in cases if c.dtype == "fp8"]
     bf16 = [c for c in cases if c.dtype == "bf16"]
     assert 20 <= len(cases) <= 24 and len({c.name for c in cases}) == len(cases)
-    assert max(c.sigma for c in fp8) == 300 and max(c.p for c in fp8) == 0.05
+    assert max(c.data()[1]['sigma'] for c in fp8) == 300 and max(c.data()[1]['p'] for c in fp8) == 0.05
     assert {c.head_dim for c in fp8} == {64, 96, 128, 192, 256}
     assert any(c.kv_heads == 1 for c in fp8) and any(c.kv_heads == 1 for c in bf16)
     ragged = [c for c in fp8 if all(c.seqlen % t for t in fa3_tiles(c.head_dim, fp8=True))]
@@ -132,7 +132,8 @@ def test_dist_replaces_the_data_of_every_case():
 
     cases = grid("tiny")
     o = with_dist(cases, "outliers:p=0.02")
-    assert [c.p for c in o] == [0.02] * len(cases) and [c.sigma for c in o] == [c.sigma for c in cases]
+    assert [c.data()[1]['p'] for c in o] == [0.02] * len(cases)
+    assert [c.data()[1]['sigma'] for c in o] == [c.data()[1]['sigma'] for c in cases]
     t = with_dist(cases, "student-t:df=4")
     assert all(c.data() == ("student-t", {"df": 4.0}) for c in t) and "student-t[df=4]" in t[0].name
     assert [c.head_dim for c in t] == [c.head_dim for c in cases]

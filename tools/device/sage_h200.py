@@ -75,7 +75,7 @@ def quant(out: Path, rep: dict) -> None:
 
     from fa3_numerics.studies.validate import Case
 
-    cases = {"base": Case(), "s300": Case(p=0.002, sigma=300.0)}
+    cases = {"base": Case(), "s300": Case().with_data(p=0.002, sigma=300.0)}
     res = {}
     for tag, c in cases.items():
         q, k, _ = _draw(c)

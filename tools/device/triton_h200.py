@@ -272,8 +272,8 @@ def validation_cases(grid_name: str):
     # Heavy outliers and the per-block recipes no public kernel can run.
     # Heavy outliers (validate.py's cases take per-head or per-tensor descales; the per-block
     # recipes are validated by ``triton_block_validation``).
-    extra += [dc.replace(b, p=0.01, sigma=30.0), dc.replace(b, p=0.001, sigma=100.0),
-              dc.replace(b, p=0.01, sigma=30.0, rot="hadamard", causal=True, kv_heads=2, seqlen=1000)]
+    extra += [b.with_data(p=0.01, sigma=30.0), b.with_data(p=0.001, sigma=100.0),
+              dc.replace(b.with_data(p=0.01, sigma=30.0), rot="hadamard", causal=True, kv_heads=2, seqlen=1000)]
     from fa3_numerics.engine.backends import refusal
     from fa3_numerics.kernels.triton_.backend import TritonBackend, shape_problem
     from fa3_numerics.studies.validate import case_recipe
