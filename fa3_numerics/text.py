@@ -1,7 +1,7 @@
 """How the toolkit writes text from data: Markdown escaping and number formats, one place, so
 that the sentences a study stores as its findings and the tables a report renders agree.
 
-Exposed: ``md_code``, ``md_text`` (Markdown escaping); ``fmt_e``, ``fmt_f``, ``fmt_value``,
+Exposed: ``fmt_pct``, ``fmt_coord``, ``md_code``, ``md_text`` (Markdown escaping); ``fmt_e``, ``fmt_f``, ``fmt_value``,
 ``nonfinite_text``, ``column_format``, ``ratio_format``, ``fmt_interval``, ``fmt_ratio``, ``FEW``
 (numbers).
 
@@ -106,6 +106,24 @@ def fmt_value(value: float, bad: int = 0, n: int = 0, fmt: Callable[[float], str
 # CommonMark's backslash-escapable punctuation that can start markup inline ("|" is left to the
 # table writer, which escapes it in every cell).
 _MD_SPECIAL = set("\\`*_[]<>&!#~")
+
+
+def fmt_pct(x) -> str:
+    """A share as a percentage with two decimals ('-' when it is not finite)."""
+    x = float(x)
+    return "-" if not math.isfinite(x) else f"{100 * x:.2f}%"
+
+
+def fmt_coord(v) -> str:
+    """A coordinate's value as reports and findings name a cell: true/false, whole floats
+    without a point, ``:g`` for other numbers."""
+    import numpy as np
+
+    if isinstance(v, (bool, np.bool_)):
+        return str(bool(v)).lower()
+    if isinstance(v, float) and v.is_integer() and abs(v) < 1e6:
+        return str(int(v))
+    return f"{v:g}" if isinstance(v, (int, float)) else str(v)
 
 
 def md_text(text) -> str:

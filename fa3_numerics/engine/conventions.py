@@ -181,6 +181,12 @@ def _factor(name: str) -> str:
     return f"ablation factor: {f.help.split(':')[0]}" if f is not None else ""
 
 
+def attr_json(ds: xr.Dataset, key: str, default=None):
+    """An attribute that holds JSON, decoded (``default`` when absent or empty)."""
+    raw = ds.attrs.get(key, "")
+    return json.loads(raw) if raw else default
+
+
 def attr_list(ds: xr.Dataset, key: str, default=()) -> list:
     """An attribute that holds a list, as a list: arrays, scalars (netCDF reads a one-element
     list back as a scalar) and the JSON strings of older datasets alike."""
@@ -346,5 +352,5 @@ def upgrade(ds: xr.Dataset) -> xr.Dataset:
     return apply_conventions(ds)
 
 
-__all__ = ["CONVENTIONS", "apply_conventions", "cf_attributes", "cf_encoding", "upgrade", "attr_list", "meta_of",
+__all__ = ["CONVENTIONS", "apply_conventions", "cf_attributes", "cf_encoding", "upgrade", "attr_list", "attr_json", "meta_of",
            "LIST_ATTRS"]

@@ -68,6 +68,23 @@ def _compression(ds: xr.Dataset) -> dict:
     return enc
 
 
+def py_value(v):
+    """A coordinate's value (a NumPy scalar or array) as a Python scalar or list."""
+    v = np.asarray(v)
+    return v.item() if v.shape == () else v.tolist()
+
+
+def same_value(a, b) -> bool:
+    """Whether two coordinate values name the same cell: booleans as booleans, numbers within
+    floating-point closeness, anything else by equality."""
+    if isinstance(a, (bool, np.bool_)) or isinstance(b, (bool, np.bool_)):
+        return bool(a) == bool(b)
+    try:
+        return bool(np.isclose(float(a), float(b)))
+    except (TypeError, ValueError):
+        return a == b
+
+
 def dataset_kind(ds: xr.Dataset) -> str | None:
     """Which study wrote ``ds`` (None: not ours): its ``kind`` attribute, written by
     ``engine.study.run_study`` for every study; a dataset from before that attribute is told by

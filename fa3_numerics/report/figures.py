@@ -29,7 +29,8 @@ import math
 import numpy as np
 import xarray as xr
 
-from ..engine.dataset import PAPER_SETTING, SAMPLE_DIMS
+from ..engine.dataset import PAPER_SETTING, SAMPLE_DIMS, py_value, same_value
+from ..text import fmt_coord
 from .plots import Figure, colorblind, finish, new_fig, theme
 
 MARKERS = ("o", "s", "D", "^", "v", "P", "X", "*", "<", ">", "h", "p")
@@ -65,7 +66,7 @@ METRIC_LABEL = {
 
 def paper_setting_text() -> str:
     """The paper's setting (``dataset.PAPER_SETTING``) in words, e.g. 'p=0.001, σ=10, ...'."""
-    return ", ".join(f"{SYMBOL.get(k, k)}={_fmt_val(v)}" for k, v in PAPER_SETTING.items())
+    return ", ".join(f"{SYMBOL.get(k, k)}={fmt_coord(v)}" for k, v in PAPER_SETTING.items())
 
 
 def swept_dims(ds: xr.Dataset) -> list[str]:
@@ -139,38 +140,22 @@ class _Ctx:
     def select(self, keep: tuple[str, ...] = (), fixed: dict | None = None) -> list[dict]:
         """Rows whose swept dims not in ``keep`` equal the reference cell (or ``fixed``)."""
         want = {d: v for d, v in self.ref.items() if d not in keep} | (fixed or {})
-        return [r for r in self.rows if all(_eq(r[d], v) for d, v in want.items())]
+        return [r for r in self.rows if all(same_value(r[d], v) for d, v in want.items())]
 
     def where(self, keep: tuple[str, ...] = ()) -> str:
-        parts = [f"{SYMBOL.get(d, d)}={_fmt_val(v)}" for d, v in self.ref.items() if d not in keep]
+        parts = [f"{SYMBOL.get(d, d)}={fmt_coord(v)}" for d, v in self.ref.items() if d not in keep]
         return ", ".join(parts)
 
     def fixed_text(self) -> str:
         ds = self.ds
         keys = [k for k in ("p", "sigma", "seqlen", "head_dim", "causal") if k in ds.coords and ds.coords[k].ndim == 0]
-        return ", ".join(f"{SYMBOL.get(k, k)}={_fmt_val(_py(ds.coords[k].values))}" for k in keys)
+        return ", ".join(f"{SYMBOL.get(k, k)}={fmt_coord(py_value(ds.coords[k].values))}" for k in keys)
 
 
-def _py(v):
-    v = np.asarray(v)
-    return v.item() if v.shape == () else v.tolist()
 
 
-def _eq(a, b) -> bool:
-    if isinstance(a, (bool, np.bool_)) or isinstance(b, (bool, np.bool_)):
-        return bool(a) == bool(b)
-    try:
-        return bool(np.isclose(float(a), float(b)))
-    except (TypeError, ValueError):
-        return a == b
 
 
-def _fmt_val(v) -> str:
-    if isinstance(v, (bool, np.bool_)):
-        return str(bool(v)).lower()
-    if isinstance(v, float) and v.is_integer() and abs(v) < 1e6:
-        return str(int(v))
-    return f"{v:g}" if isinstance(v, (int, float)) else str(v)
 
 
 def _sci(x: float) -> str:
@@ -291,9 +276,9 @@ def _differs_from_paper(ctx: _Ctx) -> list[tuple[str, str]]:
     have = dict(ctx.ref)
     for k in PAPER_SETTING:
         if k not in have and k in ctx.ds.coords and ctx.ds.coords[k].ndim == 0:
-            have[k] = _py(ctx.ds.coords[k].values)
-    return [(SYMBOL.get(k, k), _fmt_val(want)) for k, want in PAPER_SETTING.items()
-            if k not in have or not _eq(have[k], want)]
+            have[k] = py_value(ctx.ds.coords[k].values)
+    return [(SYMBOL.get(k, k), fmt_coord(want)) for k, want in PAPER_SETTING.items()
+            if k not in have or not same_value(have[k], want)]
 
 
 class _NoFamily:
@@ -317,20 +302,20 @@ def _inputs_hist(ctx: _Ctx) -> Figure:
     hue_dim = "p" if "p" in ctx.varying else ("sigma" if "sigma" in ctx.varying else None)
     fix = {d: v for d, v in ctx.ref.items() if d in h.dims and d != hue_dim}
     for d, v in fix.items():
-        idx = next(i for i, c in enumerate(ds.coords[d].values) if _eq(_py(c), v))
+        idx = next(i for i, c in enumerate(ds.coords[d].values) if same_value(py_value(c), v))
         h = h.isel({d: idx})
     h = h.sum("seed") if "seed" in h.dims else h
     first_of = []
     for d in [d for d in h.dims if d not in (hue_dim, "tensor", "abs_bin")]:  # e.g. inputs kept per variant
         if d in h.coords and h.sizes[d] > 1:
-            first_of.append(f"{d}={_fmt_val(_py(h.coords[d].values[0]))}")
+            first_of.append(f"{d}={fmt_coord(py_value(h.coords[d].values[0]))}")
         h = h.isel({d: 0})
     # bins [lo_i, lo_{i+1}); datasets before the CF conventions kept the edges in abs_bin_lo
     lo = np.asarray(ds.coords["abs_bin" if "abs_bin" in ds.indexes else "abs_bin_lo"].values, dtype=float)
     # bins [lo_i, lo_{i+1}); the first ([0, 1e-3)) and the open last one cannot sit on a log axis
     edges = lo[1:]
     centers = np.sqrt(edges[:-1] * edges[1:])
-    hue_vals = [_py(v) for v in ds.coords[hue_dim].values] if hue_dim else [None]
+    hue_vals = [py_value(v) for v in ds.coords[hue_dim].values] if hue_dim else [None]
     pal = colorblind(max(len(hue_vals), 1))
     fig, axes = new_fig(11, 4.4, 1, 2, sharey=True)
     tensors = [str(t) for t in ds.coords["tensor"].values]
@@ -355,7 +340,7 @@ def _inputs_hist(ctx: _Ctx) -> Figure:
             y = counts[1:-1].copy()
             y[y <= 0] = np.nan
             drawn = drawn or bool(np.isfinite(y).any())
-            label = f"{SYMBOL.get(hue_dim, hue_dim)}={_fmt_val(hv)}" if hue_dim else "sampled entries"
+            label = f"{SYMBOL.get(hue_dim, hue_dim)}={fmt_coord(hv)}" if hue_dim else "sampled entries"
             ax.plot(centers, y, drawstyle="steps-mid", color=pal[k], linewidth=1.6, label=label)
             big = counts[thr_i:].sum() if thr_i < len(counts) else 0.0
             share = f" ({100 * big / total:.3g}%)" if total > 0 else ""

@@ -15,14 +15,16 @@ import math
 
 import numpy as np
 
-from .figures import LABELS, METRIC_LABEL, SYMBOL, _eq, _err, _fmt_val, _positive, _py, _samples_text, coinciding
+from ..engine.dataset import py_value, same_value
+from ..text import fmt_coord
+from .figures import LABELS, METRIC_LABEL, SYMBOL, _err, _positive, _samples_text, coinciding
 from .plots import Figure, colorbar_ticks, finish, new_fig, plain_ticks
 
 
 def _facets(ctx, exclude: tuple[str, ...]) -> tuple[list[str], list[list]]:
     """Up to two other swept dims (with at most 4 values each) become facet rows/cols."""
     dims = [d for d in ctx.varying if d not in exclude and ctx.ds.sizes[d] <= 4][:2]
-    return dims, [[_py(v) for v in ctx.ds.coords[d].values] for d in dims]
+    return dims, [[py_value(v) for v in ctx.ds.coords[d].values] for d in dims]
 
 
 def _legend_width(labels: list[str]) -> float:
@@ -34,7 +36,7 @@ def _legend_width(labels: list[str]) -> float:
 
 def _series(ctx, rows: list[dict], dim: str, values: list) -> dict[str, list[dict | None]]:
     """variant -> its row at each value of ``dim`` (None where missing)."""
-    return {v: [next((r for r in rows if r["variant"] == v and _eq(r[dim], x)), None) for x in values]
+    return {v: [next((r for r in rows if r["variant"] == v and same_value(r[dim], x)), None) for x in values]
             for v in ctx.variants}
 
 
@@ -105,7 +107,7 @@ def seqlen(ctx) -> Figure:
             ax.set_xticklabels([str(s) for s in seqlens])
             ax.xaxis.set_minor_locator(_null_locator())
             plain_ticks(ax, "y")
-            t = ", ".join(f"{SYMBOL.get(d, d)}={_fmt_val(val)}" for d, val in ((col_d, cv), (row_d, rv)) if d)
+            t = ", ".join(f"{SYMBOL.get(d, d)}={fmt_coord(val)}" for d, val in ((col_d, cv), (row_d, rv)) if d)
             if t:
                 ax.set_title(t, fontsize=10.5)
             if i == nr - 1:
@@ -178,8 +180,8 @@ def heatmaps(ctx) -> Figure:
     from ..text import column_format
 
     ds = ctx.ds
-    ps = [_py(v) for v in ds.coords["p"].values]
-    sigmas = [_py(v) for v in ds.coords["sigma"].values]
+    ps = [py_value(v) for v in ds.coords["p"].values]
+    sigmas = [py_value(v) for v in ds.coords["sigma"].values]
     rows = ctx.select(keep=("p", "sigma"))
     nv = len(ctx.variants)
     ncol = min(nv, 4)
@@ -199,15 +201,15 @@ def heatmaps(ctx) -> Figure:
         for r in rows:
             if r["variant"] != v:
                 continue
-            i = next(ii for ii, s in enumerate(sigmas) if _eq(s, r["sigma"]))
-            j = next(jj for jj, p in enumerate(ps) if _eq(p, r["p"]))
+            i = next(ii for ii, s in enumerate(sigmas) if same_value(s, r["sigma"]))
+            j = next(jj for jj, p in enumerate(ps) if same_value(p, r["p"]))
             grid[i, j] = r["value"]
             half = (r["hi"] - r["lo"]) / 2 / r["value"] if r["value"] and math.isfinite(r["hi"]) else float("nan")
             annot[i, j] = fmt(r["value"]) + ("" if not math.isfinite(half) else f"\n±{100 * half:.2g}%")
         # sigma grows upwards: first row of the array is drawn at the top
         sns.heatmap(grid[::-1], ax=ax, norm=norm, cmap=cmap, cbar=False, annot=annot[::-1], fmt="",
                     annot_kws={"fontsize": 10}, linewidths=0.6, linecolor="white", square=False,
-                    xticklabels=[_fmt_val(p) for p in ps], yticklabels=[_fmt_val(s) for s in sigmas[::-1]])
+                    xticklabels=[fmt_coord(p) for p in ps], yticklabels=[fmt_coord(s) for s in sigmas[::-1]])
         ax.set_title(v, fontsize=11.5)
         ax.set_xlabel(LABELS["p"] if k // ncol == nrow - 1 else "", fontsize=10.5)
         ax.set_ylabel(LABELS["sigma"] if k % ncol == 0 else "", fontsize=10.5)
@@ -231,7 +233,7 @@ def heatmaps(ctx) -> Figure:
 
 
 def versus(ctx, dim: str) -> Figure:
-    vals = [_py(v) for v in ctx.ds.coords[dim].values]
+    vals = [py_value(v) for v in ctx.ds.coords[dim].values]
     rows = ctx.select(keep=(dim,))
     fig, axes = new_fig(6.5 + _legend_width(ctx.variants), 4.6)
     ax = axes[0, 0]
@@ -243,7 +245,7 @@ def versus(ctx, dim: str) -> Figure:
     ax.set_yscale("log")
     plain_ticks(ax, "y")
     ax.set_xticks(np.arange(len(vals)))
-    labels = [_fmt_val(v) for v in vals]
+    labels = [fmt_coord(v) for v in vals]
     long = max(len(t) for t in labels) * len(labels) > 60
     ax.set_xticklabels(labels, rotation=25 if long else 0, ha="right" if long else "center")
     ax.set_xlabel(LABELS.get(dim, dim) + " (evenly spaced categories)")

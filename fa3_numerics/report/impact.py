@@ -16,7 +16,6 @@ inside the functions.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -24,7 +23,8 @@ import numpy as np
 import xarray as xr
 
 from .document import Block, md_code, md_text
-from ..text import fmt_e
+from ..engine.conventions import attr_json
+from ..text import fmt_e, fmt_pct
 from .plots import Figure, spread_labels
 from .stored import findings_of, verdict_block
 # KL values are plotted on log axes; exact zeros (a pass identical to the reference) sit here.
@@ -35,18 +35,12 @@ def _f(x) -> str:
     return fmt_e(float(x))
 
 
-def _pct(x) -> str:
-    x = float(x)
-    return "-" if not math.isfinite(x) else f"{100 * x:.2f}%"
 
 
 def _sel(ds, name, **kw) -> float:
     return float(ds[name].sel(**kw))
 
 
-def _json(ds, key, default=None):
-    raw = ds.attrs.get(key, "")
-    return json.loads(raw) if raw else default
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,7 +127,7 @@ def fig_audit_vs_kl(ds) -> Figure:
         if "qk=fp32" not in str(ds["spec"].sel(variant=v).item()):
             ax2.plot(ds["layer"].values, ds["layer_gain"].sel(variant=v).values, marker="o", ms=3, lw=1.1,
                      color=pal[i % 10], label=str(v))
-    fit = _json(ds, "kl_from_rel_l2_fit", {}) or {}
+    fit = attr_json(ds, "kl_from_rel_l2_fit", {}) or {}
     if fit and math.isfinite(fit.get("a", math.nan)):
         vals = ds["audit_rel_l2"].values
         xs = np.logspace(np.log10(max(np.nanmin(vals[vals > 1e-6]), 1e-6)), np.log10(np.nanmax(vals)), 50)
@@ -207,7 +201,7 @@ def fig_assignments(ds) -> Figure:
         x, y = int(ds["cost"].sel(variant=v)) * n_layers, float(ds["kl_mean"].sel(variant=v, mask="all"))
         ax.scatter([x], [max(y, KL_FLOOR)], color="0.45", marker="s", s=36, zorder=3)
         notes.append(ax.annotate(f"{v} everywhere", (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points"))
-    budget = _json(ds, "budget", None)
+    budget = attr_json(ds, "budget", None)
     for k, a in enumerate(ds["assignment"].values):
         src = str(ds["asg_source"].sel(assignment=a).item())
         x, y = int(ds["asg_cost"].sel(assignment=a)), float(ds["asg_kl_mean"].sel(assignment=a))
@@ -253,7 +247,7 @@ def make_impact_figures(ds) -> list[Figure]:
 # --------------------------------------------------------------------------------------------
 
 def _row(name, kl_mean, p99, mx, top1, ppl, dppl, bad, cost="") -> str:
-    return (f"| {name} | {cost} | {_f(kl_mean)} | {_f(p99)} | {_f(mx)} | {_pct(top1)} | {ppl:.4f} | "
+    return (f"| {name} | {cost} | {_f(kl_mean)} | {_f(p99)} | {_f(mx)} | {fmt_pct(top1)} | {ppl:.4f} | "
             f"{dppl:+.4f} | {bad} |")
 
 
@@ -282,7 +276,7 @@ def _decode_table(ds) -> str:
         for kv in ds["kv"].values:
             s = [_sel(ds, f"dec_{k}", dvariant=v, kv=kv) for k in ("kl_mean", "kl_p99", "kl_max", "top1_agree", "ppl",
                                                                     "ppl_delta")]
-            lines.append(f"| {md_code(v)} | per {kv} | {_f(s[0])} | {_f(s[1])} | {_f(s[2])} | {_pct(s[3])} | {s[4]:.4f} | "
+            lines.append(f"| {md_code(v)} | per {kv} | {_f(s[0])} | {_f(s[1])} | {_f(s[2])} | {fmt_pct(s[3])} | {s[4]:.4f} | "
                          f"{s[5]:+.4f} | {_f(_sel(ds, 'kl_mean', variant=v, mask='all'))} |")
     return "\n".join(lines)
 
@@ -297,7 +291,7 @@ def _layer_table(f: dict) -> str:
         share = r["top3_share"]
         ratio = r["sum_over_all"]
         lines.append(f"| {md_code(r['variant'])} | " + ", ".join(f"{layer} ({_f(k)})" for layer, k in r["top"][:TOP_LAYERS])
-                     + f" | {_pct(share if share is not None else math.nan)} | "
+                     + f" | {fmt_pct(share if share is not None else math.nan)} | "
                      + (f"{ratio:.2f}" if ratio is not None else "- (not every layer swept)") + " |")
     return "\n".join(lines)
 
@@ -321,7 +315,7 @@ def _assignment_table(ds, budget, f: dict) -> str:
         pred = math.nan if stored_["predicted"] is None else stored_["predicted"]
         lines.append(f"| {_short_name(str(a), i)} | {ds['asg_source'].sel(assignment=a).item()} | "
                      f"{int(ds['asg_cost'].sel(assignment=a))} | "
-                     f"{_f(s[0])} | {_f(pred)} | {_f(s[1])} | {_f(s[2])} | {_pct(s[3])} | {s[4]:+.4f} | {meets} |")
+                     f"{_f(s[0])} | {_f(pred)} | {_f(s[1])} | {_f(s[2])} | {fmt_pct(s[3])} | {s[4]:+.4f} | {meets} |")
     return "\n".join(lines)
 
 
@@ -333,7 +327,7 @@ def _nonfinite(ds) -> list[Block]:
     total = int(ds.attrs.get("nonfinite_total", 0))
     if not total:
         return []
-    where = _json(ds, "nonfinite_where", [])
+    where = attr_json(ds, "nonfinite_where", [])
     items = "\n".join(f"- pass {md_code(w['pass'])}: {w['logits']} non-finite logits; attention outputs per layer "
                       f"{w['attn_layers']}" for w in where[:30])
     return [Block("p", f"**NON-FINITE VALUES: {total}.** They are kept as NaN (summaries over them are NaN), "
@@ -344,7 +338,7 @@ def build_blocks(ds, figures: list[Figure]) -> list[Block]:
     a = ds.attrs
     f = findings_of(ds, kind="impact")
     figs = {f.name: f for f in figures}
-    checks = _json(ds, "prefix_checks", {}) or {}
+    checks = attr_json(ds, "prefix_checks", {}) or {}
     blocks = [Block("h1", f"Impact of attention recipes on {md_text(a.get('model'))}'s predictions"),
               Block("p", f"**Where it ran:** {md_text(a.get('device_name', '?'))} (device {md_code(a.get('device'))}, backend "
                          f"{md_code(a.get('backend'))}, {md_text(a.get('platform', '?'))}). **Command:** {md_code(a.get('command', '?'))}. "
@@ -391,7 +385,7 @@ def build_blocks(ds, figures: list[Figure]) -> list[Block]:
                               "recipes that scale P per tensor."),
                    Block("table", _decode_table(ds)), Block("figure", figure=figs["decode"])]
     if "assignments" in figs:
-        budget = _json(ds, "budget", None)
+        budget = attr_json(ds, "budget", None)
         text = "Per-layer recipe maps (`--recipe-map`)"
         if budget:
             text += (f" and the budget search: the cheapest assignment (costs from the audit's `recipe_cost`, summed "
@@ -414,7 +408,7 @@ def _sweep_acc_blocks(ds) -> list[Block]:
                                                            ds["sweep_spec"].values) if g != w]
     if not changed:
         return []
-    checks = _json(ds, "sweep_acc_checks", {}) or {}
+    checks = attr_json(ds, "sweep_acc_checks", {}) or {}
     parts = []
     for v, _, _ in changed:
         c = checks.get(v, {})

@@ -21,7 +21,9 @@ import xarray as xr
 
 from ..engine.dataset import summary_table
 from .document import Bullets, Document, Fig, Para, Section, Table, md_code, md_text
-from .figures import SYMBOL, Figure, _eq, _fmt_val, paper_setting_text, reference_cell, swept_dims
+from ..engine.dataset import same_value
+from ..text import fmt_coord
+from .figures import SYMBOL, Figure, paper_setting_text, reference_cell, swept_dims
 from .stored import findings_of, verdict_block
 from ..text import column_format, fmt_interval, nonfinite_text
 from .summary import few_samples_line, full_table, nonfinite_block, pivot_tables, provenance_items
@@ -52,7 +54,7 @@ def where_line(ds: xr.Dataset) -> str:
 
 
 def _cell(where: dict) -> str:
-    return ", ".join(f"{SYMBOL.get(d, d)}={_fmt_val(v)}" for d, v in where.items())
+    return ", ".join(f"{SYMBOL.get(d, d)}={fmt_coord(v)}" for d, v in where.items())
 
 
 PER_TABLE = 3  # metrics per table: a value and its interval each, so that a table fits the page
@@ -65,7 +67,7 @@ def _other_metrics(ds: xr.Dataset, ref: dict, metric: str = "rmse") -> list[Tabl
 
 
 def _metrics_table(ds: xr.Dataset, ref: dict, ms: list[str]) -> Table:
-    tables = {m: {r["variant"]: r for r in summary_table(ds, m) if all(_eq(r[d], v) for d, v in ref.items())}
+    tables = {m: {r["variant"]: r for r in summary_table(ds, m) if all(same_value(r[d], v) for d, v in ref.items())}
               for m in ms}
     fmts = {m: column_format([x for r in tables[m].values() for x in (r["value"], r["lo"], r["hi"])]) for m in ms}
     cols = ["variant"] + [f"{m} [95% CI]" if m != "nonfinite" else "non-finite outputs" for m in ms]

@@ -13,13 +13,13 @@ budget's cheapest verified assignment where the study searched one.
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
 import xarray as xr
 
-from ..text import fmt_e, md_code
+from ..engine.conventions import attr_json
+from ..text import fmt_e, fmt_pct, md_code
 from .findings import store, stored
 
 
@@ -27,18 +27,12 @@ def _f(x) -> str:
     return fmt_e(float(x))
 
 
-def _pct(x) -> str:
-    x = float(x)
-    return "-" if not math.isfinite(x) else f"{100 * x:.2f}%"
 
 
 def _sel(ds, name, **kw) -> float:
     return float(ds[name].sel(**kw))
 
 
-def _json(ds, key, default=None):
-    raw = ds.attrs.get(key, "")
-    return json.loads(raw) if raw else default
 
 
 def _predicted(ds, recipes: list[str]) -> float:
@@ -70,15 +64,15 @@ def _lines(ds) -> list[str]:
     if fp8:
         best, worst = min(fp8, key=kl_all.get), max(fp8, key=kl_all.get)
         out.append(f"Every layer in FP8 (prefill): mean KL from {_f(kl_all[best])} ({md_code(best)}, top-1 "
-                   f"{_pct(_sel(ds, 'top1_agree', variant=best, mask='all'))}, Δppl "
+                   f"{fmt_pct(_sel(ds, 'top1_agree', variant=best, mask='all'))}, Δppl "
                    f"{_sel(ds, 'ppl_delta', variant=best, mask='all'):+.3f}) to {_f(kl_all[worst])} ({md_code(worst)}, top-1 "
-                   f"{_pct(_sel(ds, 'top1_agree', variant=worst, mask='all'))}, Δppl "
+                   f"{fmt_pct(_sel(ds, 'top1_agree', variant=worst, mask='all'))}, Δppl "
                    f"{_sel(ds, 'ppl_delta', variant=worst, mask='all'):+.3f}); reference ppl {float(ds.attrs['ref_ppl']):.4f}.")
     if "baseline" in ds.dims and "model-sdpa-bf16" in ds["baseline"].values:
         b = _sel(ds, "base_kl_mean", baseline="model-sdpa-bf16")
         ratio = ", ".join(f"{md_code(v)} {kl_all[v] / b:.0f}x" for v in fp8) if b > 0 else ""
         out.append(f"For scale, the model's own BF16 SDPA has mean KL {_f(b)} (top-1 "
-                   f"{_pct(_sel(ds, 'base_top1_agree', baseline='model-sdpa-bf16'))}); FP8 over BF16: {ratio}.")
+                   f"{fmt_pct(_sel(ds, 'base_top1_agree', baseline='model-sdpa-bf16'))}); FP8 over BF16: {ratio}.")
     if "layer_kl_mean" in ds and fp8 and ds.sizes["layer"] > 0:
         v = max(fp8, key=kl_all.get)
         kl = ds["layer_kl_mean"].sel(variant=v).values
@@ -91,8 +85,8 @@ def _lines(ds) -> list[str]:
             out.append(f"Additivity: the sum of the one-layer KLs is {min(r):.2f}-{max(r):.2f}x the all-layer KL over "
                        "the FP8 variants (1 = the layers' effects add up).")
     if "spearman_rho" in ds:
-        pooled = _json(ds, "spearman_pooled", {}) or {}
-        fit = _json(ds, "kl_from_rel_l2_fit", {}) or {}
+        pooled = attr_json(ds, "spearman_pooled", {}) or {}
+        fit = attr_json(ds, "kl_from_rel_l2_fit", {}) or {}
         rhos = ", ".join(f"{md_code(v)} {float(ds['spearman_rho'].sel(variant=v)):+.2f}" for v in fp8)
         txt = f"Audit rel_l2 vs per-layer KL, Spearman ρ over layers: {rhos}"
         if pooled:
@@ -130,7 +124,7 @@ def _lines(ds) -> list[str]:
             parts.append(f"{md_code(v)} prefill {_f(kl_all[str(v)])}, " + ", ".join(
                 f"per-{kv} cache {_f(_sel(ds, 'dec_kl_mean', dvariant=v, kv=kv))}" for kv in ds["kv"].values))
         out.append("Decode (one query row against an FP8 KV cache), mean KL: " + "; ".join(parts) + ".")
-    budget = _json(ds, "budget", None)
+    budget = attr_json(ds, "budget", None)
     if budget:
         best = budget.get("best")
         if best:
@@ -174,7 +168,7 @@ def _layers(ds, top: int = 8) -> list[dict]:
 def _assignments(ds) -> list[dict]:
     if "asg_kl" not in ds:
         return []
-    budget = _json(ds, "budget", None)
+    budget = attr_json(ds, "budget", None)
     stat = {"mean": "kl_mean", "p99": "kl_p99", "max": "kl_max"}[budget["stat"]] if budget else None
     return [{"assignment": str(a), "predicted": _predicted(ds, [str(x) for x in ds["asg_recipe"].sel(assignment=a).values]),
              "meets": None if budget is None else bool(_sel(ds, f"asg_{stat}", assignment=a) <= budget["budget"])}
@@ -194,7 +188,7 @@ def _verdict(ds) -> dict:
         best = min(fp8, key=kl.get)
         out["use"] = best
         line = (f"**Use {md_code(best)}** in every layer: the lowest mean KL of the {len(fp8)} FP8 recipe(s), "
-                f"{_f(kl[best])} (top-1 {_pct(_sel(ds, 'top1_agree', variant=best, mask='all'))}, Δppl "
+                f"{_f(kl[best])} (top-1 {fmt_pct(_sel(ds, 'top1_agree', variant=best, mask='all'))}, Δppl "
                 f"{_sel(ds, 'ppl_delta', variant=best, mask='all'):+.4f})")
         if math.isfinite(b) and b > 0:
             line += f"; ×{kl[best] / b:.1f} the KL of the model's own BF16 SDPA ({_f(b)})"
@@ -205,7 +199,7 @@ def _verdict(ds) -> dict:
             lines.append(f"**Avoid {md_code(worst)}**: mean KL {_f(kl[worst])}, ×{kl[worst] / kl[best]:.1f} that of "
                          f"{md_code(best)}" + (f", ×{kl[worst] / b:.0f} BF16's" if math.isfinite(b) and b > 0 else "")
                          + ".")
-    budget = _json(ds, "budget", None)
+    budget = attr_json(ds, "budget", None)
     if budget and budget.get("best"):
         best = budget["best"]
         lines.append(f"Budget KL {budget['stat']} ≤ {budget['budget']:g}: the cheapest verified assignment costs "

@@ -22,8 +22,8 @@ import math
 import numpy as np
 import xarray as xr
 
-from ..engine.dataset import PAPER_SETTING, SAMPLE_DIMS, paper_setting, summary_table
-from ..text import column_format, fmt_interval, md_code
+from ..engine.dataset import PAPER_SETTING, SAMPLE_DIMS, paper_setting, py_value, same_value, summary_table
+from ..text import column_format, fmt_coord, fmt_interval, md_code
 from .findings import store, stored
 
 _SHAPE = {"seqlen": "seqlen", "head_dim": "head dim", "causal": "causal"}
@@ -31,26 +31,10 @@ WIDE = ("fp16", "bf16", "fp32", "fp64")  # 16-bit and wider: the references a lo
 SIXTEEN = ("fp16", "bf16")
 
 
-def _py(v):
-    v = np.asarray(v)
-    return v.item() if v.shape == () else v.tolist()
 
 
-def _eq(a, b) -> bool:
-    if isinstance(a, (bool, np.bool_)) or isinstance(b, (bool, np.bool_)):
-        return bool(a) == bool(b)
-    try:
-        return bool(np.isclose(float(a), float(b)))
-    except (TypeError, ValueError):
-        return a == b
 
 
-def _fmt_val(v) -> str:
-    if isinstance(v, (bool, np.bool_)):
-        return str(bool(v)).lower()
-    if isinstance(v, float) and v.is_integer() and abs(v) < 1e6:
-        return str(int(v))
-    return f"{v:g}" if isinstance(v, (int, float)) else str(v)
 
 
 def swept_dims(ds: xr.Dataset) -> list[str]:
@@ -70,7 +54,7 @@ def reference_cell(ds: xr.Dataset) -> dict:
             pick = hits[0] if hits else None
         if pick is None:
             pick = max(vals) if d == "seqlen" else vals[len(vals) // 2]
-        ref[d] = _py(pick)
+        ref[d] = py_value(pick)
     return ref
 
 
@@ -92,17 +76,17 @@ def _sym(d: str) -> str:
 
 
 def _cell(where: dict) -> str:
-    return ", ".join(f"{_sym(d)}={_fmt_val(v)}" for d, v in where.items())
+    return ", ".join(f"{_sym(d)}={fmt_coord(v)}" for d, v in where.items())
 
 
 def _at(rows: list[dict], ref: dict) -> list[dict]:
-    return [r for r in rows if all(_eq(r[d], v) for d, v in ref.items())]
+    return [r for r in rows if all(same_value(r[d], v) for d, v in ref.items())]
 
 
 def _samples(ds: xr.Dataset, metric: str, variant: str, ref: dict) -> np.ndarray:
     da = ds[metric].sel(variant=variant)
     for d, v in ref.items():
-        idx = next(i for i, c in enumerate(ds.coords[d].values) if _eq(_py(c), v))
+        idx = next(i for i, c in enumerate(ds.coords[d].values) if same_value(py_value(c), v))
         da = da.isel({d: idx})
     return np.asarray(da.transpose(*[d for d in SAMPLE_DIMS if d in da.dims]).values, dtype=float).ravel()
 
@@ -135,7 +119,7 @@ def _verdict(ds: xr.Dataset, rows: list[dict], ref: dict, metric: str) -> dict:
     worst_of = min if higher_better else max
     n = int(np.prod([ds.sizes.get(d, 1) for d in SAMPLE_DIMS]))
     # the swept parameters at the reference cell, then the fixed ones: where the answer holds
-    fixed = {k: _py(ds.coords[k].values) for k in ("p", "sigma", "seqlen", "head_dim", "causal")
+    fixed = {k: py_value(ds.coords[k].values) for k in ("p", "sigma", "seqlen", "head_dim", "causal")
              if k in ds.coords and ds.coords[k].ndim == 0 and k not in ref}
     where = f"at {_cell({**ref, **fixed})}" if ref or fixed else "in this run"
     m = metric.upper()
@@ -233,15 +217,15 @@ def _trend(ds: xr.Dataset, rows: list[dict], ref: dict, d: str, metric: str) -> 
     first, last = vals[0], vals[-1]
     change = {}
     for v in dict.fromkeys(r["variant"] for r in sub):
-        a = next((r for r in sub if r["variant"] == v and _eq(r[d], first)), None)
-        b = next((r for r in sub if r["variant"] == v and _eq(r[d], last)), None)
+        a = next((r for r in sub if r["variant"] == v and same_value(r[d], first)), None)
+        b = next((r for r in sub if r["variant"] == v and same_value(r[d], last)), None)
         if a and b and not a["nonfinite"] and not b["nonfinite"] and a["value"] > 0 and math.isfinite(b["value"]):
             change[v] = b["value"] / a["value"]
     if not change:
         return ""
     lo_v, hi_v = min(change, key=change.get), max(change, key=change.get)
     at = f" ({_cell(others)})" if others else ""
-    span = f"{_sym(d)} {_fmt_val(first)} → {_fmt_val(last)}{at}"
+    span = f"{_sym(d)} {fmt_coord(first)} → {fmt_coord(last)}{at}"
     if lo_v == hi_v:
         return f"**Along {span}:** {metric.upper()} changes ×{change[lo_v]:.2f} ({md_code(lo_v)})."
     word = "grows" if change[lo_v] > 1 else "falls" if change[hi_v] < 1 else "changes"
