@@ -40,28 +40,9 @@ pytestmark = pytest.mark.slow  # model-level runs of the impact study
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
+def tiny(tiny_llama) -> Path:
     """A random 3-layer Llama with a word-level tokenizer over the default text, as an HF folder."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    text, _ = cap.default_text()
-    counts: dict[str, int] = {}
-    for w in text.split()[:20000]:
-        counts[w] = counts.get(w, 0) + 1
-    vocab = {"[UNK]": 0}
-    for w, _ in sorted(counts.items(), key=lambda x: (-x[1], x[0]))[:1000]:
-        vocab[w] = len(vocab)
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256,
-                      initializer_range=0.15, rope_theta=10000.0)
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("impact") / "tiny-llama"
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(folder)
-    return folder
+    return tiny_llama("impact", layers=3, hidden=128, positions=256, words=1000, by_frequency=True)
 
 
 @pytest.fixture(scope="module")

@@ -64,31 +64,22 @@ for _f in ("gemma2", "gemma3", "mistral", "gpt_oss"):
         not _have, reason=f"transformers {transformers.__version__} has no {_model_class(_f)}")))
 
 
-def _build(family: str, folder: Path) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    text, _ = cap.default_text()
-    vocab = {"[UNK]": 0}
-    for w in text.split()[:5000]:
-        if w not in vocab and len(vocab) < 500:
-            vocab[w] = len(vocab)
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+def _build(family: str, folder: Path, word_tokenizer) -> Path:
+    tok = word_tokenizer(499, by_frequency=False, scan=5000)
     torch.manual_seed(0)
-    model = getattr(transformers, _model_class(family))(_config(family, len(vocab)))
+    model = getattr(transformers, _model_class(family))(_config(family, len(tok.get_vocab())))
     if family == "gpt_oss":  # sinks large enough to matter (their init is small)
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.sinks.copy_(torch.tensor([1.5, -0.5]))
     model.save_pretrained(folder)
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(folder)
+    tok.save_pretrained(folder)
     return folder
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request, tmp_path_factory):
-    folder = _build(request.param, tmp_path_factory.mktemp("coverage") / f"tiny-{request.param}")
+def family(request, tmp_path_factory, tiny_tokenizer):
+    folder = _build(request.param, tmp_path_factory.mktemp("coverage") / f"tiny-{request.param}", tiny_tokenizer)
     return request.param, folder
 
 

@@ -146,28 +146,9 @@ def test_bad_budget_exit_2(capsys, tmp_path):
 # -- end to end on a tiny random Llama -----------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
+def tiny(tiny_llama) -> Path:
     pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    from fa3_numerics.data import capture as cap
-
-    text, _ = cap.default_text()
-    vocab = {"[UNK]": 0}
-    for w in dict.fromkeys(text.split()[:20000]):
-        if len(vocab) < 1000:
-            vocab[w] = len(vocab)
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256,
-                      initializer_range=0.15, rope_theta=10000.0)
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("rec") / "tiny-llama"
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(folder)
-    return folder
+    return tiny_llama("rec", layers=2, hidden=128, positions=256, words=999, by_frequency=False)
 
 
 @pytest.mark.slow

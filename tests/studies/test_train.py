@@ -17,12 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import xarray as xr
 
 pytest.importorskip("transformers", reason="train needs transformers: pip install 'fa3-numerics[capture]'")
 
-from fa3_numerics.data import capture as cap  # noqa: E402
 from fa3_numerics.engine.study import run_study  # noqa: E402
 from fa3_numerics.studies.train import TrainStudy  # noqa: E402
 
@@ -31,28 +29,9 @@ SMALL = dict(tokens=32, batch=2, lr=1e-3, checkpoint_every=2, probe_every=2, pro
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
+def tiny(tiny_llama) -> Path:
     """A random 2-layer Llama with a word-level tokenizer over the default text, as an HF folder."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    text, _ = cap.default_text()
-    counts: dict[str, int] = {}
-    for w in text.split()[:20000]:
-        counts[w] = counts.get(w, 0) + 1
-    vocab = {"[UNK]": 0}
-    for w, _ in sorted(counts.items(), key=lambda x: (-x[1], x[0]))[:500]:
-        vocab[w] = len(vocab)
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=128,
-                      initializer_range=0.15, rope_theta=10000.0)
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("train") / "tiny-llama"
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(folder)
-    return folder
+    return tiny_llama("train", layers=2, hidden=64, positions=128, words=500, by_frequency=True)
 
 
 def _run(tiny, out, **kw):
