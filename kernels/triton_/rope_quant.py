@@ -48,7 +48,7 @@ import torch
 from fa3_numerics.errors import UsageError
 from fa3_numerics.numerics.granularity import PerHead
 
-from ._common import f64_to_f32_odd, fp8_params, interpreting, pow2_ceil32, pow2_ceil64, round_fp8, tl, tl_fp8, triton
+from ._common import f64_to_f32_odd, fp8_params, interpreting, round_fp8, tl, tl_fp8, triton
 from .rotate_quant import GRAN_CODES, QuantOut
 
 ROPE_LAYOUTS = {"none": 0, "interleaved": 1, "half": 2}
@@ -57,6 +57,7 @@ _NO_TRITON = "the fused pre-pass needs the triton package (pip install triton; i
 
 
 if triton is not None:
+    from .quant_device import tile_descale  # amax -> descale, as every quantizer of this package computes it
 
     @triton.jit
     def _stage(y, TILE: tl.constexpr, D: tl.constexpr, HH: tl.constexpr):
@@ -144,22 +145,6 @@ if triton is not None:
         if SMOOTH:
             y = y - mu[None, :]
         return y
-
-    @triton.jit
-    def _descale(amax, FMT_MAX: tl.constexpr, POW2: tl.constexpr, EXACT: tl.constexpr):
-        """amax -> float32 descale as quant.amax_to_scale: amax / max, 1 where 0 or not finite."""
-        if EXACT:
-            s = amax / FMT_MAX
-        else:
-            s = tl.math.div_rn(amax, tl.full(amax.shape, FMT_MAX, tl.float32))
-        ok = (s > 0) & (s < float("inf"))
-        s = tl.where(ok, s, 1.0)
-        if POW2:
-            if EXACT:
-                s = pow2_ceil64(s)
-            else:
-                s = pow2_ceil32(s)
-        return s.to(tl.float32)
 
     @triton.jit
     def _encode(v, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, SUBQ: tl.constexpr,
@@ -274,7 +259,7 @@ if triton is not None:
                 amax = tl.load(AMAX + ai).to(tl.float64, bitcast=True)
             else:
                 amax = tl.load(AMAX + ai).to(tl.float32, bitcast=True)
-        d32 = _descale(amax, FMT_MAX, POW2, EXACT)
+        d32 = tile_descale(amax, FMT_MAX, POW2, EXACT)
         if GRAN == 2:
             tl.store(DESC + b * sdb + h * sdh + pid_t * sdn, d32)
         elif GRAN == 1:
@@ -285,7 +270,7 @@ if triton is not None:
                 tl.store(DESC, d32)
         if SINGLE:
             if GRAN == 3:
-                dt = _descale(tl.max(tl.abs(y), axis=1), FMT_MAX, POW2, EXACT)
+                dt = tile_descale(tl.max(tl.abs(y), axis=1), FMT_MAX, POW2, EXACT)
                 tl.store(DESC + b * sdb + h * sdh + rows * sdn, dt, mask=m)
                 q = _cast(y, dt[:, None], MBITS, EMIN, FMT_MAX, OUT, EXACT, SOFT_CAST, BIAS, SUBQ, NAN)
             else:
@@ -298,7 +283,7 @@ if triton is not None:
                 y = _tile(X, COS, SIN, POS, SIGNS, hm, SCAL, mu, b, xb, rows, m, cols, sxs, sxd, stb, stn, std,
                           spb, spn, D, LOG2D, TILE, ROPE, TABLE_FULL, HAS_POS, ROT, SMOOTH, EXACT, DOT_F32)
                 if GRAN == 3:
-                    dt = _descale(tl.max(tl.abs(y), axis=1), FMT_MAX, POW2, EXACT)
+                    dt = tile_descale(tl.max(tl.abs(y), axis=1), FMT_MAX, POW2, EXACT)
                     tl.store(DESC + b * sdb + h * sdh + rows * sdn, dt, mask=m)
                     q = _cast(y, dt[:, None], MBITS, EMIN, FMT_MAX, OUT, EXACT, SOFT_CAST, BIAS, SUBQ, NAN)
                 else:
