@@ -345,20 +345,12 @@ def validate(grid: str = "small", *, dist: str | None = None, backend: str = "fa
 # -- datasets -------------------------------------------------------------------------------------
 
 def open_dataset(path):
-    """Any dataset this package writes (run, ablation, audit, validation, impact), loaded and
-    upgraded to the current layout; a one-line ``UsageError`` for anything else."""
-    import xarray as xr
-
+    """Any dataset this package writes (every study's: run, ablation, audit, validation, impact,
+    recommend, backward, train), loaded, upgraded to the current layout and holding its findings;
+    a one-line ``UsageError`` for anything else."""
     from .engine.dataset import read
-    from .studies.impact import IMPACT_FORMAT
-    from .studies.impact_dataset import read_impact
 
-    try:  # the format marker only (attributes are read, no data): a file is loaded once
-        with xr.open_dataset(path, engine="h5netcdf") as peek:
-            fmt = peek.attrs.get("format")
-    except Exception:  # noqa: BLE001 - missing or not netCDF: ``read`` says which, in one line
-        fmt = None
-    return read_impact(path) if fmt == IMPACT_FORMAT else read(path)
+    return read(path, kinds=None)
 
 
 # -- recommend -----------------------------------------------------------------------------------

@@ -265,6 +265,18 @@ def test_open_dataset_refuses_other_files_in_one_line(tmp_path):
         assert words in _one_line(exc)
 
 
+@pytest.mark.parametrize("rel, kind", [("reports/impact-smollm2/impact.nc", "impact"),
+                                       ("reports/recommend-smollm2/recommend.nc", "recommend"),
+                                       ("reports/backward/k-bias/backward.nc", "backward"),
+                                       ("reports/train-smollm2-cpu/train.nc", "train"),
+                                       ("reports/h200/validation.nc", "validation")])
+def test_open_dataset_reads_every_study_s_dataset_with_its_findings(rel, kind):
+    from fa3_numerics.engine.dataset import dataset_kind
+
+    ds = fa3n.open_dataset(ROOT / rel)
+    assert dataset_kind(ds) == kind and ds.attrs["findings"]
+
+
 def test_validate_runs_the_whole_path_with_the_stand_in():
     ds = fa3n.validate("tiny", backend="fa3-mock", device="cpu", accs=["fp32"])
     assert ds.sizes["case"] == 5 and list(ds["acc"].values) == ["fp32"]

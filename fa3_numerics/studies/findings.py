@@ -100,22 +100,11 @@ def upgrade(ds: xr.Dataset, kind: str | None = None) -> xr.Dataset:
 
 
 def read(path: str | Path) -> xr.Dataset:
-    """A saved dataset of any study, with its findings (upgraded on load where it predates them)."""
-    from ..engine.dataset import open_netcdf, read as read_dataset
+    """A saved dataset of any study, with its findings (upgraded on load where it predates them):
+    ``engine.dataset.read``, which reaches each study's ``upgrade`` through the registry."""
+    from ..engine.dataset import read as read_dataset
 
-    ds = open_netcdf(path, "give a dataset written by fa3-numerics")
-    kind = _kind(ds)
-    if kind == "impact":
-        from .impact_dataset import read_impact
-
-        ds = read_impact(path)
-    elif kind == "recommend":
-        from .recommend_dataset import read_recommend
-
-        ds = read_recommend(path)
-    elif kind != "backward":  # backward datasets are read as they are
-        ds = read_dataset(path)
-    return upgrade(ds)
+    return read_dataset(path, kinds=None)
 
 
 __all__ = ["FINDINGS_ATTR", "store", "stored", "upgrade", "read", "UPGRADES"]
