@@ -252,11 +252,15 @@ def get_study(kind: str):
     """The study class registered under ``kind``; ``KeyError`` if none is."""
     target = studies()[kind]
     if isinstance(target, str):
-        module, _, attr = target.partition(":")
-        target = getattr(importlib.import_module(module), attr)
-        _REGISTRY[kind] = target
+        target = _REGISTRY[kind] = load_target(target)
     return target
 
 
-__all__ = ["Study", "StudyOption", "StudyContext", "Outcome", "run_study", "finish_study", "register_study", "get_study", "studies", "clear_cache",
-           "ENTRY_POINTS"]
+def load_target(target: str):
+    """The object a registry's ``"module:attr"`` string names, its module imported now."""
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+__all__ = ["Study", "StudyOption", "StudyContext", "Outcome", "run_study", "finish_study", "register_study",
+           "get_study", "load_target", "studies", "clear_cache", "ENTRY_POINTS"]

@@ -79,13 +79,12 @@ def reports() -> dict[str, str]:
 
 def renderer(kind: str | None):
     """The function that renders a dataset of ``kind``; a one-line error for a kind with no page."""
-    import importlib
+    from ..engine.study import load_target
 
     pages = reports()
     if kind not in pages:
         raise UsageError(f"no report page renders datasets of kind {kind!r}; known kinds: {', '.join(sorted(pages))}")
-    module, _, attr = pages[kind].partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return load_target(pages[kind])
 
 
 def report_modules(kind: str) -> tuple[str, ...]:
@@ -168,15 +167,11 @@ CONSOLE: dict[str, str] = {
 
 def console_text(ds: xr.Dataset) -> tuple[str, list[str]]:
     """The table a command prints for its dataset, and its warnings; ("", []) for a kind without one."""
-    import importlib
-
     from ..engine.dataset import dataset_kind
+    from ..engine.study import load_target
 
     target = CONSOLE.get(dataset_kind(ds))
-    if target is None:
-        return "", []
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)(ds)
+    return load_target(target)(ds) if target is not None else ("", [])
 
 
 def render_combined(datasets: list[tuple[str, xr.Dataset]], out_dir: str | Path, formats=FORMATS,
