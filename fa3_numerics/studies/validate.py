@@ -93,13 +93,6 @@ class Case:
         check_head_dim(self.head_dim)
         require(self.heads % self.kv_heads == 0, f"validation case: heads {self.heads} is not a multiple of "
                 f"kv_heads {self.kv_heads}")
-        if isinstance(self.params, str):  # "k=v,k=v", as --dist writes them
-            pairs = []
-            for part in filter(None, (x.strip() for x in self.params.split(","))):
-                k, eq, v = part.partition("=")
-                require(bool(eq), f"validation case params {self.params!r}: write k=v,k=v")
-                pairs.append((k.strip(), float(v)))
-            object.__setattr__(self, "params", tuple(pairs))
         known = _defaults(self.dist)
         bad = [k for k, _ in self.params if known and k not in known]
         require(not bad, f"validation case: distribution {self.dist!r} takes {', '.join(sorted(known))}, not "
