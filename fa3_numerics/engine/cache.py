@@ -273,6 +273,14 @@ def load(path: Path, names: Iterable[str], warn: Callable[[str], None] = _warn) 
         return None
 
 
+def study_cells(folder, context: dict, study_modules, warn: Callable[[str], None] = print, **code) -> "CellStore":
+    """The ``CellStore`` of a sequential study in ``folder`` (None: nothing kept): ``context`` is
+    what its cells share (inputs' digests, options), ``study_modules`` the modules that compute
+    them; ``code`` goes to ``code_key`` (backend, device, inputs) and its key joins the context."""
+    code.setdefault("backend", "emulate")
+    return CellStore(folder, dict(context, code=code_key(study=tuple(study_modules), **code)), warn=warn)
+
+
 # -- the cells of a sequential study ------------------------------------------------------------
 
 class CellStore:

@@ -61,11 +61,9 @@ class StudyContext:
         """A ``CellStore`` under ``cache`` for a sequential study: ``context`` is everything its
         cells share (inputs' digests, options), ``study_modules`` the modules that compute them;
         ``code`` goes to ``engine.cache.code_key`` (backend, device, inputs)."""
-        from .cache import CellStore, code_key
+        from .cache import study_cells
 
-        code.setdefault("backend", "emulate")
-        full = dict(context, code=code_key(study=tuple(study_modules), **code))
-        return CellStore(self.out, full, warn=self.echo)
+        return study_cells(self.out, context, study_modules, warn=self.echo, **code)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -151,14 +151,6 @@ STUDY_MODULES = ("fa3_numerics.studies.impact", "fa3_numerics.studies.impact_mod
                  "fa3_numerics.studies.impact_budget")
 
 
-def code_version(backend: str = "emulate", device: str = "cpu", text: str | Path | None = None) -> str:
-    """The code part of every cell key of a study through ``backend`` on ``device``, with the
-    ``--text`` file (if any) keyed by its content (``engine.cache.code_key``)."""
-    from ..engine.cache import code_key
-
-    return code_key(backend=backend, device=device, study=STUDY_MODULES, inputs=[text] if text is not None else [])
-
-
 class ImpactStudy(StoredFindings, Study):
     """The study (module docstring) on the ``engine.study`` protocol: every input is checked when
     it is made, before the folder is touched or the model loads; ``run`` loads the model and
@@ -228,7 +220,7 @@ class ImpactStudy(StoredFindings, Study):
     def run(self, ctx: StudyContext | None):
         """Load the model, take the reference pass and every cell (cached under ``ctx``: None keeps none)."""
         from ..data import capture as cap
-        from ..engine.cache import CellStore
+        from ..engine.cache import study_cells
         from .impact_budget import check_map_layers
 
         progress, device, backend, seed, tokens = self.progress, self.device, self.backend, self.seed, self.tokens
@@ -254,9 +246,9 @@ class ImpactStudy(StoredFindings, Study):
 
         context = {"model_sha256": cap.model_sha256(src), "token_ids_sha256": cap.token_ids_sha256(input_ids),
                    "backend": backend, "device": device.split(":")[0], "seed": seed,
-                   "code": code_version(backend, device, self.text),
                    "torch": torch.__version__, "transformers": __import__("transformers").__version__}
-        store = CellStore(ctx.out if ctx is not None else None, context, warn=progress)
+        store = study_cells(ctx.out if ctx is not None else None, context, STUDY_MODULES, warn=progress,
+                            backend=backend, device=device, inputs=[self.text] if self.text is not None else [])
         runner = ModelRunner(m, input_ids, backend=self.be, device=device, seed=seed)
         progress(f"reference pass: {num_layers} layers of float64 attention over {tokens} tokens")
         t0 = time.perf_counter()
@@ -283,7 +275,7 @@ class ImpactStudy(StoredFindings, Study):
                 "device": device, "seed": seed, "sweep_layers": sweep_layers, "modes": self.modes,
                 "num_layers": num_layers, "ref_ppl": ref_ppl,
                 "times": {"load": t_load, "reference": t_ref, "total": time.perf_counter() - self.t_start},
-                "check_prefix": self.check_prefix, "code": context["code"], "config": m.config,
+                "check_prefix": self.check_prefix, "code": store.context["code"], "config": m.config,
                 "architecture": ",".join(getattr(m.config, "architectures", None) or [type(m).__name__])}
         info["sweep_acc"] = self.sweep_acc
         return info, ref, recipes, self.dec, map_layers, results, audit_ds, budget, self.swept

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 import fa3_numerics
-from fa3_numerics.engine.cache import VERSIONED, cache_key, code_key, code_parts, dist_key
+from fa3_numerics.engine.cache import VERSIONED, cache_key, code_key, code_parts, dist_key, study_cells
 from fa3_numerics.engine.files import atomic_write
-from fa3_numerics.studies.impact import STUDY_MODULES, code_version
+from fa3_numerics.studies.impact import STUDY_MODULES
 
 PKG = Path(fa3_numerics.__file__).resolve().parent
 KERNELS = Path(importlib.util.find_spec("fa3_numerics.kernels").submodule_search_locations[0])
@@ -147,6 +147,7 @@ def test_the_parts_name_library_versions_and_the_device():
     assert code_key(backend="emulate", device="cpu") != code_key(backend="emulate", device="cuda")
 
 
-def test_the_impact_study_uses_the_same_key():
-    assert code_version("emulate", "cpu") == code_key(backend="emulate", device="cpu", study=STUDY_MODULES)
-    assert code_version("fa3", "cpu") != code_version("emulate", "cpu")
+def test_a_sequential_study_s_cells_use_the_same_key():
+    code = lambda backend: study_cells(None, {}, STUDY_MODULES, backend=backend, device="cpu").context["code"]  # noqa: E731
+    assert code("emulate") == code_key(backend="emulate", device="cpu", study=STUDY_MODULES)
+    assert code("fa3") != code("emulate")
