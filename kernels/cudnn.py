@@ -32,6 +32,7 @@ from fa3_numerics.engine.backends import Backend
 from fa3_numerics.errors import UsageError
 from fa3_numerics.numerics.granularity import PerTensor
 from fa3_numerics.numerics.recipe import Recipe
+from .availability import gpu_problem, load_problem, package_version, refusal
 
 INSTALL_HINT = ("pip install nvidia-cudnn-frontend==1.32.0 (module cudnn; needs the cuDNN 9 library of torch's "
                 "CUDA build, nvidia-cudnn-cu12/cu13)")
@@ -45,37 +46,19 @@ _HANDLES: dict = {}
 
 
 def _version() -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version("nvidia-cudnn-frontend")
-    except Exception:  # noqa: BLE001 - not installed, or installed without metadata
-        return None
+    return package_version("nvidia-cudnn-frontend")
 
 
 def kernel_problem(device: str = "cuda") -> str | None:
     """None when cuDNN's FP8 SDPA can run on ``device``; else every missing piece and its fix, one line."""
-    problems = []
-    if not torch.cuda.is_available():
-        problems.append("no CUDA GPU is visible (cuDNN's FP8 attention needs Hopper, sm90, or later)")
-    else:
-        idx = torch.device(device).index if device.startswith("cuda") else None
-        cap = torch.cuda.get_device_capability(idx)
-        if cap < (9, 0):
-            problems.append(f"{torch.cuda.get_device_name(idx)} is sm_{cap[0]}{cap[1]}; cuDNN's FP8 attention needs "
-                            "sm90 or later")
-        elif not device.startswith("cuda"):
-            problems.append(f"--device {device}: cuDNN's attention runs on the GPU; pass --device cuda")
+    gpu = gpu_problem(device, lambda cap: cap >= (9, 0),
+                      no_gpu="cuDNN's FP8 attention needs Hopper, sm90, or later",
+                      wrong_gpu="; cuDNN's FP8 attention needs sm90 or later", kernel="cuDNN's attention")
+    problems = [gpu] if gpu else []
     if importlib.util.find_spec("cudnn") is None:
         problems.append(f"module cudnn missing: {INSTALL_HINT}")
-    if problems:
-        return "; ".join(problems) + "; meanwhile use --backend emulate"
-    try:
-        load_kernel()
-    except Exception as exc:  # noqa: BLE001 - a compiled module that cannot find libcudnn fails in many ways
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        return f"cudnn is installed but does not load ({type(exc).__name__}: {first}); {INSTALL_HINT}"
-    return None
+    # a compiled module that cannot find libcudnn fails to load in many ways
+    return refusal(problems) or load_problem(load_kernel, "cudnn is installed but does not load", INSTALL_HINT)
 
 
 def load_kernel():

@@ -30,6 +30,7 @@ from fa3_numerics.engine.backends import Backend
 from fa3_numerics.errors import UsageError
 from fa3_numerics.numerics.granularity import PerHead, PerTensor
 from fa3_numerics.numerics.recipe import Recipe
+from .availability import gpu_problem, load_problem, refusal
 
 # Module names the kernel imports as, in order of preference, and the build-flag module of each.
 KERNEL_MODULES = ("fa3_fwd_interface", "flash_attn_interface")
@@ -52,27 +53,14 @@ def find_kernel_module() -> str | None:
 
 def kernel_problem(device: str = "cuda") -> str | None:
     """None when the FA3 kernel can run on ``device``; else every missing piece and its fix, one line."""
-    problems = []
-    if not torch.cuda.is_available():
-        problems.append("no CUDA GPU is visible (the FA3 kernel needs a Hopper GPU: H100/H200, sm_90)")
-    else:
-        idx = torch.device(device).index if device.startswith("cuda") else None
-        cap = torch.cuda.get_device_capability(idx)
-        if cap != (9, 0):
-            name = torch.cuda.get_device_name(idx)
-            problems.append(f"{name} is sm_{cap[0]}{cap[1]}, not Hopper (the FA3 kernel is built for sm_90a: H100/H200)")
-        elif not device.startswith("cuda"):
-            problems.append(f"--device {device}: the FA3 kernel runs on the GPU; pass --device cuda")
+    gpu = gpu_problem(device, lambda cap: cap == (9, 0),
+                      no_gpu="the FA3 kernel needs a Hopper GPU: H100/H200, sm_90",
+                      wrong_gpu=", not Hopper (the FA3 kernel is built for sm_90a: H100/H200)", kernel="the FA3 kernel")
+    problems = [gpu] if gpu else []
     if find_kernel_module() is None:
         problems.append(f"kernel module missing ({' or '.join(KERNEL_MODULES)}): {INSTALL_HINT}")
-    if problems:
-        return "; ".join(problems) + "; meanwhile use --backend emulate"
-    try:
-        load_kernel()
-    except Exception as exc:  # noqa: BLE001 - an import failure of a compiled module has many forms
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        return f"the FA3 kernel module is installed but does not import ({type(exc).__name__}: {first}); {INSTALL_HINT}"
-    return None
+    return refusal(problems) or load_problem(load_kernel, "the FA3 kernel module is installed but does not import",
+                                             INSTALL_HINT)
 
 
 def load_kernel():

@@ -29,6 +29,7 @@ import torch
 from fa3_numerics.engine.backends import Backend
 from fa3_numerics.errors import UsageError
 from fa3_numerics.numerics.recipe import Recipe
+from .availability import gpu_problem, load_problem, package_version, refusal
 
 HEAD_DIMS = (64, 96, 128)
 INSTALL_HINT = "pip install sageattention==1.0.6 (pure Python + Triton; needs triton and a CUDA GPU, sm80+)"
@@ -42,28 +43,16 @@ _KERNEL: dict = {}
 
 
 def _version() -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version("sageattention")
-    except Exception:  # noqa: BLE001 - not installed, or installed without metadata
-        return None
+    return package_version("sageattention")
 
 
 def kernel_problem(device: str = "cuda") -> str | None:
     """None when the SageAttention 1 kernel can run on ``device``; else every missing piece and
     its fix, one line."""
-    problems = []
-    if not torch.cuda.is_available():
-        problems.append("no CUDA GPU is visible (sageattn's Triton kernel needs an NVIDIA GPU, sm80 or later)")
-    else:
-        idx = torch.device(device).index if device.startswith("cuda") else None
-        cap = torch.cuda.get_device_capability(idx)
-        if cap < (8, 0):
-            problems.append(f"{torch.cuda.get_device_name(idx)} is sm_{cap[0]}{cap[1]}; sageattn's INT8 kernel needs "
-                            "sm80 or later")
-        elif not device.startswith("cuda"):
-            problems.append(f"--device {device}: the SageAttention kernel runs on the GPU; pass --device cuda")
+    gpu = gpu_problem(device, lambda cap: cap >= (8, 0),
+                      no_gpu="sageattn's Triton kernel needs an NVIDIA GPU, sm80 or later",
+                      wrong_gpu="; sageattn's INT8 kernel needs sm80 or later", kernel="the SageAttention kernel")
+    problems = [gpu] if gpu else []
     if importlib.util.find_spec("triton") is None:
         problems.append("triton is not installed (pip install triton)")
     if importlib.util.find_spec("sageattention") is None:
@@ -73,14 +62,8 @@ def kernel_problem(device: str = "cuda") -> str | None:
         if ver is not None and not ver.startswith("1."):
             problems.append(f"sageattention {ver} is installed, whose sageattn is not SageAttention 1's Triton kernel: "
                             f"{INSTALL_HINT}")
-    if problems:
-        return "; ".join(problems) + "; meanwhile use --backend emulate"
-    try:
-        load_kernel()
-    except Exception as exc:  # noqa: BLE001 - an import failure of a Triton package has many forms
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        return f"sageattention is installed but does not import ({type(exc).__name__}: {first}); {INSTALL_HINT}"
-    return None
+    return refusal(problems) or load_problem(load_kernel, "sageattention is installed but does not import",
+                                             INSTALL_HINT)
 
 
 def load_kernel():

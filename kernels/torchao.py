@@ -33,6 +33,7 @@ from fa3_numerics.engine.backends import Backend
 from fa3_numerics.errors import UsageError
 from fa3_numerics.numerics.granularity import PerHead
 from fa3_numerics.numerics.recipe import Recipe
+from .availability import gpu_problem, load_problem, package_version, refusal
 
 INSTALL_HINT = ("pip install torchao==0.18.0 (its low-precision attention needs torch >= 2.11, triton and a "
                 "Hopper GPU) and the FA3 kernel: pip install fa3-fwd==0.0.3")
@@ -44,29 +45,16 @@ _KERNEL: dict = {}
 
 
 def _version() -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version("torchao")
-    except Exception:  # noqa: BLE001 - not installed, or installed without metadata
-        return None
+    return package_version("torchao")
 
 
 def kernel_problem(device: str = "cuda") -> str | None:
     """None when torchao's FP8 attention can run on ``device``; else every missing piece and its fix, one line."""
     from fa3_numerics.kernels.fa3 import kernel_problem as fa3_problem
 
-    problems = []
-    if not torch.cuda.is_available():
-        problems.append("no CUDA GPU is visible (torchao's FP8_FA3 attention needs a Hopper GPU, sm90)")
-    else:
-        idx = torch.device(device).index if device.startswith("cuda") else None
-        cap = torch.cuda.get_device_capability(idx)
-        if cap[0] != 9:
-            problems.append(f"{torch.cuda.get_device_name(idx)} is sm_{cap[0]}{cap[1]}; torchao's FP8_FA3 backend "
-                            "needs Hopper (sm90)")
-        elif not device.startswith("cuda"):
-            problems.append(f"--device {device}: torchao's attention runs on the GPU; pass --device cuda")
+    gpu = gpu_problem(device, lambda cap: cap[0] == 9, no_gpu="torchao's FP8_FA3 attention needs a Hopper GPU, sm90",
+                      wrong_gpu="; torchao's FP8_FA3 backend needs Hopper (sm90)", kernel="torchao's attention")
+    problems = [gpu] if gpu else []
     if importlib.util.find_spec("triton") is None:
         problems.append("triton is not installed (pip install triton)")
     if importlib.util.find_spec("torchao") is None:
@@ -76,16 +64,11 @@ def kernel_problem(device: str = "cuda") -> str | None:
         if ver is not None and not ver.startswith("0.18"):
             problems.append(f"torchao {ver} is installed; this backend reads torchao 0.18's quantizer: {INSTALL_HINT}")
     if problems:
-        return "; ".join(problems) + "; meanwhile use --backend emulate"
+        return refusal(problems)
     why = fa3_problem(device)
     if why is not None:
         return f"torchao's FP8 attention runs on the FA3 kernel, which cannot run: {why}"
-    try:
-        load_quantizer()
-    except Exception as exc:  # noqa: BLE001 - a Triton package's import fails in many ways
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        return f"torchao is installed but its FP8 quantizer does not import ({type(exc).__name__}: {first}); {INSTALL_HINT}"
-    return None
+    return load_problem(load_quantizer, "torchao is installed but its FP8 quantizer does not import", INSTALL_HINT)
 
 
 def load_quantizer():
