@@ -29,21 +29,11 @@ import math
 
 import numpy as np
 
+from .impact_analysis import spearman
+
 TAIL_STEPS = 50
 GAP_TOL = 0.01  # nats: 1% in perplexity
 _BLOCK = 5
-
-
-def _spearman(x, y) -> tuple[float, float, int]:
-    from scipy.stats import spearmanr
-
-    x, y = np.asarray(x, float).ravel(), np.asarray(y, float).ravel()
-    ok = np.isfinite(x) & np.isfinite(y)
-    n = int(ok.sum())
-    if n < 3 or np.ptp(x[ok]) == 0 or np.ptp(y[ok]) == 0:
-        return math.nan, math.nan, n
-    r = spearmanr(x[ok], y[ok])
-    return float(r.statistic), float(r.pvalue), n
 
 
 def _tail(gap: np.ndarray, tail: int) -> dict:
@@ -91,14 +81,14 @@ def findings(loss, gap, cos, attn, probe_steps, baseline: str, candidates: list[
              "max_abs_gap": float(np.nanmax(np.abs(g))) if np.isfinite(g).any() else math.nan,
              "per_call_rel_l2": float(np.nanmean(err[:, c + 1])),
              "grad_cos_min": float(np.nanmin(cos[:, c])) if np.isfinite(cos[:, c]).any() else math.nan}
-        rho, p, n = _spearman(err[:, c + 1], 1 - cos[:, c])
+        rho, p, n = spearman(err[:, c + 1], 1 - cos[:, c])
         f["spearman_err_vs_cos_deficit"] = {"rho": rho, "p": p, "n": n}
-        rho, p, n = _spearman(np.nanmean(err[:, c + 1], axis=-1), np.abs(g[probe_steps]))
+        rho, p, n = spearman(np.nanmean(err[:, c + 1], axis=-1), np.abs(g[probe_steps]))
         f["spearman_err_vs_gap"] = {"rho": rho, "p": p, "n": n}
         out["candidates"][name] = f
     finals = [out["candidates"][c]["final_gap"] for c in candidates]
     if len(candidates) >= 3 and all(f is not None for f in finals):
-        rho, p, n = _spearman([out["candidates"][c]["per_call_rel_l2"] for c in candidates],
+        rho, p, n = spearman([out["candidates"][c]["per_call_rel_l2"] for c in candidates],
                               [f["mean"] for f in finals])
         out["spearman_across_variants"] = {"rho": rho, "p": p, "n": n}
     return out
