@@ -110,17 +110,28 @@ def stage_sources(src: Path, dst: Path, full: bool) -> Path:
     return dst
 
 
-def cuda_stub_dirs() -> list[str]:
-    """Where libcuda.so may be found at link time: the driver's copy is often only libcuda.so.1, the
-    toolkit ships a link stub."""
+def cuda_link_dirs(work: Path) -> list[str]:
+    """-L flags under which ``-lcuda`` resolves: the toolkit's link stub where it ships one, else a
+    folder with a libcuda.so link to the driver's libcuda.so.1 (the driver often installs only the
+    versioned name; the extension calls cuTensorMapEncodeTiled from it)."""
     from torch.utils.cpp_extension import CUDA_HOME
 
-    out = []
-    for rel in ("lib64/stubs", "targets/x86_64-linux/lib/stubs", "lib/stubs"):
-        d = Path(CUDA_HOME or "/usr/local/cuda") / rel
+    home = Path(CUDA_HOME or "/usr/local/cuda")
+    for d in [home / r for r in ("lib64/stubs", "targets/x86_64-linux/lib/stubs", "lib/stubs", "lib64")] + \
+             [Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib64"), Path("/usr/local/nvidia/lib64")]:
         if (d / "libcuda.so").exists():
-            out.append(f"-L{d}")
-    return out
+            return [f"-L{d}"]
+    for d in (Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib64"), Path("/usr/local/nvidia/lib64"),
+              Path("/usr/lib/wsl/lib")):
+        if (d / "libcuda.so.1").exists():
+            link = work / "cudalink"
+            link.mkdir(parents=True, exist_ok=True)
+            if not (link / "libcuda.so").exists():
+                (link / "libcuda.so").symlink_to(d / "libcuda.so.1")
+            log(f"linking -lcuda against {d / 'libcuda.so.1'}")
+            return [f"-L{link}"]
+    log("warning: no libcuda.so or libcuda.so.1 found; -lcuda may fail to link")
+    return []
 
 
 def build_ext(key: str, src: Path, work: Path, full: bool, dry: bool) -> None:
@@ -129,7 +140,7 @@ def build_ext(key: str, src: Path, work: Path, full: bool, dry: bool) -> None:
     sources = [str(staged / s) for s in spec["sources"]]
     bdir = work / f"build-{key}"
     bdir.mkdir(parents=True, exist_ok=True)
-    ldflags = spec["ldflags"] + (cuda_stub_dirs() if spec["ldflags"] else [])
+    ldflags = spec["ldflags"] + (cuda_link_dirs(work) if spec["ldflags"] else [])
     log(f"{spec['name']}: sources {spec['sources']} cxx {CXX_FLAGS} nvcc {NVCC_FLAGS} ld {ldflags} "
         f"MAX_JOBS={os.environ.get('MAX_JOBS')} slim={not full}")
     if dry:
@@ -218,9 +229,18 @@ def smoke(pkg_root: Path, out: Path | None) -> None:
                "rmse_sdpa_same_dtype": (sdpa - ref).pow(2).mean().sqrt().item()}
         rows.append(row)
         log(f"smoke {row}")
+    # a V channel that is zero on every token: per_channel_fp8 scales it by 448 / 0, and 0 * inf is NaN
+    q, k, v = (torch.randn(1, 2, 256, 128, generator=gen).half().cuda() for _ in range(3))
+    v[..., 3] = 0
+    o = sageattention.sageattn(q, k, v, tensor_layout="HND")
+    torch.cuda.synchronize()
+    bad_ch = sorted({int(c) for c in torch.nonzero(~torch.isfinite(o))[:, 3].tolist()})
+    probe = {"probe": "V channel 3 all zero", "nonfinite": int((~torch.isfinite(o)).sum().item()),
+             "nonfinite_channels": bad_ch}
+    log(f"smoke {probe}")
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "smoke.json").write_text(json.dumps(rows, indent=1))
+        (out / "smoke.json").write_text(json.dumps(rows + [probe], indent=1))
     # INT8 Q/K and FP8 P, V give a few percent of the output's RMS; a wrong layout or scale gives ~100%
     bad = [r for r in rows if r["nonfinite"] or not r["rmse"] < 0.1 * r["rms_ref"]]
     if bad:
