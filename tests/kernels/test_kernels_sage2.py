@@ -316,6 +316,34 @@ def test_preset_error_is_that_of_int8_and_fp8():
     assert float(((wrong - ref) ** 2).mean().sqrt() / (ref ** 2).mean().sqrt()) > 0.3
 
 
+@pytest.mark.slow
+def test_validate_runs_the_grid_through_the_backend(monkeypatch):
+    """``validate``'s whole path on the tiny grid with a stand-in kernel that is the emulator itself
+    (fed the tensors the backend hands the kernel): F = 0 and every output identical for the
+    preset's accumulator, and F > 0 for float32 accumulation (the validation tells them apart)."""
+    import dataclasses
+
+    from fa3_numerics.kernels.sage2 import Sage2Backend
+    from fa3_numerics.studies.validate import run_validation
+
+    def stand_in(q, k, v, *, tensor_layout, is_causal, qk_quant_gran, sm_scale, pv_accum_dtype, smooth_k,
+                 return_lse):
+        fmt = "fp16" if q.dtype == torch.float16 else "bf16"
+        r = dataclasses.replace(SAGE2, inp=fmt, out=fmt, smooth="k" if smooth_k else "none")
+        return emulate(r, q.double(), k.double(), v.double(), causal=is_causal, softmax_scale=sm_scale).to(q.dtype)
+
+    # the runner builds the backend by name, so the stand-in goes on the class
+    monkeypatch.setattr(Sage2Backend, "kernel_fn", staticmethod(stand_in))
+    monkeypatch.setattr(Sage2Backend, "check", lambda self, device: None)
+    monkeypatch.setattr(Sage2Backend, "provenance", lambda self: {"kernel_module": "stand-in"})
+    ds = run_validation(grid("tiny"), device="cpu", backend="sage2", progress=lambda s: None)
+    f = ds["fidelity"]
+    assert list(ds["acc"].values) == ["two-level", "fp32"]
+    assert float(f.sel(acc="two-level").max()) == 0.0
+    assert float(ds["identical"].sel(acc="two-level").min()) == 1.0
+    assert float(f.sel(acc="fp32").min()) > 0.0
+
+
 # -- on a GPU with the kernel ---------------------------------------------------------------
 
 needs_kernel = pytest.mark.skipif(not _kernel_ok(), reason="SageAttention2's sm90 kernel cannot run here "
