@@ -182,7 +182,10 @@ _FIELD = [
            "(Q 16-row warp slices of 64-query tiles, K 128-key tiles), Q and K smoothed (sec. 3.2; the public kernels "
            "smooth K only: add smooth=k for them), P~ = exp2(. - (max - 8.807)) in FP8 e4m3, V FP8 per channel, P V "
            "two-level (FP22 wgmma per tile into a zeroed buffer, float32 across), tiles first to last. The sm89 "
-           "kernel uses 128x64 tiles (bm=128,bn=64). Requires: sm89/sm90 (FP8 mma)"),
+           "kernel uses 128x64 tiles (bm=128,bn=64). Both public kernels flush the FP8 accumulator into float32 "
+           "after every K/V tile ('inst_buf': 4 k32 steps per 128 keys on sm90, cu:328-356; 2 per 64 keys on "
+           "sm89, attn_utils.cuh:813-893). The public sm90 kernel as sageattn runs it, with its quantizer and "
+           "loop: sage2-sm90. Requires: sm89/sm90 (FP8 mma)"),
     Preset("sage2-sm90", Recipe(qk="int8", gran=parse_granularity("thread"), bm=64, bn=128, smooth="k", ties="away",
                                 iquant="triton-eps", p="e4m3", p_offset=8.807, v="e4m3", vgran="channel",
                                 fquant="torchao", acc="two-level", loop="sage2", order="forward", inp="fp16",
