@@ -26,7 +26,7 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log, time; the call's last line nam
   timeout -k 5 "$lim" "$@" >>"$LOG" 2>&1
   local rc=$?
   echo "== $name rc=$rc in $(( $(date +%s) - t ))s (elapsed $(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
-  [ $rc -eq 124 ] && echo "== $name TIMED OUT after ${lim}s" | tee -a "$LOG"
+  { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && echo "== $name TIMED OUT after ${lim}s" | tee -a "$LOG"
   return $rc
 }
 finish() {
