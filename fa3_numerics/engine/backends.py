@@ -23,6 +23,10 @@ Registered:
 - ``sage1``: SageAttention 1's Triton kernel (``sageattn`` of the ``sageattention`` 1.x wheel) on
   an sm80+ GPU; FP16/BF16 inputs, head dims 64, 96, 128 (``fa3_numerics.kernels.sage``).
 
+- ``sage2``: SageAttention2's Hopper CUDA kernel (``sageattn_qk_int8_pv_fp8_cuda_sm90``, built from
+  source by tools/device/sage2_build.sh, found through ``FA3N_SAGE2_PATH``) on sm90; FP16/BF16
+  inputs, head dims up to 128 (``fa3_numerics.kernels.sage2``).
+
 - ``cudnn-fp8``: cuDNN's fused FP8 SDPA forward (cudnn-frontend ``sdpa_fp8``, TransformerEngine's FP8
   attention) on sm90+; per-tensor E4M3, FP8 O on Hopper (``fa3_numerics.kernels.cudnn``).
 
@@ -136,6 +140,7 @@ BACKENDS: dict[str, tuple[str | None, str]] = {
     "sdpa-math": (None, "fa3_numerics.kernels.sdpa:SdpaMath"),
     "fa3-mock": (None, "fa3_numerics.kernels.fa3:MockFa3Backend"),
     "sage1": (None, "fa3_numerics.kernels.sage:SageBackend"),
+    "sage2": (None, "fa3_numerics.kernels.sage2:Sage2Backend"),
     "cudnn-fp8": (None, "fa3_numerics.kernels.cudnn:CudnnFp8Backend"),
     "torchao-fp8": (None, "fa3_numerics.kernels.torchao:TorchaoFp8Backend"),
     "triton": (None, "fa3_numerics.kernels.triton_.backend:TritonBackend"),

@@ -35,7 +35,9 @@ Recipes of the field run through the same loop:
 - ``norm=tile``: FlashAttention's Algorithm 1, O kept normalised after every tile (``keys/norm.py``);
 - SageAttention 1 (``in``, ``iquant=triton``, ``loop=triton``, ``kpad``): the caller's 16-bit
   tensors, K smoothed in them, the Triton quantizer in float32 with the softmax scale folded into
-  Q (``numerics/sage_quant.py``), and the Triton kernel's own loop (``numerics/sage_loop.py``).
+  Q (``numerics/sage_quant.py``), and the Triton kernel's own loop (``numerics/sage_loop.py``);
+  SageAttention2 on Hopper (``iquant=triton-eps``, ``loop=sage2``): its per-thread quantizer and
+  its CUDA kernel's loop (``numerics/sage2_loop.py``).
 
 Sliding windows, soft-capping and sink logits (``window_size``, ``softcap``, ``sinks``) follow
 ``numerics/masking.py``; without them every call takes the code path it took before they existed.
@@ -196,20 +198,21 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     # what the shapes decide here, so a newly registered key can never reuse another recipe's
     # tensors.
     rows_id = (q_index.numel(), int(q_index.sum()))
-    sage_quant_on = recipe.iquant == "triton" and family(recipe.qk) == "int"
+    sage_quant_on = recipe.iquant in ("triton", "triton-eps") and family(recipe.qk) == "int"
     if sage_quant_on:
         if static is not None:
-            raise UsageError(f"recipe {recipe.short_str()}: SageAttention's quantizer (iquant=triton) takes its "
-                             "scales from each block's amax; drop dscale/kmean/calib or use iquant=exact")
-        # SageAttention's Triton quantizer: float32, sm_scale * log2(e) folded into Q (sage_quant)
+            raise UsageError(f"recipe {recipe.short_str()}: SageAttention's quantizer (iquant={recipe.iquant}) takes "
+                             "its scales from each block's amax; drop dscale/kmean/calib or use iquant=exact")
+        # SageAttention's Triton quantizer in float32 (sage_quant): SageAttention 1 folds sm_scale * log2(e)
+        # into Q; SageAttention2 folds nothing and adds 1e-7 to every scale (iquant=triton-eps)
         sm = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+        fold, eps = (sm * LOG2E_SAGE, 0.0) if recipe.iquant == "triton" else (1.0, 1e-7)
         gq = qk_granularity(recipe, "q", bm, bn)
-        qq = memo(("q", recipe.prepare_key("q"), rotation_seed, bm, bn, group, rows_id, sm),
-                  lambda: triton_quantize_int(rq(), recipe.qk, gq, block_rows=bm, scale=sm * LOG2E_SAGE,
-                                              rows=q_index))
+        qq = memo(("q", recipe.prepare_key("q"), rotation_seed, bm, bn, group, rows_id, fold),
+                  lambda: triton_quantize_int(rq(), recipe.qk, gq, block_rows=bm, scale=fold, rows=q_index, eps=eps))
         kq = memo(("k", recipe.prepare_key("k"), rotation_seed, bm, bn),
                   lambda: expand(triton_quantize_int(rk(), recipe.qk, qk_granularity(recipe, "k", bm, bn),
-                                                     block_rows=bn, scale=1.0)))
+                                                     block_rows=bn, scale=1.0, eps=eps)))
     else:
         qq = memo(("q", recipe.prepare_key("q"), rotation_seed, bm, bn, group, rows_id),
                   lambda: quantize_qk(rq(), recipe, "q", block_m=bm, block_n=bn, group=group, rows=q_index,
@@ -282,16 +285,20 @@ def emulate(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                                 rotation_seed=rotation_seed, cache=cache, stats=stats)
     pre = prepare(recipe, q, k, v, q_index=q_index, rotation_seed=rotation_seed, causal=causal, cache=cache,
                   softmax_scale=scale, mk=mk)
-    if stats is not None and (recipe.algo != "flash" or recipe.norm != "deferred" or recipe.loop == "triton"):
+    if stats is not None and (recipe.algo != "flash" or recipe.norm != "deferred" or recipe.loop != "fa3"):
         raise UsageError(f"recipe {recipe.short_str()}: only the flash algorithm with deferred normalisation saves the "
                          "log-sum-exp a backward reads (algo=flash, norm=deferred, loop=fa3)")
-    if mk is not None and (recipe.loop == "triton" or (mk.sinks is not None and recipe.norm == "tile")):
+    if mk is not None and (recipe.loop != "fa3" or (mk.sinks is not None and recipe.norm == "tile")):
         raise UsageError(f"recipe {recipe.short_str()}: {mk.describe()} is modelled for FA3's loop (loop=fa3) with "
-                         "deferred normalisation, and for algo=standard; drop loop=triton / norm=tile")
+                         f"deferred normalisation, and for algo=standard; drop loop={recipe.loop} / norm=tile")
     if recipe.loop == "triton":
         from .sage_loop import flash_triton
 
         return flash_triton(recipe, pre, q_index, causal, scale)
+    if recipe.loop == "sage2":
+        from .sage2_loop import flash_sage2
+
+        return flash_sage2(recipe, pre, q_index, causal, scale)
     if recipe.algo != "flash":
         return _standard(recipe, pre, q_index, causal, scale, mk)
     out = _flash(recipe, pre, q_index, causal, scale, stats, mk)

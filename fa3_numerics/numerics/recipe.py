@@ -182,7 +182,44 @@ _FIELD = [
            "(Q 16-row warp slices of 64-query tiles, K 128-key tiles), Q and K smoothed (sec. 3.2; the public kernels "
            "smooth K only: add smooth=k for them), P~ = exp2(. - (max - 8.807)) in FP8 e4m3, V FP8 per channel, P V "
            "two-level (FP22 wgmma per tile into a zeroed buffer, float32 across), tiles first to last. The sm89 "
-           "kernel uses 128x64 tiles (bm=128,bn=64). Requires: sm89/sm90 (FP8 mma)"),
+           "kernel uses 128x64 tiles (bm=128,bn=64). Both public kernels flush the FP8 accumulator into float32 "
+           "after every K/V tile ('inst_buf': 4 k32 steps per 128 keys on sm90, cu:328-356; 2 per 64 keys on "
+           "sm89, attn_utils.cuh:813-893). The public sm90 kernel as sageattn runs it, with its quantizer and "
+           "loop: sage2-sm90. Requires: sm89/sm90 (FP8 mma)"),
+    Preset("sage2-sm90", Recipe(qk="int8", gran=parse_granularity("thread"), bm=64, bn=128, smooth="k", ties="away",
+                                iquant="triton-eps", p="e4m3", p_offset=8.807, v="e4m3", vgran="channel",
+                                fquant="torchao", acc="two-level", loop="sage2", order="forward", inp="fp16",
+                                out="fp16"),
+           "SageAttention2's public Hopper kernel as sageattn runs it on sm90 (thu-ml/SageAttention 2.2.0, "
+           "core.py:150-151 -> sageattn_qk_int8_pv_fp8_cuda_sm90(pv_accum_dtype='fp32+fp32'), kernel "
+           "csrc/qattn/qk_int_sv_f8_cuda_sm90.cu, read with its PTX from nvcc 13.0 -arch=sm_90a --use_fast_math; "
+           "numerics/sage2_loop.py). (1) FP16/BF16 in and out (in=, out=): K smoothed in the input dtype, "
+           "km = k.mean(seq) then k - km, each rounded (core.py:949, quant_per_thread.py:159); Q not smoothed, "
+           "no softmax scale folded into Q (smooth=k). (2) Q, K INT8 per thread from Triton "
+           "(quant_per_thread.py:22-102, core.py:969 BLKQ=64 WARPQ=16 BLKK=128 WARPK=128): Q rows {r, r+8} of "
+           "each 16-row warp slice share a scale, K keys with (k mod 8) // 2 = t of each 128-key tile; scale = "
+           "max|x|/127 + 1e-7 (quant_per_thread.py:41, 89; div.full, then the float32 constant added), code = trunc(x/scale + 0.5 sign) "
+           "(iquant=triton-eps; the kernel indexes the same groups, cu:179-193). (3) CTA 64 queries x 128 keys, "
+           "first to last (cu:252-259); causal visits tiles up to ceil(min(N, 64(bx+1))/128) and masks only the "
+           "last with -5e6 (cu:407-437), needs seqlen_q = seqlen_k; non-causal masks the keys past N_k. (4) S from "
+           "wgmma s32.s8.s8, cvt.rz (cu:275, 303); c = fp32(fp32(sm_scale*log2e) * fp32(q_scale*k_scale)) "
+           "(cu:153, 263-264); P~ = ex2.approx.ftz(fma(S, c, -m)) with m = max(m, fma(rowmax S, c, -8.807)): "
+           "the offset log2(448) in the max, so P~ <= 447.9 (attn_utils.cuh:30, 354-458; poff=8.807); the last "
+           "tile rounds S*q_scale*k_scale first and uses sm_scale*log2e alone (cu:369-402). (5) Row sum from "
+           "float32 P~ before FP8 (cu:310-320): per thread ((p0+p1)+p8)+p9 per 16-key slab, d = fma(d, alpha, "
+           "slab0) + slab1 + ... + slab7 (nvcc contracts d *= alpha, PTX), quad total (d0+d1)+(d2+d3) "
+           "(attn_utils.cuh:731-740). (6) P~ to e4m3 by cvt.rn.satfinite (attn_utils.cuh:479-493, p=e4m3). (7) V "
+           "zero-padded to a multiple of 128 keys (core.py:976-983), FP8 per channel over all tokens "
+           "(per_channel_fp8, fused.cu:316-426): descale = amax/448, code = e4m3(v * (448/amax)), both divisions "
+           "div.approx.ftz under --use_fast_math (vgran=channel, fquant=torchao: x times the measured "
+           "reciprocal). (8) P V: wgmma m64nDk32 f32.e4m3.e4m3, 4 k-steps from a zero RO_temp per 128-key tile "
+           "(the FP22 accumulation spans one tile), then O = fma(O, alpha, RO_temp) in float32 after every tile "
+           "(cu:328-356; the 'inst_buf' flush is every iteration on sm90, not every few: acc=two-level). (9) "
+           "O * rcp.approx(d) * v_scale, cvt.rn to FP16/BF16 (cu:490-549). Not modelled: ex2.approx and "
+           "rcp.approx to the ulp (the emulator's FA3 models of the same instructions), the float32 reduction "
+           "order of the K mean, and an all-zero V channel, which the kernel turns into NaN in that output "
+           "channel (448/0 * 0; the emulator writes 0). Requires: sm90 (wgmma FP8/INT8); head dims <= 128 (64 "
+           "and 128 native, others zero-padded: core.py:928-937)"),
     Preset("sage2-int4", dataclasses.replace(_SAGE2, qk="int4", bm=128, bn=64),
            "SageAttention2 with INT4 Q/K (arXiv 2411.10958, sec. 3; no public kernel): as sage2-int8 with the sm89 "
            "geometry (128x64 tiles, Q 32-row warp slices), the Hopper FP22 model assumed for Ada's FP8 MMA (the "

@@ -94,17 +94,23 @@ def recip32(x: torch.Tensor) -> torch.Tensor:
 
 
 def triton_quantize_int(x: torch.Tensor, fmt: str, gran: Granularity, *, block_rows: int, scale: float,
-                        rows: torch.Tensor | None = None) -> Quantized:
+                        rows: torch.Tensor | None = None, eps: float = 0.0) -> Quantized:
     """``quant_per_block_int8_kernel`` on ``x`` (float64 [B, H, N, D] holding input-format
     values), with ``scale`` multiplied in first (Q: sm_scale * 1.44269504; K: 1.0).
 
+    ``eps`` is added to each scale in float32 after the division: SageAttention2's per-thread
+    quantizer (``sageattention/triton/quant_per_thread.py``) writes ``max|x| / 127. + 0.0000001``
+    and folds no softmax scale into Q (``scale=1.0``).
+
     Returns int8 codes and the float32 per-block descale (``scale`` included), rows ``rows``
-    only (scales from every row). A block of zeros gets descale 0 and codes 0, as the kernel's
-    0/0 = NaN converts to 0."""
+    only (scales from every row). A block of zeros gets descale 0 (``eps``: eps) and codes 0, as
+    the kernel's 0/0 = NaN converts to 0."""
     f = get_int_format(fmt)
     x32 = x.to(torch.float32) * torch.tensor(scale, dtype=torch.float32)
     a = amax(x32.to(torch.float64), gran, block_rows=block_rows).to(torch.float32)
     d = (a * recip32(torch.tensor(float(f.qmax)))).to(torch.float32)
+    if eps:
+        d = (d + torch.tensor(eps, dtype=torch.float32)).to(torch.float32)
     if rows is not None:
         x32 = x32.index_select(2, rows)
         d = d.index_select(2, rows) if d.shape[2] > 1 else d

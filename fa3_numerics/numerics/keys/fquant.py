@@ -19,5 +19,5 @@ from . import RecipeKey, register_key
 register_key(RecipeKey(
     "fquant", "exact", "float Q/K/V quantizer arithmetic: exact (x / descale in float64) or torchao (float32 x * "
     "(448 / amax), torchao 0.18's Triton quantizer)", choices=("exact", "torchao"), stages=("qk", "v"),
-    exact="exact", tensors=("q", "k", "v"), backends=("torchao-fp8",), cost=lambda v: 0,
+    exact="exact", tensors=("q", "k", "v"), backends=("torchao-fp8", "sage2"), cost=lambda v: 0,
 ))

@@ -25,5 +25,5 @@ register_key(RecipeKey(
     "in", "none", "format Q, K and V are handed to the kernel in, before its own quantization: none (the "
     "float64 inputs), fp16, bf16, fp32 (SageAttention: K smoothing in that format, V converted from it)",
     field="inp", choices=INPUT_FORMATS, stages=("qk", "v"), exact="none", tensors=("q", "k", "v"),
-    backends=("sage1", "torchao-fp8"), cost=lambda v: 0,
+    backends=("sage1", "sage2", "torchao-fp8"), cost=lambda v: 0,
 ))

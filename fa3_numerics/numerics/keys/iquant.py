@@ -13,6 +13,11 @@
   Triton's division is modelled). It needs ``loop=triton``, the loop that takes S in log2 units
   (that loop also runs other quantizers: it then folds the scale into Q's descale itself). No
   effect on float or microscaling Q/K (as ``ties``).
+- ``triton-eps``: SageAttention2's Triton quantizer (``sageattention/triton/quant_per_thread.py``,
+  ``quant_query_per_thread_int8_kernel`` and ``quant_key_per_thread_int8_kernel``): the same float32
+  steps, with no softmax scale folded into Q (its kernels apply it to S) and scale =
+  max|x| / 127. + 0.0000001 (the float32 constant 1e-7 added after the division; at a scale near
+  0.01 that is ~100 ulps, enough to move codes that sit near a rounding boundary). Any loop.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from . import RecipeKey, register_check, register_key
 
 register_key(RecipeKey(
     "iquant", "exact", "integer Q/K quantizer arithmetic: exact (float64, softmax scale on S) or triton "
-    "(SageAttention 1's Triton quantizer in float32, sm_scale*log2(e) folded into Q before quantizing)",
-    choices=("exact", "triton"), stages=("qk",), exact="exact", tensors=("q", "k"), backends=("sage1",),
+    "(SageAttention 1's Triton quantizer in float32, sm_scale*log2(e) folded into Q before quantizing) or "
+    "triton-eps (SageAttention2's: no scale folded, max|x|/127 + 1e-7)",
+    choices=("exact", "triton", "triton-eps"), stages=("qk",), exact="exact", tensors=("q", "k"),
+    backends=("sage1", "sage2"),
     cost=lambda v: 0,
 ))
 

@@ -10,6 +10,12 @@
   l = l alpha + rowsum with alpha = exp2(m - m_new); O = O alpha + P~ V; at the end O / l,
   rounded to the output format. Causal: tiles past a query block's diagonal are not visited,
   masked scores get -1e6 (exp2 gives 0, as -inf does).
+- ``sage2``: the loop of SageAttention2's Hopper CUDA kernel (``csrc/qattn/qk_int_sv_f8_cuda_sm90.cu``;
+  ``numerics/sage2_loop.py``): S = float32(int32 dot), P~ = exp2(fma(S, sm_scale log2(e) q_scale
+  k_scale, -(m - poff))) with the offset in the running max, the row sum from float32 P~ in the
+  kernel's thread order, P V from a zero accumulator per 128-key tile then O = fma(O, alpha, P V),
+  at the end O times rcp(l) times V's per-channel descale. Causal needs seqlen_q = seqlen_k (the
+  kernel's mask is top-left aligned).
 """
 
 from __future__ import annotations
@@ -17,16 +23,22 @@ from __future__ import annotations
 from . import RecipeKey, register_check, register_key
 
 register_key(RecipeKey(
-    "loop", "fa3", "online-softmax loop of the flash algorithm: fa3 (the FA3 kernel's) or triton (Triton's "
-    "tutorial loop as SageAttention 1 writes it)",
-    choices=("fa3", "triton"), backends=("sage1",), cost=lambda v: 0,
+    "loop", "fa3", "online-softmax loop of the flash algorithm: fa3 (the FA3 kernel's), triton (Triton's "
+    "tutorial loop as SageAttention 1 writes it) or sage2 (SageAttention2's Hopper CUDA kernel)",
+    choices=("fa3", "triton", "sage2"), backends=("sage1", "sage2"), cost=lambda v: 0,
 ))
 
 
 @register_check
 def _loop(r) -> str | None:
-    if r.loop == "triton" and r.algo != "flash":
-        return "loop=triton is a flash loop; it needs algo=flash"
-    if r.loop == "triton" and r.norm != "deferred":
-        return "loop=triton divides by the row sum once at the end (norm=deferred)"
+    if r.loop != "fa3" and r.algo != "flash":
+        return f"loop={r.loop} is a flash loop; it needs algo=flash"
+    if r.loop != "fa3" and r.norm != "deferred":
+        return f"loop={r.loop} divides by the row sum once at the end (norm=deferred)"
+    if r.loop == "sage2":
+        if r.acc not in ("two-level", "fp32"):
+            return (f"acc={r.acc}: loop=sage2 adds each tile's P V into O with an FMA (the kernel's "
+                    "fp32+fp32 buffer); use acc=two-level (its FP22 wgmma per tile) or acc=fp32")
+        if r.bn and r.bn % 16:
+            return f"bn={r.bn}: loop=sage2 sums P~ in 16-key slabs (the kernel's K tile is 128); use a multiple of 16"
     return None

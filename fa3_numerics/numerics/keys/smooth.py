@@ -34,7 +34,7 @@ register_key(RecipeKey(
     "bm-row block mean, the q_mean K^T bias added back to S: SageAttention2/3)",
     choices=SMOOTHINGS, stages=("qk",), exact="none", tensors=("q", "k"), cost=lambda v: _COST[v],
     # sageattn smooths K itself (smooth_k=True); the sage1 backend refuses smooth=qk
-    backends=("sage1",),
+    backends=("sage1", "sage2"),
 ))
 register_factor(Factor("smooth", "none", "smoothing: none, k (K minus its token mean), qk (and Q minus its block "
                                          "mean, bias added back)"))

@@ -24,7 +24,7 @@ from . import RecipeKey, register_check, register_key
 register_key(RecipeKey(
     "vgran", "same", "scale granularity of V: same (as gran) or channel (one scale per channel over all tokens: "
     "SageAttention2)",
-    choices=("same", "channel"), stages=("v",), exact="same", tensors=("v",),
+    choices=("same", "channel"), stages=("v",), exact="same", tensors=("v",), backends=("sage2",),
     # a per-channel descale multiplies O per column at the end instead of once per row
     cost=lambda v: 1 if v == "channel" else 0,
 ))
