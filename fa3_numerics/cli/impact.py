@@ -55,6 +55,10 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                                       "recipes run acc=fp32 on a CPU with the emulator: ~40x faster; checked on "
                                       "the --check-prefix layers), given, fp32."),
         seed: int = typer.Option(0, help="Seed of the Hadamard rotations' signs."),
+        device_map: Optional[str] = typer.Option(
+            None, "--device-map", help="Spread the model's layers over GPUs: auto (equal runs over the visible "
+                                       "GPUs) or e.g. 0-14:cuda:0,15-29:cuda:1; each layer's attention runs on "
+                                       "its GPU."),
         allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Exit 0 despite non-finite values "
                                              "(they are reported either way)."),
         out: Path = typer.Option(Path("results/impact"), help="Output folder."),
@@ -69,7 +73,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         study = ImpactStudy(model=model, text=text, tokens=tokens, variants=variants, backend=backend, device=device,
                             layers=layers, sweep=sweep, recipe_maps=recipe_map or (), budget_kl=budget_kl,
                             budget_stat=budget_stat, budget_runs=budget_runs, decode=decode, baselines=baselines,
-                            audit=audit, check_prefix=check_prefix, sweep_acc=sweep_acc, seed=seed)
+                            audit=audit, check_prefix=check_prefix, sweep_acc=sweep_acc, seed=seed, device_map=device_map)
         run_study_command(study, out, formats=formats, fresh=fresh, allow_nonfinite=allow_nonfinite)
 
 

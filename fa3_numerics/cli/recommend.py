@@ -63,6 +63,10 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         backend: str = typer.Option("emulate", help="emulate or another registered backend."),
         device: str = typer.Option("cpu", help="cpu or cuda."),
         seed: int = typer.Option(0, help="Seed of the Hadamard rotations' signs."),
+        device_map: Optional[str] = typer.Option(
+            None, "--device-map", help="Spread the model's layers over GPUs: auto (equal runs over the visible "
+                                       "GPUs) or e.g. 0-14:cuda:0,15-29:cuda:1; each layer's attention runs on "
+                                       "its GPU."),
         allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Exit 0 despite non-finite values."),
         out: Path = typer.Option(Path("results/recommend"), help="Output folder."),
         format: str = typer.Option("html,md", "--format", help="Report formats: html, md (comma list)."),
@@ -75,7 +79,7 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         study = RecommendStudy(model=model, text=text, calib_text=calib_text, tokens=tokens, target=target,
                                add=add or (), drop=drop or (), budget_kl=budget_kl, budget_ppl=budget_ppl,
                                budget_top1=budget_top1, budget_factor=budget_factor, verify=verify,
-                               mix_runs=mix_runs, backend=backend, device=device, seed=seed)
+                               mix_runs=mix_runs, backend=backend, device=device, seed=seed, device_map=device_map)
         from .report import parse_formats
 
         run_study_command(study, out, fresh=fresh, allow_nonfinite=allow_nonfinite, formats=parse_formats(format))

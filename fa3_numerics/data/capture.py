@@ -419,16 +419,18 @@ def preflight(src: ModelSource, layers: str | None, tokens: int, text: str, sour
     return num_layers, sel
 
 
-def load_model(model: str | ModelSource, log: Callable[[str], None] | None = None, device: str = "cpu"):
+def load_model(model: str | ModelSource, log: Callable[[str], None] | None = None, device: str = "cpu",
+               device_map: str | None = None):
     """Load ``(model, tokenizer, source)``: float32, eval, ``attn_implementation="fa3n_capture"``,
-    on ``device`` (``capture`` uses the CPU; a study may put the model on a GPU).
+    on ``device`` (``capture`` uses the CPU; a study may put the model on a GPU), or with its
+    decoder layers spread by ``device_map`` (``data.placement``: ``auto`` or ``0-14:cuda:0,...``).
 
     The last three models used are kept in memory, so capturing several texts (or running the
     tests) in one process loads each once.
     """
     src = model if isinstance(model, ModelSource) else resolve_model(model)
     require_capture_deps(gguf=src.gguf_file is not None)
-    key = (src.folder, src.gguf_file, device)
+    key = (src.folder, src.gguf_file, device, device_map)
     if key in _MODEL_CACHE:
         _MODEL_CACHE[key] = _MODEL_CACHE.pop(key)  # most recently used last
         return (*_MODEL_CACHE[key], src)
@@ -444,7 +446,14 @@ def load_model(model: str | ModelSource, log: Callable[[str], None] | None = Non
             local_files_only=True, **({} if src.gguf_file else {"use_safetensors": True}), **extra)
     except (OSError, ValueError, KeyError) as exc:
         raise _load_error(src, exc) from exc
-    m = m.to(dtype=torch.float32, device=device).eval()
+    if device_map is None:
+        m = m.to(dtype=torch.float32, device=device).eval()
+    else:
+        from .placement import devices_of, place_model
+
+        m = place_model(m.to(dtype=torch.float32).eval(), device_map)
+        if log:
+            log(f"layers placed by --device-map {device_map}: {', '.join(sorted(set(devices_of(m))))}")
     if log:
         log(f"loaded {src.label} ({type(m).__name__}) in {time.perf_counter() - t0:.1f} s")
     while len(_MODEL_CACHE) >= _MODEL_CACHE_SIZE:

@@ -164,7 +164,8 @@ class ImpactStudy(StoredFindings, Study):
                  layers: str | list[int] | None = None, sweep: bool = True, recipe_maps=(),
                  budget_kl: float | None = None, budget_stat: str = "mean", budget_runs: int = 4,
                  decode=DEFAULT_DECODE, baselines: bool = True, audit: bool = True, check_prefix: int = 2,
-                 sweep_acc: str = "auto", seed: int = 0, progress: Callable[[str], None] = _stderr):
+                 sweep_acc: str = "auto", seed: int = 0, device_map: str | None = None,
+                 progress: Callable[[str], None] = _stderr):
         from ..data import capture as cap
         from ..engine.sampling import check_seed
         from .impact_budget import check_map_layers, parse_recipe_map
@@ -206,12 +207,17 @@ class ImpactStudy(StoredFindings, Study):
         num_layers, _ = cap.preflight(self.src, layer_spec, tokens, self.src_text, self.text_source)  # no weights
         for name, parsed in maps:
             check_map_layers(name, parsed, num_layers)
+        if device_map is not None:
+            from ..data.placement import parse_device_map
+
+            parse_device_map(device_map, num_layers)  # syntax, layer range and GPUs, before the folder is held
         self.text, self.tokens, self.backend, self.device, self.seed = text, tokens, backend, device, seed
         self.recipes, self.modes, self.maps, self.layer_spec, self.dec, self.swept = \
             recipes, modes, maps, layer_spec, dec, swept
         self.sweep, self.budget_kl, self.budget_stat, self.budget_runs = sweep, budget_kl, budget_stat, budget_runs
         self.baselines, self.audit, self.check_prefix, self.sweep_acc = baselines, audit, check_prefix, sweep_acc
         self.progress = progress
+        self.device_map = device_map
 
     def describe(self) -> str:
         return (f"impact: {self.src.label}, {self.tokens} tokens, {len(self.recipes)} variant(s), backend "
@@ -231,7 +237,7 @@ class ImpactStudy(StoredFindings, Study):
         torch.set_float32_matmul_precision("highest")
         progress(f"impact: loading {src.label} (float32, {device})")
         t0 = time.perf_counter()
-        m, tok, src = cap.load_model(src, log=progress, device=device)
+        m, tok, src = cap.load_model(src, log=progress, device=device, device_map=self.device_map)
         t_load = time.perf_counter() - t0
         num_layers = int(m.config.num_hidden_layers)
         cap.check_context(m, tokens)
@@ -278,6 +284,10 @@ class ImpactStudy(StoredFindings, Study):
                 "check_prefix": self.check_prefix, "code": store.context["code"], "config": m.config,
                 "architecture": ",".join(getattr(m.config, "architectures", None) or [type(m).__name__])}
         info["sweep_acc"] = self.sweep_acc
+        if self.device_map is not None:  # where each layer ran (results equal the one-device run's)
+            from ..data.placement import devices_of
+
+            info["device_map"] = {"spec": self.device_map, "layers": devices_of(m)}
         return info, ref, recipes, self.dec, map_layers, results, audit_ds, budget, self.swept
 
     def assemble(self, results):

@@ -168,6 +168,8 @@ def assemble(info: dict, ref, recipes, dec, map_layers, results: dict, audit_ds,
         if name in ds.coords:
             ds[name].attrs.setdefault("long_name", long)
     attrs.update(provenance(info["device"]))
+    if "device_map" in info:
+        attrs["device_map"] = info["device_map"]
     attrs.update({"format": IMPACT_FORMAT, "kind": "impact", "token_ids_sha256": token_ids_sha256(info["input_ids"])})
     ds.attrs.update({k: (v if isinstance(v, (str, int, float)) else json.dumps(v)) for k, v in attrs.items()})
     from .impact_findings import with_findings

@@ -253,7 +253,8 @@ class ModelRunner:
                 f"{type(model).__name__} keeps no decoder layers in base_model.layers; impact supports "
                 "decoder-only models laid out as Llama, Mistral and Qwen2 are")
         self.model, self.base, self.layers = model, base, layers
-        self.ids = input_ids.to(device)
+        # the embedding's device: ``device``, or the first layer's under a --device-map
+        self.ids = input_ids.to(model.get_input_embeddings().weight.device)
         self.n = int(input_ids.shape[1])
         self.device = device
         self.backend = backend

@@ -125,20 +125,20 @@ def recommend(*, model: str = "smollm2", text: str | Path | None = None, calib_t
               tokens: int = DEFAULT_TOKENS, target: str = "fa3", add=(), drop=(), budget_kl: float | None = None,
               budget_ppl: float | None = None, budget_top1: float | None = None, budget_factor: float = BUDGET_FACTOR,
               verify: int = DEFAULT_VERIFY, mix_runs: int = 2, backend: str = "emulate", device: str = "cpu",
-              seed: int = 0, progress: Callable[[str], None] = _stderr):
+              seed: int = 0, device_map: str | None = None, progress: Callable[[str], None] = _stderr):
     """Run the study (module docstring); returns (dataset, artifact dict). Raises ``BudgetNotMet``
     (carrying both) when no measured candidate meets the budget."""
     return run_prepared(prepare(model=model, text=text, calib_text=calib_text, tokens=tokens, target=target, add=add,
                                 drop=drop, budget_kl=budget_kl, budget_ppl=budget_ppl, budget_top1=budget_top1,
                                 budget_factor=budget_factor, verify=verify, mix_runs=mix_runs, backend=backend,
-                                device=device, seed=seed), progress)
+                                device=device, seed=seed, device_map=device_map), progress)
 
 
 def prepare(*, model: str = "smollm2", text: str | Path | None = None, calib_text: str | Path | None = None,
             tokens: int = DEFAULT_TOKENS, target: str = "fa3", add=(), drop=(), budget_kl: float | None = None,
             budget_ppl: float | None = None, budget_top1: float | None = None, budget_factor: float = BUDGET_FACTOR,
             verify: int = DEFAULT_VERIFY, mix_runs: int = 2, backend: str = "emulate", device: str = "cpu",
-            seed: int = 0) -> dict:
+            seed: int = 0, device_map: str | None = None) -> dict:
     """Every check that needs no model (exit 2 before anything loads); what ``run_prepared`` takes."""
     from ..data import capture as cap
     from .impact import _backend, sweep_recipe
@@ -158,7 +158,7 @@ def prepare(*, model: str = "smollm2", text: str | Path | None = None, calib_tex
         require(text is not None, "--calib-text needs --text (the held-out text the choice is verified on)")
     src = cap.resolve_model(model)
     cap.require_capture_deps(gguf=src.gguf_file is not None)
-    return {"model": model, "text": text, "calib_text": calib_text, "tokens": tokens, "target": target, "add": add, "drop": drop, "budget_kl": budget_kl, "budget_ppl": budget_ppl, "budget_top1": budget_top1, "budget_factor": budget_factor, "verify": verify, "mix_runs": mix_runs, "backend": backend, "device": device, "seed": seed, "t_start": t_start, "budget": budget, "cands": cands, "run_recipes": run_recipes, "be": be, "src": src}
+    return {"model": model, "text": text, "calib_text": calib_text, "tokens": tokens, "target": target, "add": add, "drop": drop, "budget_kl": budget_kl, "budget_ppl": budget_ppl, "budget_top1": budget_top1, "budget_factor": budget_factor, "verify": verify, "mix_runs": mix_runs, "backend": backend, "device": device, "seed": seed, "t_start": t_start, "budget": budget, "cands": cands, "run_recipes": run_recipes, "be": be, "src": src, "device_map": device_map}
 
 
 def run_prepared(prep: dict, progress: Callable[[str], None] = _stderr):
@@ -176,7 +176,7 @@ def run_prepared(prep: dict, progress: Callable[[str], None] = _stderr):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     progress(f"recommend: loading {src.label}")
-    m, tok, src = cap.load_model(src, log=progress, device=device)
+    m, tok, src = cap.load_model(src, log=progress, device=device, device_map=prep.get("device_map"))
     L = int(m.config.num_hidden_layers)
     if calib_text is None:
         body, source = cap.read_text(text) if text is not None else cap.default_text()
