@@ -47,8 +47,9 @@ def verdict(ds) -> list[str]:
                 parts = [f"w={x['weight']:g}: " + (f"**lost from {x['lost_at']}**" if x["lost_at"] else
                                                    f"kept to {x['longest']}") for x in rows]
                 lines.append(f"{md_code(r)}, {md_text(_mode_text(ds, str(mode)))}, sink {sink:g}: " + "; ".join(parts))
-    lines.append(f"Lost = the needle value's share of the output has a 95% upper bound below {f['lost_share']:g}, "
-                 f"or it stays above every decoy in fewer than {100 * f['lost_top']:.0f}% of the samples.")
+    lines.append(f"Lost = the needle's mass in the output relative to the fp32 accumulator's on the same FP8 inputs has "
+                 f"a 95% upper bound below {f['lost_share']:g}, or it stays above every decoy in "
+                 f"{100 * (1 - f['lost_top']):.0f}% fewer samples than with fp32.")
     return lines
 
 
@@ -63,11 +64,13 @@ def share_table(ds, mode: str, sink: float, weight: float) -> Table:
         for n in lengths:
             c = next(x for x in cells if x["recipe"] == r and x["length"] == n)
             mark = " **lost**" if c["lost"] else ""
-            row.append(f"{_iv(c['share'])} top {c['top'][0]:.2f} rmse {c['row_rel_rmse'][0]:.3f}{mark}")
+            row.append(f"{_iv(c['acc_share'])} (vs exact {c['share'][0]:.3f}) top {c['top'][0]:.2f} "
+                       f"rmse {c['row_rel_rmse'][0]:.3f}{mark}")
         rows.append(row)
     n_s = cells[0]["n"] if cells else 0
     return Table(["recipe"] + [f"{n} keys" for n in lengths], rows, [False] + [True] * len(lengths),
-                 caption=f"needle share [95% BCa over {n_s} samples], top rate, row relative RMSE")
+                 caption=f"needle mass relative to the fp32 accumulator [95% BCa over {n_s} samples] (its share "
+                         "against float64), rate above every decoy, row relative RMSE")
 
 
 def _figure(ds):
@@ -88,7 +91,7 @@ def _figure(ds):
                     cs = [c for c in f["cells"] if c["recipe"] == r and c["mode"] == mode and c["sink"] == sink
                           and c["weight"] == w]
                     x = np.array([c["length"] for c in cs])
-                    y = np.array([c["share"] for c in cs])
+                    y = np.array([c["acc_share"] for c in cs])
                     ax.errorbar(x, y[:, 0], yerr=[y[:, 0] - y[:, 1], y[:, 2] - y[:, 0]], label=str(r), marker="o",
                                 ms=3, capsize=2, lw=1.2)
                 ax.axhline(1.0, color="k", lw=0.8)
@@ -98,12 +101,12 @@ def _figure(ds):
                 if i == len(sinks) - 1:
                     ax.set_xlabel("context length (keys)")
                 if j == 0:
-                    ax.set_ylabel("needle share of O (1 = exact)")
+                    ax.set_ylabel("needle mass / fp32 accumulator's")
         axes[0, -1].legend(fontsize=8)
-        return finish(fig, "needle_share", f"Needle share vs context length (needle weight {w:g})",
-                      f"The needle value's share of the output, <O, u> / <O_ref, u>, for the smallest needle weight "
-                      f"({w:g}), with 95% BCa intervals over depth x seed x head samples; dotted: the loss line "
-                      f"({f['lost_share']:g}).")
+        return finish(fig, "needle_share", f"Needle retained vs context length (needle weight {w:g})",
+                      f"The needle's mass in the output, <O, u> / sqrt(d), relative to the fp32 accumulator's on the "
+                      f"same FP8 inputs, for the smallest needle weight ({w:g}), with 95% BCa intervals over depth x "
+                      f"seed x head samples; dotted: the loss line ({f['lost_share']:g}).")
 
 
 def long_context_document(ds) -> Document:
