@@ -264,6 +264,7 @@ class LongContextStudy(Study):
                     arrays[name][at] = got[name][0]
                 else:
                     arrays[name][(slice(None), *at)] = got[name]
+        from ..data.distributions import rng_stream
         from ..numerics.metrics.retrieval import RETRIEVAL_VARS
 
         data = {name: (dims if name != "kernel_match" else dims[1:], arr,
@@ -285,6 +286,7 @@ class LongContextStudy(Study):
             "rows": self.rows, "head_dim": self.head_dim, "spread": self.spread, "vmean": self.vmean,
             "decoys": self.decoys, "decoy_ratio": 0.5, "sink_v": 0.25, "qcorr": 0.9, "device": self.device,
             "kv_tile": f"{self.tiles[0]}x{self.tiles[1]}", "reference": "float64 softmax attention",
+            "rng_stream": rng_stream("needle", self.device),
             "lost_rule": f"acc_share 95% upper bound < {LOST_SHARE} or top rate {1 - LOST_TOP:g} below fp32's"})
         if self.kernel != "none":
             from ..engine.backends import get_backend

@@ -31,6 +31,7 @@ def test_runs_tiny_resumes_and_reports(tmp_path):
     # float32 accumulation keeps the needle within FP8's own noise; flush=1 is two-level exactly
     assert abs(float(share.sel(recipe="fp32").mean()) - 1) < 0.1
     assert (share.sel(recipe="flush1") == share.sel(recipe="two-level")).all()
+    assert (ds["acc_share"].sel(recipe="fp32") == 1).all()  # the loss rule's yardstick
     assert (tmp_path / "report.md").read_text().startswith("# Long context")
     f = json.loads(ds.attrs["findings"])
     assert {x["recipe"] for x in f["first_loss"]} == set(ds.recipe.values)
