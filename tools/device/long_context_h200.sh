@@ -5,6 +5,8 @@
 # Device tool, from the checkout's root:
 #   run(command="bash tools/device/long_context_h200.sh", carry=[".whl"], timeout_s=420)
 # .whl/ (git-ignored): fa3_fwd-0.0.3 (the FA3 kernel), h5netcdf (the .nc file).
+# Expected (estimated from the emulator's ~260 PyTorch ops per KV tile at ~7 us each on the GPU and
+# the tile counts): setup ~40 s, stage 1 ~25 s, stage 2 ~50 s, stage 3 (256K) ~160 s: about 4.5 min.
 # The study runs in stages into one cache (/tmp/lc/.cells), so each stage computes only its new
 # lengths; after every stage the dataset and report are copied to $OUT/long-context (6 files:
 # long_context.nc, report.md, report.html, needle_share.png/.svg, run.log). A stage cut by the time
@@ -38,6 +40,10 @@ else
           --sinks 0,0.4 --heads 2 --head-dim 128 --rows 8 --flush 2,4,16 --batch-keys 4718592)
   STAGES=("8192,32768" "8192,32768,131072" "8192,32768,131072,262144")
 fi
+# Overrides: LC_STAGES="8192,32768 8192,32768,131072" (space between stages), LC_ARGS (extra options).
+if [ -n "${LC_STAGES:-}" ]; then read -r -a STAGES <<< "$LC_STAGES"; fi
+# shellcheck disable=SC2206
+COMMON+=(${LC_ARGS:-})
 # the seconds a stage must have left to start: the last (256K) needs about twice the 128K stage
 NEED=(30 60 150)
 
