@@ -211,10 +211,11 @@ class LongContextStudy(Study):
         w = torch.tensor([c[0] for c in chunk], dtype=torch.float64, device=q.device)[:, None, None]
         ref = reference_attention(q, k, v, causal=True)
         outs = {}
+        cache: dict = {}  # every recipe here quantizes Q, K, V alike: prepared once per cell
         if self.kernel != "none":
-            outs[self.kernel] = self._kernel(q, k, v, splits)
+            outs[self.kernel] = self._kernel(q, k, v, splits, cache)
         for label, recipe in self.parsed.items():
-            outs[label] = self._emulate(recipe, q, k, v, mode, splits)
+            outs[label] = self._emulate(recipe, q, k, v, mode, splits, cache)
         res: dict[str, list] = {}
         for label, o in outs.items():
             m = retrieval(o, ref, u, du, parts[0].v_norm, w, 0.5 * w).as_dict()
@@ -226,15 +227,15 @@ class LongContextStudy(Study):
             got["kernel_match"] = same.cpu().numpy()[None]
         return got
 
-    def _emulate(self, recipe, q, k, v, mode: str, splits: int) -> torch.Tensor:
+    def _emulate(self, recipe, q, k, v, mode: str, splits: int, cache: dict) -> torch.Tensor:
         from ..numerics.emulator import emulate
         from ..numerics.split_kv import emulate_split
 
         if mode == "prefill":
-            return emulate(recipe, q, k, v, causal=True)
-        return emulate_split(recipe, q, k, v, num_splits=splits if mode == "split" else 1)
+            return emulate(recipe, q, k, v, causal=True, cache=cache)
+        return emulate_split(recipe, q, k, v, num_splits=splits if mode == "split" else 1, cache=cache)
 
-    def _kernel(self, q, k, v, splits: int) -> torch.Tensor:
+    def _kernel(self, q, k, v, splits: int, cache: dict) -> torch.Tensor:
         """The kernel on the emulator's FP8 bytes and descales (``kernels/fa3.py``), with ``splits``."""
         from ..engine.backends import get_backend
         from ..kernels.fa3 import flash_attn, kernel_inputs
@@ -243,7 +244,7 @@ class LongContextStudy(Study):
 
         recipe = Recipe.from_str(KERNEL_RECIPE)
         backend = get_backend(self.kernel)
-        pre = prepare(recipe, q, k, v, q_index=torch.arange(q.shape[2], device=q.device), causal=True)
+        pre = prepare(recipe, q, k, v, q_index=torch.arange(q.shape[2], device=q.device), causal=True, cache=cache)
         ins = kernel_inputs(pre, recipe, k.shape[1])
         o = flash_attn(ins["q"], ins["k"], ins["v"], softmax_scale=1.0 / math.sqrt(q.shape[-1]), causal=True,
                        descales=ins["descales"], fn=backend.kernel_fn, num_splits=splits)

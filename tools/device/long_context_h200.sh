@@ -33,6 +33,8 @@ else
   step "setup (carried wheels, the project)"
   source tools/device/setup_device.sh || exit 3
   export TRITON_CACHE_DIR=/tmp/tcache
+  # the FP8 K and V of one cell (1.2 GB each at 128K x 36 configurations) shared by every recipe
+  export FA3N_PREP_CACHE_MB=8192
   if command -v fa3-numerics >/dev/null; then FA3N=(fa3-numerics); else FA3N=(python3 -m fa3_numerics.cli); fi
   # 36 configurations (3 weights x 3 depths x 4 seeds) in one batch up to 128K keys (9.7 GB per
   # float64 K or V), two batches at 256K.
