@@ -3,14 +3,14 @@
 # 256K while time is left) in prefill, decode and split-KV decode, for the FA3 kernel (fa3-fwd, with
 # num_splits) beside the emulator's fp22, fp32, two-level and flush=2/4/16.
 # Device tool, from the checkout's root:
-#   run(command="bash tools/device/long_context_h200.sh", carry=[".whl"], timeout_s=420)
+#   run(command="bash tools/device/long_context_h200.sh", carry=[".whl"], timeout_s=360)
 # .whl/ (git-ignored): fa3_fwd-0.0.3 (the FA3 kernel), h5netcdf (the .nc file).
 # Expected (estimated from the emulator's ~260 PyTorch ops per KV tile at ~7 us each on the GPU and
 # the tile counts): setup ~40 s, stage 1 ~25 s, stage 2 ~50 s, stage 3 (256K) ~160 s: about 4.5 min.
 # The study runs in stages into one cache (/tmp/lc/.cells), so each stage computes only its new
 # lengths; after every stage the dataset and report are copied to $OUT/long-context (6 files:
 # long_context.nc, report.md, report.html, needle_share.png/.svg, run.log). A stage cut by the time
-# budget (LC_BUDGET seconds for the whole call, default 360) leaves the previous stage's files.
+# budget (LC_BUDGET seconds for the whole call, default 330) leaves the previous stage's files.
 # CPU rehearsal (no GPU, a stand-in kernel, tiny sizes): LC_DRY=1 bash tools/device/long_context_h200.sh
 set -o pipefail
 OUT=${OUT:-/tmp/lc-out}
@@ -18,7 +18,7 @@ DEST="$OUT/long-context"
 mkdir -p "$DEST"
 exec > >(tee "$DEST/run.log") 2>&1
 T0=$(date +%s)
-BUDGET=${LC_BUDGET:-360}
+BUDGET=${LC_BUDGET:-330}
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 step() { echo; echo "== [long-context +$(( $(date +%s) - T0 ))s] $*"; }
 
