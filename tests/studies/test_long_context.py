@@ -63,3 +63,17 @@ def test_bad_options_are_refused_before_the_folder(tmp_path, bad, words):
 
 def test_registered_as_a_study():
     assert get_study("long-context") is LongContextStudy
+
+
+def test_flash_attn_passes_num_splits_only_when_set():
+    """The split-KV decode of the study reaches the kernel's num_splits; a plain call is unchanged."""
+    import torch
+
+    from fa3_numerics.kernels.fa3 import flash_attn
+
+    seen = []
+    fn = lambda q, k, v, **kw: (seen.append(kw), q)[1]  # noqa: E731
+    x = torch.zeros(1, 1, 1, 8)
+    flash_attn(x, x, x, softmax_scale=1.0, causal=True, fn=fn)
+    flash_attn(x, x, x, softmax_scale=1.0, causal=True, fn=fn, num_splits=57)
+    assert "num_splits" not in seen[0] and seen[1]["num_splits"] == 57
