@@ -92,15 +92,3 @@ def test_kernel_matches_emulator_with_a_sliding_window():
     for window in ((100, 0), (31, 0), (64, 64)):
         f, bad = _masked_f(dict(window_size=window), causal=window[1] == 0)
         assert bad == 0 and f <= 0.05, f"F = {f:.4f}, {bad} non-finite (window {window})"
-
-
-def test_flash_attn_passes_num_splits_only_when_set():
-    """Split-KV decode (``run long-context``) reaches the kernel's num_splits; a plain call is unchanged."""
-    from fa3_numerics.kernels.fa3 import flash_attn
-
-    seen = []
-    fn = lambda q, k, v, **kw: (seen.append(kw), q)[1]  # noqa: E731
-    x = torch.zeros(1, 1, 1, 8)
-    flash_attn(x, x, x, softmax_scale=1.0, causal=True, fn=fn)
-    flash_attn(x, x, x, softmax_scale=1.0, causal=True, fn=fn, num_splits=57)
-    assert "num_splits" not in seen[0] and seen[1]["num_splits"] == 57
