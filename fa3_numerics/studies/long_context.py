@@ -94,7 +94,7 @@ class LongContextStudy(Study):
     def __init__(self, lengths=None, weights=None, depths=None, modes=None, sinks=None, flush=None, kernel=None,
                  splits=None, rows=None, heads=None, head_dim=None, seeds=None, spread=None, vmean=None,
                  decoys=None, device=None, batch_keys=None):
-        from ..data.distributions.needle import PARAMS, _validate
+        from ..data.distributions.needle import PARAMS, validate_params
         from ..engine.backends import check_device
         from ..numerics.recipe import Recipe
 
@@ -125,7 +125,7 @@ class LongContextStudy(Study):
         for w in self.weights:
             for s in self.sinks:
                 for dp in self.depths:
-                    _validate({k: v[0] for k, v in PARAMS.items()} | dict(
+                    validate_params({k: v[0] for k, v in PARAMS.items()} | dict(
                         weight=w, sink=s, depth=dp, spread=self.spread, vmean=self.vmean, decoys=float(self.decoys)))
         self.recipes = dict(RECIPES) | {f"flush{n}": f"fa3-fp8-kernel,acc=fp22,flush={n}" for n in self.flush}
         self.parsed = {k: Recipe.from_str(v) for k, v in self.recipes.items()}

@@ -1,6 +1,6 @@
 """Needle in a haystack: one key far back that the measured queries retrieve with a chosen weight.
 
-Exposed: ``Needle``, ``plant``, ``PARAMS``, ``needle_position``.
+Exposed: ``Needle``, ``plant``, ``PARAMS``, ``needle_position``, ``validate_params``.
 
 Q holds only the query rows that are measured: the last ``seqlen`` rows of a causal prefill over
 ``seqlen_k`` keys (bottom-right aligned, as FA3 aligns ``seqlen_q < seqlen_k``), or one row for
@@ -72,7 +72,7 @@ class Needle:
     v_norm: float  # the planted V rows' norm along their direction: sqrt(d)
 
 
-def _validate(p: dict) -> None:
+def validate_params(p: dict) -> None:
     require(0.0 <= p["depth"] <= 1.0, f"--depth {p['depth']:g} must lie in [0, 1] (0 = oldest key, 1 = newest)")
     require(0.0 < p["weight"] < 1.0, f"--weight {p['weight']:g} must lie in (0, 1): a softmax mass")
     require(p["spread"] > 0 and math.isfinite(p["spread"]), f"--spread {p['spread']:g} must be a positive number")
@@ -97,7 +97,7 @@ def plant(shape: AttnShape, seed: int, *, depth: float, weight: float, spread: f
           decoy_ratio: float, sink: float, sink_v: float, vmean: float, qcorr: float,
           device: str = "cpu") -> Needle:
     """Draw the needle problem (module docstring); parameters as ``PARAMS``."""
-    _validate(dict(depth=depth, weight=weight, spread=spread, decoys=decoys, decoy_ratio=decoy_ratio, sink=sink,
+    validate_params(dict(depth=depth, weight=weight, spread=spread, decoys=decoys, decoy_ratio=decoy_ratio, sink=sink,
                    sink_v=sink_v, vmean=vmean, qcorr=qcorr))
     b, h, r, n, d = shape.batch, shape.heads, shape.seqlen, shape.seqlen_k, shape.head_dim
     require(shape.kv_heads == h, "the needle family draws one K/V head per query head (kv_heads = heads)")
@@ -158,7 +158,7 @@ def plant(shape: AttnShape, seed: int, *, depth: float, weight: float, spread: f
     description="needle in a haystack for the last query rows of a causal prefill or a decode row: one key at a "
                 "chosen depth with an exact softmax mass and its own V direction, decoys, an optional sink",
     params=PARAMS,
-    validate=_validate,
+    validate=validate_params,
     on_device=True,
     labels={"depth": ("depth", "needle depth in the visible context (0 = oldest)", "needle depth"),
             "weight": ("w", "needle softmax mass (exact)", "needle weight w"),
