@@ -114,11 +114,15 @@ def masking_problem(mk, features: dict) -> str | None:
 
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float, causal: bool,
                descales: tuple | None = None, fn=None, window_size: tuple[int, int] = (-1, -1),
-               softcap: float = 0.0) -> torch.Tensor:
-    """Call the kernel on (batch, seqlen, heads, dim) tensors; returns the output only. A window
-    or softcap is passed only when set, so plain calls are the calls made before they existed."""
+               softcap: float = 0.0, num_splits: int = 1) -> torch.Tensor:
+    """Call the kernel on (batch, seqlen, heads, dim) tensors; returns the output only. A window,
+    softcap or split count is passed only when set, so plain calls are the calls made before they
+    existed. ``num_splits`` > 1 takes FA3's split-KV path (float32 partials and its combine
+    kernel); 0 lets the kernel's heuristic choose (``numerics.split_kv.fa3_num_splits``)."""
     fn = fn or load_kernel()[0]
     kw = dict(softmax_scale=softmax_scale, causal=causal)
+    if num_splits != 1:
+        kw["num_splits"] = int(num_splits)
     if tuple(window_size) != (-1, -1):
         kw["window_size"] = tuple(window_size)
     if softcap:

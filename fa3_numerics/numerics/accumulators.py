@@ -1,7 +1,7 @@
 """Models of the P.V accumulator of the flash algorithm.
 
 Exposed: ``ACCUMULATORS``, ``accumulator_names``, ``register_accumulator``, ``get_accumulator``,
-``hopper_mma_on``.
+``hopper_mma_on``, ``accumulator_for``, ``FlushEvery``.
 
 An accumulator is ``fn(acc, p, v, fmts) -> acc``: ``acc`` [.., R, Dv] float32 holds the
 running output already multiplied by this KV tile's online-softmax correction (the kernel's
@@ -21,6 +21,13 @@ in place (the emulator's own buffer).
 
 The MMA models apply to FP8 and BF16/FP16 operands; with float32 P or V they fall back to
 float32.
+
+``flush=N`` with ``acc=fp22`` (``keys/flush.py``, ``FlushEvery``) keeps the MMA chain running for
+N KV tiles and then adds it into a float32 accumulator: vLLM's fork of FA3 (``two-level``, one
+tile, vllm-project/flash-attention #104; every N tiles, #122, merged and later reverted there).
+``flush=1`` is ``two-level`` bit for bit. A stateful accumulator like this one has ``rescale``
+(the emulator calls it with each tile's online-softmax factor, for the part it holds) and
+``finish`` (after the last tile); ``accumulator_for`` gives a fresh one per emulation.
 """
 
 from __future__ import annotations
@@ -114,6 +121,63 @@ def two_level(acc, p, v, fmts):
 
 
 ACCUMULATORS = {name: desc for name, (_, desc) in _REGISTRY.items()}
+
+
+class FlushEvery:
+    """P V in the Hopper MMA model (``fp22``) for ``tiles`` KV tiles, then added into the float32
+    accumulator (the emulator's ``acc``), the chain restarting from zero.
+
+    vllm-project/flash-attention #122 (hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp, softmax.h) keeps
+    the MMA accumulator ``tOrO`` rescaled every tile, a second float32 fragment ``tOrO_accum`` with
+    a deferred scale (the product of the tiles' factors since the last merge), and merges every
+    ``FLASHATTENTION_FP8_TWO_LEVEL_INTERVAL`` tiles (default 4) as
+    ``accum = scale * accum + tOrO``, clearing ``tOrO``. This model rescales the float32 part every
+    tile instead (the emulator's own float32 multiply, flush-to-zero included), so that ``tiles=1`` is
+    ``two-level`` bit for bit; the two orders differ by float32 roundings (2^-24 relative), far
+    below the chain's 13 bits. #104's per-tile version (``flash::gemm`` with a backup of C) is
+    ``two-level``."""
+
+    def __init__(self, tiles: int, ftz: bool = True):
+        from ..errors import require
+
+        require(tiles >= 1, f"flush={tiles}: the MMA chain is flushed every N >= 1 KV tiles")
+        self.tiles, self.ftz = int(tiles), ftz
+        self.chain: torch.Tensor | None = None  # the MMA accumulator (tOrO), None = cleared
+        self.count = 0
+
+    def rescale(self, rescale: torch.Tensor) -> None:
+        """This tile's online-softmax factor applied to the chain, as the kernel's rescale_o."""
+        if self.chain is not None:
+            from .emulator import flush_subnormals
+
+            scaled = self.chain * rescale
+            self.chain = flush_subnormals(scaled) if self.ftz else scaled
+
+    def __call__(self, acc, p, v, fmts):
+        if not hopper_mma_on("fp22", *fmts):
+            return fp32(acc, p, v, fmts)
+        self.chain = _mma(p, v, self.chain, fmts)
+        self.count += 1
+        if self.count % self.tiles == 0:
+            acc = acc + self.chain
+            self.chain = None
+        return acc
+
+    def finish(self, acc: torch.Tensor) -> torch.Tensor:
+        """The chain's remainder added in after the last tile (#122's ``final_merge_accum``)."""
+        if self.chain is not None:
+            acc = acc + self.chain
+            self.chain = None
+        return acc
+
+
+def accumulator_for(recipe) -> Accumulator:
+    """The accumulator one emulation of ``recipe`` uses: ``FlushEvery`` (fresh state) for
+    ``acc=fp22`` with ``flush=N``, else the registered function of ``recipe.acc``."""
+    n = int(getattr(recipe, "flush", 0) or 0)
+    if n and recipe.acc == "fp22":
+        return FlushEvery(n, ftz=bool(getattr(recipe, "ftz", True)))
+    return get_accumulator(recipe.acc)
 
 
 def accumulator_names() -> list[str]:

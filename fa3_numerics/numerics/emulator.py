@@ -52,7 +52,7 @@ import os
 
 import torch
 
-from .accumulators import get_accumulator, hopper_mma_on
+from .accumulators import accumulator_for, hopper_mma_on
 from .families import element_format, family, mma_format
 from .formats import get_format, quantize_dequantize
 from . import native
@@ -356,7 +356,8 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
     vn, vd = pre.v.values, pre.v.descale
     b, h, r, d = qv.shape
     nk = pre.seqlen_k
-    accumulate = get_accumulator(recipe.acc)
+    accumulate = accumulator_for(recipe)  # flush=N: a fresh chain per call (accumulators.FlushEvery)
+    chained = getattr(accumulate, "rescale", None)
     # FA3 is compiled with --use_fast_math, so its float32 softmax arithmetic flushes
     # subnormal results to zero (ex2.approx.ftz, FMUL.FTZ): the rescale factor, P~, and the
     # rescaled O and row sum. Without the flush an O row rescaled by a tiny factor becomes a
@@ -463,6 +464,8 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
             if not p_float:
                 p8 = cast_p(p8, recipe)
             scaled = native.rescale_rows(acc, rescale, ftz)  # in place, when compiled
+            if chained is not None:
+                chained(rescale)
             acc = accumulate(scaled if scaled is not None else flush(acc * rescale), p8, v_t, acc_fmts)
             continue
         # FlashAttention (Algorithm 1): P~ against the tile's own max m~, then
@@ -484,6 +487,8 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
         m, l_fa1 = m_new, l_new
     if tick is not None:  # progress hook
         tick(n_tiles, n_tiles, "KV tiles")
+    if chained is not None:
+        acc = accumulate.finish(acc)
     if fa1:
         o = acc * v_end.to(torch.float32) if v_end is not None else acc
         return write_out(o, recipe)

@@ -59,6 +59,7 @@ REPORTS: dict[str, str] = {
     "recommend": "fa3_numerics.report.recommend:render_recommend",
     "backward": "fa3_numerics.report.backward:render_backward",
     "train": "fa3_numerics.report.train:render_train",
+    "long-context": "fa3_numerics.report.long_context:render_long_context",
 }
 REPORT_ENTRY_POINTS = "fa3_numerics.reports"
 
@@ -162,6 +163,7 @@ CONSOLE: dict[str, str] = {
     "impact": "fa3_numerics.report.summary:impact_console",
     "backward": "fa3_numerics.report.backward:console",
     "recommend": "fa3_numerics.report.recommend:console",
+    "long-context": "fa3_numerics.report.long_context:console",
 }
 
 
