@@ -304,3 +304,137 @@ class CudnnFp8Backend(Backend):
                     if out == "bf16" else "")
             raise UsageError(f"cuDNN declines sdpa_fp8 for [B {b}, H {h}/{hkv}, N {n}/{nk}, D {d}] "
                              f"({type(exc).__name__}: {first}){hint}") from None
+
+
+# -- training: the forward that saves its stats, and sdpa_fp8_backward ------------------------------
+#
+# cudnn-frontend's sdpa_fp8_backward (python/pygraph/sdpa.cpp; include/cudnn_frontend/node/sdpa_fp8_bwd.h)
+# reads Q, K, V, O and dO in FP8 with one float32 descale each (descale_q/k/v/o/dO), the forward's Stats
+# (float32 [B, H, N, 1]: max + log(sum exp) of the scaled scores, the natural-log LSE), P's scale pair
+# (scale_s/descale_s, as in the forward), the pair of dP (cuDNN's dP is the softmax gradient, our dS:
+# scale_dP quantizes it, descale_dP undoes it in dQ and dK) and the scales dQ, dK, dV are written with
+# (scale_dQ/dK/dV); it returns dQ, dK, dV and Amax_dQ/dK/dV/dP. cuDNN's own benchmark
+# (benchmark/sdpa_benchmark_training) runs every FP8 tensor in E4M3; TransformerEngine's HYBRID format
+# puts dO (and the gradients) in E5M2. Both are offered here: which one a kernel accepts is cuDNN's call.
+
+_CUDNN_DT = {"e4m3": "FP8_E4M3", "e5m2": "FP8_E5M2", "bf16": "BFLOAT16"}
+_TORCH_DT = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "bf16": torch.bfloat16}
+BWD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s", "descale_dP",
+               "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP")
+_FWD_TRAIN: dict = {}
+_BWD: dict = {}
+
+
+def _plan(cudnn, graph) -> None:
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+
+
+def build_train_forward(dev, b: int, h: int, hkv: int, n: int, d: int, causal: bool, scale: float) -> dict:
+    """The planned sdpa_fp8 training forward (is_inference=False: Stats written) for one shape, O in
+    E4M3 (Hopper's only FP8 O), cached: {"graph", "t", "workspace"}."""
+    key = (str(dev), b, h, hkv, n, d, bool(causal), float(scale))
+    if key in _FWD_TRAIN:
+        return _FWD_TRAIN[key]
+    cudnn = load_kernel()[0]
+    dt = cudnn.data_type
+    graph = cudnn.pygraph(io_data_type=dt.FP8_E4M3, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT,
+                          handle=_handle(dev))
+    t = {}
+    for name, shape in (("q", [b, h, n, d]), ("k", [b, hkv, n, d]), ("v", [b, hkv, n, d])):
+        t[name] = graph.tensor(name=name, dim=shape, stride=_stride(shape), data_type=dt.FP8_E4M3)
+    for name in _SCALARS:
+        t[name] = graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.FLOAT)
+    o, stats, amax_s, amax_o = graph.sdpa_fp8(
+        q=t["q"], k=t["k"], v=t["v"], descale_q=t["descale_q"], descale_k=t["descale_k"], descale_v=t["descale_v"],
+        descale_s=t["descale_s"], scale_s=t["scale_s"], scale_o=t["scale_o"], is_inference=False,
+        attn_scale=float(scale), use_causal_mask=bool(causal), name="sdpa_fp8_train")
+    o.set_output(True).set_dim([b, h, n, d]).set_stride(_stride([b, h, n, d])).set_data_type(dt.FP8_E4M3)
+    stats.set_output(True).set_dim([b, h, n, 1]).set_stride(_stride([b, h, n, 1])).set_data_type(dt.FLOAT)
+    for name, a in (("amax_s", amax_s), ("amax_o", amax_o)):
+        a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(dt.FLOAT)
+        t[name] = a
+    t["o"], t["stats"] = o, stats
+    _plan(cudnn, graph)
+    ws = torch.empty(max(1, int(graph.get_workspace_size())), dtype=torch.uint8, device=dev)
+    _FWD_TRAIN[key] = entry = {"graph": graph, "t": t, "workspace": ws}
+    return entry
+
+
+def run_train_forward(entry: dict, ins: dict, scale_o: float) -> dict:
+    """One training forward: {"o" (E4M3 [B, H, N, D]), "stats" (float32 [B, H, N, 1]), "amax_s",
+    "amax_o"}; ``ins`` as ``kernel_inputs`` gives it."""
+    t = entry["t"]
+    q = ins["q"]
+    dev = q.device
+    b, h, n, d = q.shape
+    out = {"o": torch.empty((b, h, n, d), dtype=torch.float8_e4m3fn, device=dev),
+           "stats": torch.empty((b, h, n, 1), dtype=torch.float32, device=dev),
+           "amax_s": torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=dev),
+           "amax_o": torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=dev)}
+    pack = {t[k]: ins[k] for k in ("q", "k", "v", "descale_q", "descale_k", "descale_v", "descale_s", "scale_s")}
+    pack[t["scale_o"]] = torch.tensor(float(scale_o), dtype=torch.float32, device=dev).reshape(1, 1, 1, 1)
+    pack.update({t[k]: out[k] for k in out})
+    entry["graph"].execute(pack, entry["workspace"], handle=_handle(dev))
+    torch.cuda.synchronize(dev)
+    return {"o": out["o"], "stats": out["stats"], "amax_s": float(out["amax_s"].item()),
+            "amax_o": float(out["amax_o"].item())}
+
+
+def build_backward(dev, b: int, h: int, hkv: int, n: int, d: int, causal: bool, scale: float, do_fmt: str,
+                   grad_fmt: str) -> dict:
+    """The planned sdpa_fp8_backward graph for one shape, dO in ``do_fmt`` (e4m3 / e5m2), dQ, dK, dV
+    written in ``grad_fmt`` (e4m3 / e5m2 / bf16), cached. cuDNN's refusal propagates."""
+    key = (str(dev), b, h, hkv, n, d, bool(causal), float(scale), do_fmt, grad_fmt)
+    if key in _BWD:
+        return _BWD[key]
+    cudnn = load_kernel()[0]
+    dt = cudnn.data_type
+    graph = cudnn.pygraph(io_data_type=dt.FP8_E4M3, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT,
+                          handle=_handle(dev))
+    t = {}
+    shapes = {"q": [b, h, n, d], "k": [b, hkv, n, d], "v": [b, hkv, n, d], "o": [b, h, n, d], "dO": [b, h, n, d]}
+    for name, shape in shapes.items():
+        fmt = getattr(dt, _CUDNN_DT[do_fmt]) if name == "dO" else dt.FP8_E4M3
+        t[name] = graph.tensor(name=name, dim=shape, stride=_stride(shape), data_type=fmt)
+    t["stats"] = graph.tensor(name="stats", dim=[b, h, n, 1], stride=_stride([b, h, n, 1]), data_type=dt.FLOAT)
+    for name in BWD_SCALARS:
+        t[name] = graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.FLOAT)
+    outs = graph.sdpa_fp8_backward(
+        q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["dO"], stats=t["stats"],
+        **{name: t[name] for name in BWD_SCALARS}, attn_scale=float(scale), use_causal_mask=bool(causal),
+        name="sdpa_fp8_backward")
+    for name, x, shape in zip(("dq", "dk", "dv"), outs[:3], (shapes["q"], shapes["k"], shapes["v"])):
+        x.set_output(True).set_dim(shape).set_stride(_stride(shape)).set_data_type(getattr(dt, _CUDNN_DT[grad_fmt]))
+        t[name] = x
+    for name, a in zip(("amax_dQ", "amax_dK", "amax_dV", "amax_dP"), outs[3:7]):
+        a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(dt.FLOAT)
+        t[name] = a
+    _plan(cudnn, graph)
+    ws = torch.empty(max(1, int(graph.get_workspace_size())), dtype=torch.uint8, device=dev)
+    _BWD[key] = entry = {"graph": graph, "t": t, "workspace": ws, "grad_fmt": grad_fmt}
+    return entry
+
+
+def run_backward(entry: dict, ins: dict, scalars: dict) -> dict:
+    """One sdpa_fp8_backward: {"dq", "dk", "dv" (as written, ``grad_fmt``), "amax_dQ", "amax_dK",
+    "amax_dV", "amax_dP" (floats)}. ``ins``: "q", "k", "v", "o", "dO" (FP8), "stats"; ``scalars``:
+    every name of ``BWD_SCALARS`` as a float."""
+    t = entry["t"]
+    dev = ins["q"].device
+    dtype = _TORCH_DT[entry["grad_fmt"]]
+    out = {name: torch.empty(tuple(ins[src].shape), dtype=dtype, device=dev)
+           for name, src in (("dq", "q"), ("dk", "k"), ("dv", "v"))}
+    amax = {name: torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=dev)
+            for name in ("amax_dQ", "amax_dK", "amax_dV", "amax_dP")}
+    pack = {t[k]: ins[k] for k in ("q", "k", "v", "o", "dO", "stats")}
+    pack.update({t[k]: torch.tensor(float(scalars[k]), dtype=torch.float32, device=dev).reshape(1, 1, 1, 1)
+                 for k in BWD_SCALARS})
+    pack.update({t[k]: out[k] for k in out})
+    pack.update({t[k]: amax[k] for k in amax})
+    entry["graph"].execute(pack, entry["workspace"], handle=_handle(dev))
+    torch.cuda.synchronize(dev)
+    return {**out, **{k: float(v.item()) for k, v in amax.items()}}
