@@ -160,71 +160,104 @@ def decode(raw: torch.Tensor, scale: float) -> torch.Tensor:
 # -- the kernel and its stand-in -------------------------------------------------------------------
 
 
-def cudnn_kernel(ins: dict, case: Case, arm: Arm, scale: float) -> dict:
-    """cuDNN: training forward (twice) then sdpa_fp8_backward (two or three times), as the docstring says."""
-    from fa3_numerics.kernels import cudnn as kc
+def _one(x: float, dev) -> torch.Tensor:
+    return torch.tensor(float(x), dtype=torch.float32, device=dev).reshape(1, 1, 1, 1)
+
+
+def cudnn_kernel(ins: dict, case: Case, arm: Arm, scale: float, kc=None) -> dict:
+    """cuDNN: training forward (twice) then sdpa_fp8_backward (two or three times), as the docstring
+    says. ``kc``: the module holding the graph functions (``fa3_numerics.kernels.cudnn``; the dry run
+    passes stand-ins)."""
+    if kc is None:
+        from fa3_numerics.kernels import cudnn as kc
 
     dev = ins["q"].device
     b, h, n, d = ins["q"].shape
     hkv = ins["k"].shape[1]
     fwd = kc.build_train_forward(dev, b, h, hkv, n, d, case.causal, scale)
-    first = kc.run_train_forward(fwd, ins, 1.0)
+    fins = {x: ins[x] for x in "qkv"}
+    fins.update({name: _one(ins[name], dev) for name in ("descale_q", "descale_k", "descale_v", "descale_s",
+                                                          "scale_s")})
+    first = kc.run_train_forward(fwd, fins, 1.0)
     descale_o = f32(first["amax_o"] / 448.0) if first["amax_o"] > 0 else 1.0
     scale_o = f32(1.0 / descale_o)
-    res = kc.run_train_forward(fwd, ins, scale_o)
+    res = kc.run_train_forward(fwd, fins, scale_o)
     bwd = kc.build_backward(dev, b, h, hkv, n, d, case.causal, scale, arm.do, arm.grad)
     bins = {"q": ins["q"], "k": ins["k"], "v": ins["v"], "o": res["o"], "dO": ins["dO"], "stats": res["stats"]}
     sc = {"descale_q": ins["descale_q"], "descale_k": ins["descale_k"], "descale_v": ins["descale_v"],
           "descale_o": descale_o, "descale_dO": ins["descale_dO"], "descale_s": ins["descale_s"],
           "scale_s": ins["scale_s"], "descale_dP": 1.0, "scale_dP": 1.0, "scale_dQ": 1.0, "scale_dK": 1.0,
           "scale_dV": 1.0}
-    calls = [kc.run_backward(bwd, bins, sc)]
+    calls = [kc.run_backward(bwd, bins, dict(sc))]
     amax_dp = calls[0]["amax_dP"]
     sc["scale_dP"] = f32(FMT_MAX[arm.do] / amax_dp) if amax_dp > 0 else 1.0
     sc["descale_dP"] = f32(1.0 / sc["scale_dP"])
-    calls.append(kc.run_backward(bwd, bins, sc))
+    calls.append(kc.run_backward(bwd, bins, dict(sc)))
     if arm.grad != "bf16":
         for g in ("dQ", "dK", "dV"):
             a = calls[-1][f"amax_{g}"]
             sc[f"scale_{g}"] = f32(FMT_MAX[arm.grad] / a) if a > 0 else 1.0
-        calls.append(kc.run_backward(bwd, bins, sc))
+        calls.append(kc.run_backward(bwd, bins, dict(sc)))
     last = calls[-1]
     return {"o_raw": res["o"], "stats": res["stats"], "dq_raw": last["dq"], "dk_raw": last["dk"],
             "dv_raw": last["dv"], "scalars": {**sc, "scale_o": scale_o},
             "amax": {"fwd_first": {"amax_s": first["amax_s"], "amax_o": first["amax_o"]},
                      "fwd": {"amax_s": res["amax_s"], "amax_o": res["amax_o"]},
                      "bwd": [{k: c[k] for k in c if k.startswith("amax")} for c in calls]},
-            "engine": "cuDNN library"}
+            "engine": getattr(kc, "ENGINE", "cuDNN library")}
+
+
+class StandIn:
+    """The dry run's graph functions, in place of ``fa3_numerics.kernels.cudnn``'s: the emulator (its
+    forward; its fp32 backward from the O and Stats it is handed) taking and writing what cuDNN takes
+    and writes (FP8 codes, (1, 1, 1, 1) float32 descales in the forward, outputs times their scale,
+    amaxes in true units), so that ``cudnn_kernel``'s scale protocol, decoding and F run on the CPU."""
+
+    ENGINE = "stand-in (the emulator, --dry)"
+
+    @staticmethod
+    def build_train_forward(dev, b, h, hkv, n, d, causal, scale):
+        return {"causal": causal, "scale": scale}
+
+    @staticmethod
+    def run_train_forward(entry, ins, scale_o):
+        from fa3_numerics.numerics.backward import run_forward
+        from fa3_numerics.numerics.formats import cast
+
+        for name in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s"):
+            t = ins[name]
+            assert torch.is_tensor(t) and t.shape == (1, 1, 1, 1) and t.dtype == torch.float32, name
+        q, k, v = (ins[x].to(torch.float64) * float(ins[f"descale_{x}"]) for x in "qkv")
+        fwd = run_forward(arm_recipe(Arm("e4m3", "e4m3"), "fp32"), q, k, v, causal=entry["causal"],
+                          softmax_scale=entry["scale"])
+        return {"o": cast(fwd.o * scale_o, "e4m3"), "stats": fwd.lse.unsqueeze(-1).to(torch.float32),
+                "amax_s": 1.0, "amax_o": float(fwd.o.abs().amax())}
+
+    @staticmethod
+    def build_backward(dev, b, h, hkv, n, d, causal, scale, do_fmt, grad_fmt):
+        return {"causal": causal, "scale": scale, "arm": Arm(do_fmt, grad_fmt)}
+
+    @staticmethod
+    def run_backward(entry, ins, sc):
+        from fa3_numerics.numerics.backward import Forward, backward_from
+        from fa3_numerics.numerics.formats import cast
+
+        arm = entry["arm"]
+        q, k, v = (ins[x].to(torch.float64) * sc[f"descale_{x}"] for x in "qkv")
+        o = ins["o"].to(torch.float64) * sc["descale_o"]
+        do = ins["dO"].to(torch.float64) * sc["descale_dO"]
+        r = dataclasses.replace(arm_recipe(arm, "fp32"), bwd_out="fp32")
+        gr = backward_from(r, q, k, v, Forward(o, ins["stats"][..., 0]), do, causal=entry["causal"],
+                           softmax_scale=entry["scale"])
+        out = {"amax_dP": 1.0}
+        for g, x in (("dQ", gr.dq), ("dK", gr.dk), ("dV", gr.dv)):
+            out[g.lower()] = x.to(torch.bfloat16) if arm.grad == "bf16" else cast(x * sc[f"scale_{g}"], arm.grad)
+            out[f"amax_{g}"] = float(x.abs().amax())
+        return out
 
 
 def standin_kernel(ins: dict, case: Case, arm: Arm, scale: float) -> dict:
-    """The dry run's kernel: the emulator (its forward, then its fp32 backward from that forward),
-    encoded the way cuDNN writes its outputs, so that decoding and F can be checked on the CPU."""
-    from fa3_numerics.numerics.backward import Forward, backward_from, run_forward
-    from fa3_numerics.numerics.formats import cast
-
-    r = arm_recipe(arm, "fp32")
-    q, k, v, do = (ins[f"{x}_val"] for x in ("q", "k", "v", "dO"))
-    fwd = run_forward(r, q, k, v, causal=case.causal, softmax_scale=scale)
-    amax_o = float(fwd.o.abs().amax())
-    descale_o = f32(amax_o / 448.0)
-    scale_o = f32(1.0 / descale_o)
-    o_raw = cast(fwd.o * scale_o, "e4m3")
-    kfwd = Forward(decode(o_raw, scale_o), fwd.lse)
-    gr = backward_from(dataclasses.replace(r, bwd_out="fp32"), q, k, v, kfwd, do, causal=case.causal,
-                       softmax_scale=scale)
-    sc = {}
-    out = {}
-    for g, x in (("dQ", gr.dq), ("dK", gr.dk), ("dV", gr.dv)):
-        if arm.grad == "bf16":
-            out[g] = x.to(torch.bfloat16)
-            sc[f"scale_{g}"] = 1.0
-        else:
-            sc[f"scale_{g}"] = f32(FMT_MAX[arm.grad] / float(x.abs().amax()))
-            out[g] = cast(x * sc[f"scale_{g}"], arm.grad)
-    return {"o_raw": o_raw, "stats": fwd.lse.unsqueeze(-1).to(torch.float32), "dq_raw": out["dQ"],
-            "dk_raw": out["dK"], "dv_raw": out["dV"], "scalars": {**sc, "scale_o": scale_o, "descale_o": descale_o},
-            "amax": {}, "engine": "stand-in (the emulator, --dry)"}
+    return cudnn_kernel(ins, case, arm, scale, kc=StandIn)
 
 
 # -- one case --------------------------------------------------------------------------------------
