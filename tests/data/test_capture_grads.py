@@ -92,6 +92,7 @@ def test_do_is_the_gradient_of_the_loss_wrt_each_attention_output(tiny, grads_ca
     assert float((c.do(0) - want[1]).abs().max()) > 1e-2 * float(want[1].abs().max())
 
 
+@pytest.mark.slow
 def test_grads_leave_q_k_v_as_a_capture_without_them(tiny, grads_capture, tmp_path):
     plain = cap.capture(model=str(tiny), out=tmp_path / "p.safetensors", tokens=TOKENS)
     g = cap.load_capture(grads_capture)
@@ -103,6 +104,7 @@ def test_grads_leave_q_k_v_as_a_capture_without_them(tiny, grads_capture, tmp_pa
         cap.load_capture(tmp_path / "p.safetensors").do(0)
 
 
+@pytest.mark.slow
 def test_grads_of_some_layers_only(tiny, grads_capture, tmp_path):
     c = cap.capture(model=str(tiny), out=tmp_path / "l.safetensors", tokens=TOKENS, layers="1", grads=True)
     assert c.layers == [1] and set(c.tensors) == {f"layers.1.{w}" for w in ("q", "k", "v", "do")}
@@ -123,6 +125,7 @@ def test_a_grads_file_missing_do_is_refused(grads_capture, tmp_path):
         cap.load_capture(tmp_path / "bad.safetensors")
 
 
+@pytest.mark.slow
 def test_cli_grads_flag(tiny, tmp_path, capsys):
     from fa3_numerics.cli import main
 

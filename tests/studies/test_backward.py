@@ -294,3 +294,61 @@ def test_lse_of_a_smoothed_forward_is_the_lse_of_the_scores():
     diff = (plain["lse"] - smooth["lse"]).abs().max()
     shift = (q * k.mean(dim=2, keepdim=True).repeat_interleave(2, 1)).sum(-1).abs().max() / 8
     assert diff < 1e-4 < shift
+
+
+# -- real dO from a capture (capture --grads), and the backend that computes the gradients ----------
+
+@pytest.mark.slow
+def test_run_backward_on_a_capture_reads_its_real_do(tiny_llama, tmp_path):
+    import xarray as xr
+
+    from fa3_numerics.cli import main
+    from fa3_numerics.data import capture as cap
+    from fa3_numerics.numerics.metrics import per_sample
+
+    folder = tiny_llama("bwd-grads", layers=2, hidden=64, positions=128, words=300, by_frequency=True)
+    path = tmp_path / "g.safetensors"
+    c = cap.capture(model=str(folder), out=path, tokens=64, grads=True)
+    out = tmp_path / "bwd"
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "backward", "--dist", f"capture-file:{path}", "--layer", "1", "--seqlen", "64", "--head-dim",
+              "64", "--heads", "2", "--kv-heads", "1", "--causal", "true", "--variants", "fa3-fp8-bwd-bf16",
+              "--no-attribution", "--out", str(out)])
+    assert exc.value.code in (0, None)
+    ds = xr.load_dataset(out / "backward.nc", engine="h5netcdf")
+    assert ds.attrs["do_source"].startswith("captured: dL/dO") and ds.attrs["do_seed"].startswith("none")
+    # independently: the capture's own Q, K, V, dO through the emulator give the dataset's figures
+    q, k, v = (t[None] for t in c.qkv(1))
+    r = PRESETS["fa3-fp8-bwd-bf16"].recipe
+    got = ds["dq_rmse"].sel(stage="full", variant="fa3-fp8-bwd-bf16").values.reshape(-1)
+
+    def rmse(do):
+        gr = emulate_backward(r, q, k, v, do, causal=True, softmax_scale=c.scale, rotation_seed=0)
+        ref = reference_gradients(q, k, v, do, causal=True, softmax_scale=c.scale)
+        return np.asarray(per_sample(gr.dq, ref[1])["rmse"]).reshape(-1)
+
+    np.testing.assert_allclose(got, rmse(c.do(1)[None]), rtol=1e-9)
+    # negative control: the synthetic dO the study would otherwise draw gives other figures
+    synthetic = torch.randn(q.shape, generator=torch.Generator().manual_seed(29), dtype=torch.float64)
+    assert not np.allclose(got, rmse(synthetic), rtol=0.1)
+
+
+def test_synthetic_do_is_said_so():
+    from fa3_numerics.studies.backward import SYNTHETIC_DO, load_study
+
+    study = load_study({"seqlen": [32], "head_dim": [64], "heads": 1, "variants": ["exact"]}, attribution=False)
+    res = study.run(None)
+    assert res.attrs["do_source"] == SYNTHETIC_DO and res.dataset().attrs["do_seed"].startswith("torch.randn")
+
+
+def test_gradient_backends_are_checked_with_the_fix():
+    from fa3_numerics.studies.backward import load_study
+
+    base = {"seqlen": [32], "head_dim": [64], "heads": 1, "variants": ["fa3-fp8-bwd-bf16"]}
+    with pytest.raises(UsageError, match="forward only"):
+        load_study({**base, "backend": "fa3-mock"}, attribution=False)
+    with pytest.raises(UsageError, match="cannot run"):
+        load_study({**base, "backend": "cudnn-fp8"}, attribution=False)  # no GPU here
+    with pytest.raises(UsageError, match="not a device"):
+        load_study({**base, "device": "tpu"}, attribution=False)
+    assert load_study({**base, "backend": "emulate"}).backend == "emulate"
