@@ -130,6 +130,8 @@ class BackwardStudy(StoredFindings, Study):
                     "`fa3-numerics backends` marks fwd+bwd (a kernel: with --no-attribution)", "emulate"),
         StudyOption("device", str, "cpu or cuda[:N] (where the backend runs; the reference is float64 on the CPU)",
                     "cpu"),
+        StudyOption("do", str, "incoming gradient: auto (the distribution's own where it has one, a capture made "
+                    "with --grads; else synthetic) or synthetic (N(0, 1) from the seed, always)", "auto"),
     )
     examples = (
         "fa3-numerics run backward                                    # backward presets, outliers, seqlen 1024",
@@ -139,11 +141,13 @@ class BackwardStudy(StoredFindings, Study):
         "--heads 9 --kv-heads 3      # real dO (capture --grads)",
     )
 
-    def __init__(self, exp: Experiment, attribution: bool = True, backend: str = "emulate", device: str = "cpu"):
+    def __init__(self, exp: Experiment, attribution: bool = True, backend: str = "emulate", device: str = "cpu",
+                 do: str = "auto"):
         self.exp = exp
         self.attribution = attribution
         self.backend = backend
         self.device = device
+        self.do = do
 
     @classmethod
     def from_options(cls, attribution: bool | None = True, **values) -> "BackwardStudy":
@@ -164,7 +168,8 @@ class BackwardStudy(StoredFindings, Study):
         if ctx is not None:
             store = ctx.cells({"study": "backward", "dist": self.exp.dist, "batch": self.exp.batch,
                                "heads": self.exp.heads, "kv_heads": self.exp.kv_heads,
-                               "inputs": dist_key(self.exp.dist)}, STUDY_MODULES, backend=self.backend,
+                               "inputs": dist_key(self.exp.dist), "do": self.do}, STUDY_MODULES,
+                              backend=self.backend,
                               device=self.device)
         return compute(self, progress=ctx.echo if ctx is not None else (lambda m: None), store=store)
 
@@ -186,6 +191,10 @@ def load_study(overrides: dict, attribution: bool = True) -> BackwardStudy:
     kw = {k: v for k, v in overrides.items() if v is not None}
     backend = kw.pop("backend", None) or "emulate"
     device = kw.pop("device", None) or "cpu"
+    do = kw.pop("do", None) or "auto"
+    from ..errors import require
+
+    require(do in ("auto", "synthetic"), f"--do {do!r}: use auto (a capture's own dO where it has one) or synthetic")
     dist = kw.pop("dist", None) or "outliers"
     variants = kw.pop("variants", None) or [",".join(BACKWARD_PRESETS)]
     from ..data.dist_spec import parse_dist
@@ -198,7 +207,7 @@ def load_study(overrides: dict, attribution: bool = True) -> BackwardStudy:
                      dist=dist, variants=variants, params={k: list(v) for k, v in params.items()}, rows=0,
                      **shape)
     check_gradient_backend(backend, device, exp.recipes, attribution)
-    return BackwardStudy(exp, attribution, backend, device)
+    return BackwardStudy(exp, attribution, backend, device, do)
 
 
 def check_gradient_backend(name: str, device: str, recipes, attribution: bool) -> None:
@@ -266,20 +275,20 @@ def compute(study: BackwardStudy, progress=lambda m: None, store=None) -> Result
         from ..engine.backends import get_backend
 
         attrs.update(get_backend(study.backend).provenance())
-    attrs["do_source"] = "; ".join(sorted(sources)) if sources else do_source(study.exp)
+    attrs["do_source"] = "; ".join(sorted(sources)) if sources else do_source(study.exp, study.do)
     return Results(study, out, specs, time.perf_counter() - t0, attrs, reused)
 
 
 SYNTHETIC_DO = f"synthetic: N(0, 1) from torch.Generator().manual_seed({DO_SEED}), float64"
 
 
-def incoming(inp: DistInputs, seed: int, shape) -> tuple[torch.Tensor, str]:
-    """dO for the inputs ``inp`` draws: the distribution's own (a capture with gradients), else N(0, 1)
-    from ``do_seed(seed)``; and where it comes from."""
+def incoming(inp: DistInputs, seed: int, shape, do: str = "auto") -> tuple[torch.Tensor, str]:
+    """dO for the inputs ``inp`` draws: with ``do="auto"`` the distribution's own (a capture with
+    gradients), else (or with ``"synthetic"``) N(0, 1) from ``do_seed(seed)``; and where it comes from."""
     from ..data import distributions
 
     dims = distributions.AttnShape(inp.batch, inp.heads, inp.seqlen, inp.head_dim, kv_heads=inp.kv_heads)
-    real = distributions.incoming_gradient(inp.dist, dims, seed, **dict(inp.params))
+    real = None if do == "synthetic" else distributions.incoming_gradient(inp.dist, dims, seed, **dict(inp.params))
     if real is not None:
         do, source = real
         if tuple(do.shape) != tuple(shape):
@@ -289,13 +298,13 @@ def incoming(inp: DistInputs, seed: int, shape) -> tuple[torch.Tensor, str]:
     return torch.randn(shape, generator=g, dtype=torch.float64), SYNTHETIC_DO
 
 
-def do_source(exp) -> str:
+def do_source(exp, do: str = "auto") -> str:
     """Where a study's dO comes from, without drawing anything (cached runs): the first cell's answer."""
     hkv = exp.kv_heads or exp.heads
     cell = exp.cells()[0]
     inp = DistInputs(exp.dist, tuple((k, cell[k]) for k in exp.params), exp.batch, exp.heads, hkv, cell["seqlen"],
                      cell["head_dim"], exp.seeds[0])
-    return incoming(inp, exp.seeds[0], (exp.batch, exp.heads, cell["seqlen"], cell["head_dim"]))[1]
+    return incoming(inp, exp.seeds[0], (exp.batch, exp.heads, cell["seqlen"], cell["head_dim"]), do)[1]
 
 
 def _compute_cell(study, cell, seed, stages, specs, ci, si, out, progress, where) -> str:
@@ -308,7 +317,7 @@ def _compute_cell(study, cell, seed, stages, specs, ci, si, out, progress, where
     q, k, v = inp.draw("cpu")
     scale = 1.0 / math.sqrt(cell["head_dim"])
     check_inputs(q, k, v, scale=scale, where=f"{inp.describe()}, {where}, seed {seed}")
-    do, source = incoming(inp, seed, q.shape)
+    do, source = incoming(inp, seed, q.shape, study.do)
     ref = dict(zip(GRADS, reference_gradients(q, k, v, do, causal=cell["causal"], softmax_scale=scale)))
     backend = get_backend(study.backend)
     dev = study.device

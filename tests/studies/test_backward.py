@@ -328,9 +328,18 @@ def test_run_backward_on_a_capture_reads_its_real_do(tiny_llama, tmp_path):
         return np.asarray(per_sample(gr.dq, ref[1])["rmse"]).reshape(-1)
 
     np.testing.assert_allclose(got, rmse(c.do(1)[None]), rtol=1e-9)
-    # negative control: the synthetic dO the study would otherwise draw gives other figures
+    # negative control: the synthetic dO (--do synthetic, what the study draws without a capture's own)
+    # gives other figures, and those are what --do synthetic records
     synthetic = torch.randn(q.shape, generator=torch.Generator().manual_seed(29), dtype=torch.float64)
     assert not np.allclose(got, rmse(synthetic), rtol=0.1)
+    out2 = tmp_path / "bwd-synthetic"
+    with pytest.raises(SystemExit):
+        main(["run", "backward", "--dist", f"capture-file:{path}", "--layer", "1", "--seqlen", "64", "--head-dim",
+              "64", "--heads", "2", "--kv-heads", "1", "--causal", "true", "--variants", "fa3-fp8-bwd-bf16",
+              "--no-attribution", "--do", "synthetic", "--out", str(out2)])
+    ds2 = xr.load_dataset(out2 / "backward.nc", engine="h5netcdf")
+    assert ds2.attrs["do_source"].startswith("synthetic")
+    np.testing.assert_allclose(ds2["dq_rmse"].sel(stage="full").values.reshape(-1), rmse(synthetic), rtol=1e-9)
 
 
 def test_synthetic_do_is_said_so():
