@@ -322,6 +322,9 @@ class CudnnFp8Backend(Backend):
             return f"bwd.gran={recipe.bwd_gran.short_str()}: sdpa_fp8_backward takes one scale per tensor; {alt}"
         if recipe.bwd_rot != "none" or recipe.bwd_bm or recipe.bwd_bn:
             return f"bwd.rot/bwd.bm/bwd.bn set: cuDNN's backward neither rotates nor takes tiles; {alt}"
+        if recipe.bwd_pscale != "offset":
+            return (f"bwd.pscale={recipe.bwd_pscale}: cuDNN casts P in the backward with the forward's fixed scale_s "
+                    "= 2^poff; set bwd.pscale=offset (the cudnn-fp8-kernel preset)")
         do_fmt = backward_pairs(recipe)["bwd.dp"][0]
         if do_fmt not in FMT_MAX or recipe.bwd_out not in _TORCH_DT:
             return (f"dO in {do_fmt}, gradients in {recipe.bwd_out}: sdpa_fp8_backward takes dO in e4m3 or e5m2 "
@@ -604,8 +607,8 @@ class EmulatedGraphs:
     def recipe(do_fmt: str, grad_fmt: str):
         from fa3_numerics.numerics.recipe import get_recipe
 
-        return dataclasses.replace(get_recipe("cudnn-fp8").recipe, acc="fp32", out="e4m3", oscale="amax",
-                                   **bwd_formats(do_fmt, grad_fmt), bwd_acc="fp32")
+        return dataclasses.replace(get_recipe("cudnn-fp8-kernel").recipe, acc="fp32", **bwd_formats(do_fmt, grad_fmt),
+                                   bwd_acc="fp32")
 
     @staticmethod
     def build_train_forward(dev, b, h, hkv, n, d, causal, scale):

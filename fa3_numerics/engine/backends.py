@@ -229,7 +229,8 @@ def backward_refusal(backend: Backend, recipe: Recipe) -> str | None:
     """Why ``backend`` cannot compute ``recipe``'s forward and backward (None: it can): its own
     ``backward_supports`` (which answers for the ``bwd.*`` keys), then ``refusal``'s key check for the
     rest."""
-    why = backend.backward_supports(recipe)
+    sup = getattr(backend, "backward_supports", None)
+    why = sup(recipe) if sup is not None else f"backend {backend.name!r} computes the forward only; use --backend emulate"
     if why is not None or backend.name == "emulate":
         return why
     for k, value in recipe.nondefault():
@@ -263,7 +264,7 @@ def backend_table(device: str) -> list[dict]:
     for name in names():
         try:
             b = get_backend(name)
-            desc, hw, bwd = b.description, b.hardware, b.backward
+            desc, hw, bwd = b.description, b.hardware, bool(getattr(b, "backward", False))
         except (UsageError, ImportError):
             desc, hw, bwd = "", False, False
         rows.append({"name": name, "usable": status[name] is None, "why": status[name] or "",

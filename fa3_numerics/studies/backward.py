@@ -220,7 +220,7 @@ def check_gradient_backend(name: str, device: str, recipes, attribution: bool) -
     b = get_backend(name)
     why = b.check(device)
     require(why is None, f"backend {name!r} cannot run: {why}")
-    require(b.backward, f"backend {name!r} computes the forward only; `fa3-numerics backends` marks the fwd+bwd "
+    require(getattr(b, "backward", False), f"backend {name!r} computes the forward only; `fa3-numerics backends` marks the fwd+bwd "
             "ones (emulate, cudnn-fp8)")
     require(name == "emulate" or not attribution, f"--backend {name} computes the variants, not the attribution's "
             "emulated stages: add --no-attribution (or run the attribution with --backend emulate)")

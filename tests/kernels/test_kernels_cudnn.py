@@ -230,8 +230,9 @@ from fa3_numerics.numerics.metrics import fidelity  # noqa: E402
 
 
 def _bwd_recipe(do_fmt="e4m3", grad="e4m3", **kw):
-    return dataclasses.replace(get_recipe("cudnn-fp8").recipe, acc="fp32", out="e4m3", oscale="amax",
-                               **kc.bwd_formats(do_fmt, grad), bwd_acc="fp32", **kw)
+    # the kernel preset at float32 accumulation (CPU speed), in the given dO and gradient formats
+    return dataclasses.replace(get_recipe("cudnn-fp8-kernel").recipe, acc="fp32", **kc.bwd_formats(do_fmt, grad),
+                               bwd_acc="fp32", **kw)
 
 
 def test_backends_lists_which_compute_gradients():
@@ -245,6 +246,10 @@ def test_backward_refuses_what_cudnn_does_not_compute_with_the_fix():
     b = get_backend("cudnn-fp8")
     assert backward_refusal(b, _bwd_recipe()) is None
     assert backward_refusal(b, _bwd_recipe("e5m2", "bf16")) is None
+    assert backward_refusal(b, get_recipe("cudnn-fp8-kernel").recipe) is None
+    # the study preset (BF16 O, P at its amax) is not what the kernel computes; the kernel preset is
+    assert "out=e4m3,oscale=amax" in backward_refusal(b, get_recipe("cudnn-fp8").recipe)
+    assert "bwd.pscale=offset" in backward_refusal(b, dataclasses.replace(_bwd_recipe(), bwd_pscale="amax"))
     # Hopper's training forward writes FP8 O, which the backward reads
     assert "out=e4m3,oscale=amax" in backward_refusal(b, dataclasses.replace(_bwd_recipe(), out="bf16",
                                                                               oscale="none"))

@@ -361,3 +361,25 @@ def test_gradient_backends_are_checked_with_the_fix():
     with pytest.raises(UsageError, match="not a device"):
         load_study({**base, "device": "tpu"}, attribution=False)
     assert load_study({**base, "backend": "emulate"}).backend == "emulate"
+
+
+def test_bwd_pscale_offset_casts_p_at_the_forwards_fixed_scale():
+    """bwd.pscale=offset (cuDNN's scale_s): dV = P^T dO with P cast as e4m3(P * 2^poff) whatever P's amax,
+    checked against a hand computation on rows whose largest P is far below 1 (where amax scaling differs)."""
+    from fa3_numerics.numerics.formats import cast
+
+    q, k, v, do = _inputs(h=2, hkv=2, n=64, nk=64, d=64, scale=0.05)  # flat scores: max P ~ 1/64 * e
+    base = Recipe.from_str("exact,bwd.dv=e4m3:fp32")
+    lse_fwd = _exact_forward(q, k, v, False, 0.125)
+    fixed = backward_from(Recipe.from_str("exact,bwd.dv=e4m3:fp32,bwd.pscale=offset,poff=8"), q, k, v, lse_fwd, do,
+                          softmax_scale=0.125)
+    amax = backward_from(base, q, k, v, lse_fwd, do, softmax_scale=0.125)
+    s = (q @ k.transpose(-1, -2)).float() * torch.tensor(0.125 * math.log2(math.e), dtype=torch.float32)
+    p = torch.exp2(s - (lse_fwd.lse.float() * torch.tensor(math.log2(math.e), dtype=torch.float32)).unsqueeze(-1))
+    assert float(p.max()) < 0.2
+    want = (cast(p / torch.tensor(2.0 ** -8, dtype=torch.float32), "e4m3").float().transpose(-1, -2) @ do.float()) * 2.0 ** -8
+    torch.testing.assert_close(fixed.dv, want.double(), rtol=1e-6, atol=1e-7)
+    # negative control: P's amax scale gives other dV values
+    assert float((amax.dv - fixed.dv).abs().max()) > 1e-3 * float(fixed.dv.abs().max())
+    with pytest.raises(UsageError):
+        Recipe.from_str("exact,bwd.pscale=block")

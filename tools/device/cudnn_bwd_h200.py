@@ -108,16 +108,13 @@ def parse_arms(text: str) -> list[Arm]:
     return arms
 
 
-def arm_recipe(arm: Arm, acc: str):
-    """The ``cudnn-fp8`` preset for one arm: cuDNN's Hopper forward (``cudnn-fp8-fwd``'s: E4M3 O scaled
-    from Amax_O, fp22) and the backward formats of ``kernels.cudnn.bwd_formats`` for the arm, at
-    ``bwd.acc`` ``acc``."""
+def arm_recipe(arm: Arm, acc: str, preset: str = "cudnn-fp8-kernel"):
+    """``preset`` (its forward: cuDNN's Hopper forward, E4M3 O scaled from Amax_O, fp22) with the
+    backward formats of ``kernels.cudnn.bwd_formats`` for the arm, at ``bwd.acc`` ``acc``."""
     from fa3_numerics.kernels.cudnn import bwd_formats
     from fa3_numerics.numerics.recipe import get_recipe
 
-    fwd = get_recipe("cudnn-fp8-fwd").recipe
-    return dataclasses.replace(get_recipe("cudnn-fp8").recipe, acc=fwd.acc, out=fwd.out, oscale=fwd.oscale,
-                               **bwd_formats(arm.do, arm.grad), bwd_acc=acc)
+    return dataclasses.replace(get_recipe(preset).recipe, **bwd_formats(arm.do, arm.grad), bwd_acc=acc)
 
 
 # -- inputs ---------------------------------------------------------------------------------------
@@ -281,7 +278,7 @@ def write_npz(path: Path, saved: list[tuple[Case, dict]], rows: list[dict]) -> i
         if len(data) <= NPZ_LIMIT or not items:
             break
         c, d = items[-1]
-        arm_keys = sorted({k.split("/")[0] for k in d if "/" in k})
+        arm_keys = sorted({k.split("/")[0] for k in d if ":" in k.split("/")[0]})
         if len(arm_keys) > 1:
             drop = arm_keys[-1]
             items[-1] = (c, {k: v for k, v in d.items() if not k.startswith(drop + "/")})
