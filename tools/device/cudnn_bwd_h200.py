@@ -15,7 +15,8 @@ format; ``e4m3:e4m3`` is cuDNN's own benchmark, ``e5m2:e5m2`` TransformerEngine'
    descale_o from the first's Amax_O; ``sdpa_fp8_backward`` three times: scale_dP = 1 to read Amax_dP,
    then scale_dP = max / Amax_dP (the dO format's max) to read Amax_dQ/dK/dV, then scale_dQ/dK/dV =
    max / Amax (FP8 gradients; one call less for BF16 ones);
-4. the emulator on the very same FP8 values (dequantized, float64): the preset's backward from the
+4. the emulator on the very same FP8 values (dequantized, float64), ``cudnn-fp8-kernel`` in the arm's
+   formats (``arm_recipe``): the preset's backward from the
    kernel's own O and Stats (``kfwd``: the backward alone) at ``bwd.acc`` fp32 and fp22, and forward +
    backward from the emulator's own forward (``own``);
 5. F = RMSE(emulator, kernel) / RMSE(kernel, fp64) per output (O, dQ, dK, dV; ``metrics.fidelity``),
@@ -79,10 +80,12 @@ class Case:
 CASES = (
     Case("outliers", 1024, 128, False, heads=2, kv_heads=2),
     Case("outliers", 1024, 128, True, heads=2, kv_heads=2),
-    Case("k-bias", 1024, 64, False, heads=2, kv_heads=2),
+    # non-causal k-bias: rows whose largest P is ~0.1, where P's scale in the backward shows
+    Case("k-bias", 1024, 128, False, heads=2, kv_heads=2),
+    # cuDNN 9.19 declines head dim 64 on Hopper (kept: the refusal is recorded)
     Case("outliers", 2048, 64, True),
     Case("k-bias", 2048, 128, True),
-    Case("k-bias", 1024, 128, False),
+    Case("sink-tokens", 1024, 128, False),
     Case("outliers", 2048, 128, False),
     Case("outliers", 1024, 128, True, heads=8, kv_heads=2),
 )
