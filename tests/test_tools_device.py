@@ -222,3 +222,22 @@ def test_cudnn_backward_dry_run_fails_when_decoding_is_wrong(tmp_path, monkeypat
     monkeypatch.setattr(kc, "decode", lambda raw, scale: raw.to(torch.float64))
     args = ["--dry", "--out", str(tmp_path), "--cases", "1", "--arms", "e4m3:e4m3", "--variants", "kfwd/fp32"]
     assert mod.main(args) == 1
+
+
+def test_fit_script_reads_the_saved_cases_and_scores_the_stand_in(tmp_path, capsys):
+    # tools/fit_cudnn_bwd.py on a dry run's .npz: the stand-in kernel is the float32 emulator (cudnn-fp8-kernel's
+    # formats and P scale), so that candidate gives the kernel's codes back through the .npz round trip
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        fit = importlib.import_module("fit_cudnn_bwd")
+        mod = _load("cudnn_bwd_h200")
+        assert mod.main(["--dry", "--out", str(tmp_path), "--cases", "1", "--arms", "e4m3:e4m3", "--variants",
+                         "kfwd/fp32"]) == 0
+        (name, arm, d), = list(fit.cases(str(tmp_path / "cudnn_bwd_cases.npz")))
+        good = fit.score(d, "bwd.acc=fp32")
+        assert min(good[g]["codes_equal"] for g in ("dq", "dk", "dv")) > 0.99
+        assert max(good[g]["F"] for g in ("dq", "dk", "dv")) < 0.01
+        assert fit.main([str(tmp_path / "missing.npz")]) == 2
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+        sys.modules.pop("fit_cudnn_bwd", None)
