@@ -1,4 +1,5 @@
-"""cuDNN's FP8 attention forward as a backend (``--backend cudnn-fp8``).
+"""cuDNN's FP8 attention, forward and backward, as a backend (``--backend cudnn-fp8``; the backward through
+``gradients``, which ``run backward --backend cudnn-fp8`` calls; its recipe is ``cudnn-fp8-kernel``).
 
 Exposed: ``CudnnFp8Backend``, ``kernel_problem``, ``load_kernel``, ``kernel_inputs``, ``out_descale``,
 ``p_scales``, ``INSTALL_HINT``; the training path: ``build_train_forward``, ``run_train_forward``,
@@ -191,9 +192,10 @@ def run_graph(entry: dict, ins: dict, scale_o: float, out: str) -> dict:
 
 
 class CudnnFp8Backend(Backend):
-    """cuDNN's fused FP8 SDPA forward (cudnn-frontend ``sdpa_fp8``). ``kernel_fn`` (None = cuDNN)
-    lets a stand-in replace the graph (tests): ``fn(ins, scale_o, out, causal, softmax_scale)`` ->
-    ``run_graph``'s dict."""
+    """cuDNN's fused FP8 SDPA forward (cudnn-frontend ``sdpa_fp8``) and, through ``gradients``, its
+    training forward + ``sdpa_fp8_backward`` (``fp8_fwd_bwd``). ``kernel_fn`` (None = cuDNN) lets a
+    stand-in replace the forward graph (tests): ``fn(ins, scale_o, out, causal, softmax_scale)`` ->
+    ``run_graph``'s dict; ``graphs`` the backward's (``EmulatedGraphs``)."""
 
     name = "cudnn-fp8"
     label = "cudnn-fp8 (cuDNN fused FP8 SDPA, cudnn-frontend sdpa_fp8 and sdpa_fp8_backward)"
