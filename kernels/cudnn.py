@@ -1,7 +1,10 @@
-"""cuDNN's FP8 attention forward as a backend (``--backend cudnn-fp8``).
+"""cuDNN's FP8 attention, forward and backward, as a backend (``--backend cudnn-fp8``; the backward through
+``gradients``, which ``run backward --backend cudnn-fp8`` calls; its recipe is ``cudnn-fp8-kernel``).
 
 Exposed: ``CudnnFp8Backend``, ``kernel_problem``, ``load_kernel``, ``kernel_inputs``, ``out_descale``,
-``p_scales``, ``INSTALL_HINT``.
+``p_scales``, ``INSTALL_HINT``; the training path: ``build_train_forward``, ``run_train_forward``,
+``build_backward``, ``run_backward``, ``fp8_fwd_bwd``, ``decode``, ``per_tensor_fp8``, ``bwd_formats``,
+``EmulatedGraphs``, ``BWD_SCALARS``, ``FMT_MAX``.
 
 The kernel is cuDNN's fused FP8 SDPA forward, reached through cudnn-frontend's Python graph API
 (``nvidia-cudnn-frontend`` 1.32, module ``cudnn``: ``pygraph.sdpa_fp8``), the path
@@ -189,14 +192,16 @@ def run_graph(entry: dict, ins: dict, scale_o: float, out: str) -> dict:
 
 
 class CudnnFp8Backend(Backend):
-    """cuDNN's fused FP8 SDPA forward (cudnn-frontend ``sdpa_fp8``). ``kernel_fn`` (None = cuDNN)
-    lets a stand-in replace the graph (tests): ``fn(ins, scale_o, out, causal, softmax_scale)`` ->
-    ``run_graph``'s dict."""
+    """cuDNN's fused FP8 SDPA forward (cudnn-frontend ``sdpa_fp8``) and, through ``gradients``, its
+    training forward + ``sdpa_fp8_backward`` (``fp8_fwd_bwd``). ``kernel_fn`` (None = cuDNN) lets a
+    stand-in replace the forward graph (tests): ``fn(ins, scale_o, out, causal, softmax_scale)`` ->
+    ``run_graph``'s dict; ``graphs`` the backward's (``EmulatedGraphs``)."""
 
     name = "cudnn-fp8"
-    label = "cudnn-fp8 (cuDNN fused FP8 SDPA forward, cudnn-frontend sdpa_fp8)"
-    description = ("cuDNN's FP8 SDPA forward (cudnn-frontend sdpa_fp8, TransformerEngine's FP8 attention): E4M3 "
-                   "Q/K/V/P with one descale per tensor, O in E4M3 with scale_o = 448/amax_o on Hopper")
+    label = "cudnn-fp8 (cuDNN fused FP8 SDPA, cudnn-frontend sdpa_fp8 and sdpa_fp8_backward)"
+    description = ("cuDNN's FP8 SDPA (cudnn-frontend sdpa_fp8 and sdpa_fp8_backward, TransformerEngine's FP8 "
+                   "attention): E4M3 Q/K/V/P with one descale per tensor, O in E4M3 with scale_o = 448/amax_o on "
+                   "Hopper; backward with dO and dS in E4M3 or E5M2, gradients E4M3, E5M2 or BF16")
     hardware = True
     kernel_fn = None
     #: the last call's Amax_S and Amax_O, as the kernel reported them (what TE would scale by).
@@ -294,6 +299,79 @@ class CudnnFp8Backend(Backend):
             o = o.index_select(2, q_index.to(o.device))
         return o
 
+    # -- the backward (``run backward --backend cudnn-fp8``) ------------------------------------
+    backward = True
+    #: None = cuDNN; an object with the four graph functions of ``fp8_fwd_bwd`` replaces them (tests:
+    #: ``EmulatedGraphs``)
+    graphs = None
+    #: the last backward call's scales and amaxes, as ``fp8_fwd_bwd`` returned them
+    last_backward: dict = {}
+
+    def backward_supports(self, recipe: Recipe) -> str | None:
+        """sdpa_fp8 (training) + sdpa_fp8_backward as this module runs them: the forward's checks, FP8 O
+        scaled from Amax_O (Hopper's only O, which the backward reads), one scale per tensor, no rotation
+        or tiles, and the ``bwd.*`` formats of ``bwd_formats`` for the recipe's dO format."""
+        from fa3_numerics.numerics.keys.backward import backward_pairs
+
+        why = self.supports(recipe)
+        if why is not None:
+            return why
+        alt = "use --backend emulate"
+        if (recipe.out, recipe.oscale) != ("e4m3", "amax"):
+            return (f"out={recipe.out},oscale={recipe.oscale}: cuDNN's training forward writes O in E4M3 scaled "
+                    "from its Amax_O, which its backward reads; set out=e4m3,oscale=amax")
+        if not isinstance(recipe.bwd_gran, PerTensor):
+            return f"bwd.gran={recipe.bwd_gran.short_str()}: sdpa_fp8_backward takes one scale per tensor; {alt}"
+        if recipe.bwd_rot != "none" or recipe.bwd_bm or recipe.bwd_bn:
+            return f"bwd.rot/bwd.bm/bwd.bn set: cuDNN's backward neither rotates nor takes tiles; {alt}"
+        if recipe.bwd_pscale != "offset":
+            return (f"bwd.pscale={recipe.bwd_pscale}: cuDNN casts P in the backward with the forward's fixed scale_s "
+                    "= 2^poff; set bwd.pscale=offset (the cudnn-fp8-kernel preset)")
+        do_fmt = backward_pairs(recipe)["bwd.dp"][0]
+        if do_fmt not in FMT_MAX or recipe.bwd_out not in _TORCH_DT:
+            return (f"dO in {do_fmt}, gradients in {recipe.bwd_out}: sdpa_fp8_backward takes dO in e4m3 or e5m2 "
+                    f"and writes e4m3, e5m2 or bf16 gradients; {alt}")
+        want = bwd_formats(do_fmt, recipe.bwd_out)
+        off = [f"{k.replace('_', '.', 1)}={v}" for k, v in want.items() if getattr(recipe, k) != v]
+        if off:
+            return (f"with dO in {do_fmt}, cuDNN's FP8 backward computes {', '.join(off)} (Q, K, V, O, P in E4M3, "
+                    f"dS in dO's format); set those keys or {alt}")
+        return None
+
+    def gradients(self, recipe, q, k, v, do, *, causal, rotation_seed, cache, softmax_scale=None):
+        from fa3_numerics.numerics.emulator import prepare
+        from fa3_numerics.numerics.keys.backward import backward_pairs
+
+        why = self.backward_supports(recipe)
+        if why is not None:
+            raise UsageError(f"recipe {recipe.short_str()} cannot run on cuDNN's sdpa_fp8_backward: {why}")
+        if self.graphs is None and not q.is_cuda:
+            raise UsageError("cuDNN's attention needs the inputs on a CUDA device; pass --device cuda")
+        b, h, n, d = q.shape
+        if k.shape[2] != n:
+            raise UsageError(f"seqlen_q {n} != seqlen_k {k.shape[2]}: the backward runs self-attention shapes here")
+        every = torch.arange(n, device=q.device)
+        pre = prepare(recipe, q, k, v, q_index=every, rotation_seed=rotation_seed, causal=causal, cache=cache)
+        kin = kernel_inputs(pre, recipe, k.shape[1])
+        do_fmt = backward_pairs(recipe)["bwd.dp"][0]
+        do8, descale_do = per_tensor_fp8(do, do_fmt)
+        ins = {"q": kin["q"], "k": kin["k"], "v": kin["v"], "dO": do8.to(q.device), "descale_dO": descale_do}
+        ins.update({name: float(kin[name].reshape(-1)[0]) for name in ("descale_q", "descale_k", "descale_v",
+                                                                        "descale_s", "scale_s")})
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+        try:
+            res = fp8_fwd_bwd(ins, causal, scale, do_fmt, recipe.bwd_out, graphs=self.graphs)
+        except (UsageError, TypeError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - cuDNN's refusals are its own exception types
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise UsageError(f"cuDNN declines sdpa_fp8 training + sdpa_fp8_backward for [B {b}, H {h}/{k.shape[1]}, "
+                             f"N {n}, D {d}] ({type(exc).__name__}: {first})") from None
+        sc = res["scalars"]
+        type(self).last_backward = {"scalars": sc, "amax": res["amax"]}
+        return {"o": decode(res["o_raw"], sc["scale_o"]), "dq": decode(res["dq_raw"], sc["scale_dQ"]),
+                "dk": decode(res["dk_raw"], sc["scale_dK"]), "dv": decode(res["dv_raw"], sc["scale_dV"])}
+
     @staticmethod
     def _graph(dev, b, h, hkv, n, nk, d, dv, causal, scale, out):
         try:
@@ -304,3 +382,282 @@ class CudnnFp8Backend(Backend):
                     if out == "bf16" else "")
             raise UsageError(f"cuDNN declines sdpa_fp8 for [B {b}, H {h}/{hkv}, N {n}/{nk}, D {d}] "
                              f"({type(exc).__name__}: {first}){hint}") from None
+
+
+# -- training: the forward that saves its stats, and sdpa_fp8_backward ------------------------------
+#
+# cudnn-frontend's sdpa_fp8_backward (python/pygraph/sdpa.cpp; include/cudnn_frontend/node/sdpa_fp8_bwd.h)
+# reads Q, K, V, O and dO in FP8 with one float32 descale each (descale_q/k/v/o/dO), the forward's Stats
+# (float32 [B, H, N, 1]: max + log(sum exp) of the scaled scores, the natural-log LSE), P's scale pair
+# (scale_s/descale_s, as in the forward), the pair of dP (cuDNN's dP is the softmax gradient, our dS:
+# scale_dP quantizes it, descale_dP undoes it in dQ and dK) and the scales dQ, dK, dV are written with
+# (scale_dQ/dK/dV); it returns dQ, dK, dV and Amax_dQ/dK/dV/dP. cuDNN's own benchmark
+# (benchmark/sdpa_benchmark_training) runs every FP8 tensor in E4M3; TransformerEngine's HYBRID format
+# puts dO (and the gradients) in E5M2. Both are offered here: which one a kernel accepts is cuDNN's call.
+
+_CUDNN_DT = {"e4m3": "FP8_E4M3", "e5m2": "FP8_E5M2", "bf16": "BFLOAT16"}
+_TORCH_DT = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "bf16": torch.bfloat16}
+BWD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s", "descale_dP",
+               "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP")
+_FWD_TRAIN: dict = {}
+_BWD: dict = {}
+
+
+def _plan(cudnn, graph) -> None:
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+
+
+def build_train_forward(dev, b: int, h: int, hkv: int, n: int, d: int, causal: bool, scale: float) -> dict:
+    """The planned sdpa_fp8 training forward (is_inference=False: Stats written) for one shape, O in
+    E4M3 (Hopper's only FP8 O), cached: {"graph", "t", "workspace"}."""
+    key = (str(dev), b, h, hkv, n, d, bool(causal), float(scale))
+    if key in _FWD_TRAIN:
+        return _FWD_TRAIN[key]
+    cudnn = load_kernel()[0]
+    dt = cudnn.data_type
+    graph = cudnn.pygraph(io_data_type=dt.FP8_E4M3, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT,
+                          handle=_handle(dev))
+    t = {}
+    for name, shape in (("q", [b, h, n, d]), ("k", [b, hkv, n, d]), ("v", [b, hkv, n, d])):
+        t[name] = graph.tensor(name=name, dim=shape, stride=_stride(shape), data_type=dt.FP8_E4M3)
+    for name in _SCALARS:
+        t[name] = graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.FLOAT)
+    o, stats, amax_s, amax_o = graph.sdpa_fp8(
+        q=t["q"], k=t["k"], v=t["v"], descale_q=t["descale_q"], descale_k=t["descale_k"], descale_v=t["descale_v"],
+        descale_s=t["descale_s"], scale_s=t["scale_s"], scale_o=t["scale_o"], is_inference=False,
+        attn_scale=float(scale), use_causal_mask=bool(causal), name="sdpa_fp8_train")
+    o.set_output(True).set_dim([b, h, n, d]).set_stride(_stride([b, h, n, d])).set_data_type(dt.FP8_E4M3)
+    stats.set_output(True).set_dim([b, h, n, 1]).set_stride(_stride([b, h, n, 1])).set_data_type(dt.FLOAT)
+    for name, a in (("amax_s", amax_s), ("amax_o", amax_o)):
+        a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(dt.FLOAT)
+        t[name] = a
+    t["o"], t["stats"] = o, stats
+    _plan(cudnn, graph)
+    ws = torch.empty(max(1, int(graph.get_workspace_size())), dtype=torch.uint8, device=dev)
+    _FWD_TRAIN[key] = entry = {"graph": graph, "t": t, "workspace": ws}
+    return entry
+
+
+def run_train_forward(entry: dict, ins: dict, scale_o: float) -> dict:
+    """One training forward: {"o" (E4M3 [B, H, N, D]), "stats" (float32 [B, H, N, 1]), "amax_s",
+    "amax_o"}; ``ins`` as ``kernel_inputs`` gives it."""
+    t = entry["t"]
+    q = ins["q"]
+    dev = q.device
+    b, h, n, d = q.shape
+    out = {"o": torch.empty((b, h, n, d), dtype=torch.float8_e4m3fn, device=dev),
+           "stats": torch.empty((b, h, n, 1), dtype=torch.float32, device=dev),
+           "amax_s": torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=dev),
+           "amax_o": torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=dev)}
+    pack = {t[k]: ins[k] for k in ("q", "k", "v", "descale_q", "descale_k", "descale_v", "descale_s", "scale_s")}
+    pack[t["scale_o"]] = torch.tensor(float(scale_o), dtype=torch.float32, device=dev).reshape(1, 1, 1, 1)
+    pack.update({t[k]: out[k] for k in out})
+    entry["graph"].execute(pack, entry["workspace"], handle=_handle(dev))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return {"o": out["o"], "stats": out["stats"], "amax_s": float(out["amax_s"].item()),
+            "amax_o": float(out["amax_o"].item())}
+
+
+def build_backward(dev, b: int, h: int, hkv: int, n: int, d: int, causal: bool, scale: float, do_fmt: str,
+                   grad_fmt: str) -> dict:
+    """The planned sdpa_fp8_backward graph for one shape, dO in ``do_fmt`` (e4m3 / e5m2), dQ, dK, dV
+    written in ``grad_fmt`` (e4m3 / e5m2 / bf16), cached. cuDNN's refusal propagates."""
+    key = (str(dev), b, h, hkv, n, d, bool(causal), float(scale), do_fmt, grad_fmt)
+    if key in _BWD:
+        return _BWD[key]
+    cudnn = load_kernel()[0]
+    dt = cudnn.data_type
+    graph = cudnn.pygraph(io_data_type=dt.FP8_E4M3, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT,
+                          handle=_handle(dev))
+    t = {}
+    shapes = {"q": [b, h, n, d], "k": [b, hkv, n, d], "v": [b, hkv, n, d], "o": [b, h, n, d], "dO": [b, h, n, d]}
+    for name, shape in shapes.items():
+        fmt = getattr(dt, _CUDNN_DT[do_fmt]) if name == "dO" else dt.FP8_E4M3
+        t[name] = graph.tensor(name=name, dim=shape, stride=_stride(shape), data_type=fmt)
+    t["stats"] = graph.tensor(name="stats", dim=[b, h, n, 1], stride=_stride([b, h, n, 1]), data_type=dt.FLOAT)
+    for name in BWD_SCALARS:
+        t[name] = graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.FLOAT)
+    outs = graph.sdpa_fp8_backward(
+        q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["dO"], stats=t["stats"],
+        **{name: t[name] for name in BWD_SCALARS}, attn_scale=float(scale), use_causal_mask=bool(causal),
+        name="sdpa_fp8_backward")
+    for name, x, shape in zip(("dq", "dk", "dv"), outs[:3], (shapes["q"], shapes["k"], shapes["v"])):
+        x.set_output(True).set_dim(shape).set_stride(_stride(shape)).set_data_type(getattr(dt, _CUDNN_DT[grad_fmt]))
+        t[name] = x
+    for name, a in zip(("amax_dQ", "amax_dK", "amax_dV", "amax_dP"), outs[3:7]):
+        a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(dt.FLOAT)
+        t[name] = a
+    _plan(cudnn, graph)
+    ws = torch.empty(max(1, int(graph.get_workspace_size())), dtype=torch.uint8, device=dev)
+    _BWD[key] = entry = {"graph": graph, "t": t, "workspace": ws, "grad_fmt": grad_fmt}
+    return entry
+
+
+def run_backward(entry: dict, ins: dict, scalars: dict) -> dict:
+    """One sdpa_fp8_backward: {"dq", "dk", "dv" (as written, ``grad_fmt``), "amax_dQ", "amax_dK",
+    "amax_dV", "amax_dP" (floats)}. ``ins``: "q", "k", "v", "o", "dO" (FP8), "stats"; ``scalars``:
+    every name of ``BWD_SCALARS`` as a float."""
+    t = entry["t"]
+    dev = ins["q"].device
+    dtype = _TORCH_DT[entry["grad_fmt"]]
+    out = {name: torch.empty(tuple(ins[src].shape), dtype=dtype, device=dev)
+           for name, src in (("dq", "q"), ("dk", "k"), ("dv", "v"))}
+    amax = {name: torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=dev)
+            for name in ("amax_dQ", "amax_dK", "amax_dV", "amax_dP")}
+    pack = {t[k]: ins[k] for k in ("q", "k", "v", "o", "dO", "stats")}
+    pack.update({t[k]: torch.tensor(float(scalars[k]), dtype=torch.float32, device=dev).reshape(1, 1, 1, 1)
+                 for k in BWD_SCALARS})
+    pack.update({t[k]: out[k] for k in out})
+    pack.update({t[k]: amax[k] for k in amax})
+    entry["graph"].execute(pack, entry["workspace"], handle=_handle(dev))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return {**out, **{k: float(v.item()) for k, v in amax.items()}}
+
+
+FMT_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+
+
+def _f32(x: float) -> float:
+    return float(torch.tensor(float(x), dtype=torch.float32))
+
+
+def _one(x: float, dev) -> torch.Tensor:
+    return torch.tensor(float(x), dtype=torch.float32, device=dev).reshape(1, 1, 1, 1)
+
+
+def fp8_fwd_bwd(ins: dict, causal: bool, scale: float, do_fmt: str, grad_fmt: str, graphs=None) -> dict:
+    """cuDNN's FP8 training step on FP8 inputs, with TransformerEngine's current scaling (every scale
+    from this call's own amax): the training forward twice (scale_o = 1, then 1 / descale_o with
+    descale_o = Amax_O / 448), then sdpa_fp8_backward with scale_dP = 1 (to read Amax_dP, taken
+    before the scale), again with scale_dP = max / Amax_dP (the dO format's max; descale_dP its
+    reciprocal) to read Amax_dQ/dK/dV, and, for FP8 gradients, once more with scale_dQ/dK/dV =
+    max / Amax. ``ins``: "q", "k", "v" (E4M3 codes [B, H(kv), N, D]), "dO" (``do_fmt`` codes), and
+    floats "descale_q/k/v/dO", "scale_s", "descale_s". ``graphs``: the module or object holding
+    ``build_train_forward``, ``run_train_forward``, ``build_backward``, ``run_backward`` (None: this
+    module, the cuDNN library; ``EmulatedGraphs`` in tests and dry runs).
+
+    Returns {"o_raw", "stats", "dq_raw", "dk_raw", "dv_raw" (as written), "scalars" (every scale,
+    with "scale_o"), "amax" (what each call reported)}; ``decode`` turns raw outputs into values."""
+    kc = graphs if graphs is not None else __import__(__name__, fromlist=["_"])
+    dev = ins["q"].device
+    b, h, n, d = ins["q"].shape
+    hkv = ins["k"].shape[1]
+    fwd = kc.build_train_forward(dev, b, h, hkv, n, d, causal, scale)
+    fins = {x: ins[x] for x in "qkv"}
+    fins.update({name: _one(ins[name], dev) for name in ("descale_q", "descale_k", "descale_v", "descale_s",
+                                                          "scale_s")})
+    first = kc.run_train_forward(fwd, fins, 1.0)
+    descale_o = _f32(first["amax_o"] / FMT_MAX["e4m3"]) if first["amax_o"] > 0 else 1.0
+    scale_o = _f32(1.0 / descale_o)
+    res = kc.run_train_forward(fwd, fins, scale_o)
+    bwd = kc.build_backward(dev, b, h, hkv, n, d, causal, scale, do_fmt, grad_fmt)
+    bins = {"q": ins["q"], "k": ins["k"], "v": ins["v"], "o": res["o"], "dO": ins["dO"], "stats": res["stats"]}
+    sc = {"descale_q": ins["descale_q"], "descale_k": ins["descale_k"], "descale_v": ins["descale_v"],
+          "descale_o": descale_o, "descale_dO": ins["descale_dO"], "descale_s": ins["descale_s"],
+          "scale_s": ins["scale_s"], "descale_dP": 1.0, "scale_dP": 1.0, "scale_dQ": 1.0, "scale_dK": 1.0,
+          "scale_dV": 1.0}
+    calls = [kc.run_backward(bwd, bins, dict(sc))]
+    amax_dp = calls[0]["amax_dP"]
+    sc["scale_dP"] = _f32(FMT_MAX[do_fmt] / amax_dp) if amax_dp > 0 else 1.0
+    sc["descale_dP"] = _f32(1.0 / sc["scale_dP"])
+    calls.append(kc.run_backward(bwd, bins, dict(sc)))
+    if grad_fmt != "bf16":
+        for g in ("dQ", "dK", "dV"):
+            a = calls[-1][f"amax_{g}"]
+            sc[f"scale_{g}"] = _f32(FMT_MAX[grad_fmt] / a) if a > 0 else 1.0
+        calls.append(kc.run_backward(bwd, bins, dict(sc)))
+    last = calls[-1]
+    return {"o_raw": res["o"], "stats": res["stats"], "dq_raw": last["dq"], "dk_raw": last["dk"],
+            "dv_raw": last["dv"], "scalars": {**sc, "scale_o": scale_o},
+            "amax": {"fwd_first": {"amax_s": first["amax_s"], "amax_o": first["amax_o"]},
+                     "fwd": {"amax_s": res["amax_s"], "amax_o": res["amax_o"]},
+                     "bwd": [{k: c[k] for k in c if k.startswith("amax")} for c in calls]}}
+
+
+def decode(raw: torch.Tensor, scale: float) -> torch.Tensor:
+    """A tensor cuDNN wrote (FP8 codes of x * ``scale``, or BF16 x unscaled) as float64 x."""
+    x = raw.to(torch.float32).to(torch.float64)
+    return x if raw.dtype == torch.bfloat16 else x / scale
+
+
+def per_tensor_fp8(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, float]:
+    """(codes in ``fmt``'s torch dtype, descale): descale = amax / max in float64 rounded to float32
+    (``quant.amax_to_scale``, as the forward's Q, K, V), codes the saturating cast of x / descale."""
+    from fa3_numerics.numerics.formats import cast, get_format
+    from fa3_numerics.numerics.quant import amax_to_scale
+
+    descale = amax_to_scale(x.abs().amax(), get_format(fmt))
+    return cast(x.to(torch.float64) / descale.to(torch.float64), fmt), float(descale)
+
+
+class EmulatedGraphs:
+    """The four graph functions of ``fp8_fwd_bwd`` computed by the emulator (its forward, E4M3 O; its
+    backward from the O and Stats it is handed, float32 accumulation, dS in the dO format), taking and
+    writing what cuDNN takes and writes (FP8 codes, (1, 1, 1, 1) float32 forward descales, outputs times
+    their scale, amaxes in true units). Never hardware: it lets the call sequence, the scales and the
+    decoding run on a CPU (tests, ``tools/device/cudnn_bwd_h200.py --dry``)."""
+
+    ENGINE = "stand-in (the emulator), not cuDNN"
+
+    @staticmethod
+    def recipe(do_fmt: str, grad_fmt: str):
+        from fa3_numerics.numerics.recipe import get_recipe
+
+        return dataclasses.replace(get_recipe("cudnn-fp8-kernel").recipe, acc="fp32", **bwd_formats(do_fmt, grad_fmt),
+                                   bwd_acc="fp32")
+
+    @staticmethod
+    def build_train_forward(dev, b, h, hkv, n, d, causal, scale):
+        return {"causal": causal, "scale": scale}
+
+    @staticmethod
+    def run_train_forward(entry, ins, scale_o):
+        from fa3_numerics.numerics.backward import run_forward
+        from fa3_numerics.numerics.formats import cast
+
+        for name in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s"):
+            t = ins[name]
+            if not (torch.is_tensor(t) and t.shape == (1, 1, 1, 1) and t.dtype == torch.float32):
+                raise TypeError(f"{name} must be a (1, 1, 1, 1) float32 tensor, as cuDNN's graph takes it")
+        q, k, v = (ins[x].to(torch.float64) * float(ins[f"descale_{x}"]) for x in "qkv")
+        fwd = run_forward(EmulatedGraphs.recipe("e4m3", "e4m3"), q, k, v, causal=entry["causal"],
+                          softmax_scale=entry["scale"])
+        return {"o": cast(fwd.o * scale_o, "e4m3"), "stats": fwd.lse.unsqueeze(-1).to(torch.float32),
+                "amax_s": 1.0, "amax_o": float(fwd.o.abs().amax())}
+
+    @staticmethod
+    def build_backward(dev, b, h, hkv, n, d, causal, scale, do_fmt, grad_fmt):
+        return {"causal": causal, "scale": scale, "do": do_fmt, "grad": grad_fmt}
+
+    @staticmethod
+    def run_backward(entry, ins, sc):
+        from fa3_numerics.numerics.backward import Forward, backward_from
+        from fa3_numerics.numerics.formats import cast
+
+        q, k, v = (ins[x].to(torch.float64) * sc[f"descale_{x}"] for x in "qkv")
+        o = ins["o"].to(torch.float64) * sc["descale_o"]
+        do = ins["dO"].to(torch.float64) * sc["descale_dO"]
+        r = dataclasses.replace(EmulatedGraphs.recipe(entry["do"], entry["grad"]), bwd_out="fp32")
+        gr = backward_from(r, q, k, v, Forward(o, ins["stats"][..., 0]), do, causal=entry["causal"],
+                           softmax_scale=entry["scale"])
+        out = {"amax_dP": 1.0}
+        for g, x in (("dQ", gr.dq), ("dK", gr.dk), ("dV", gr.dv)):
+            out[g.lower()] = (x.to(torch.bfloat16) if entry["grad"] == "bf16"
+                              else cast(x * sc[f"scale_{g}"], entry["grad"]))
+            out[f"amax_{g}"] = float(x.abs().amax())
+        return out
+
+
+def bwd_formats(do_fmt: str, grad_fmt: str) -> dict:
+    """The ``bwd.*`` operand formats of cuDNN's FP8 backward with dO (and dS) in ``do_fmt``: Q, K, V,
+    O, P in E4M3, gradients written in ``grad_fmt``."""
+    pair = lambda a, b: a if a == b else f"{a}:{b}"  # noqa: E731
+    g = do_fmt
+    return {"bwd_s": "e4m3", "bwd_dv": pair("e4m3", g), "bwd_dp": pair(g, "e4m3"), "bwd_ds": pair(g, "e4m3"),
+            "bwd_dq": pair(g, "e4m3"), "bwd_dk": pair(g, "e4m3"), "bwd_out": grad_fmt}

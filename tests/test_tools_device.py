@@ -189,3 +189,55 @@ def test_the_scripts_use_the_library_not_copies():
         for copy in ("def log(", "class Out", "class Sizes", "Event(enable_timing", "def _bench", "def paper_tensor",
                      "spike = torch.randn"):
             assert copy not in text, f"{name}.py defines its own {copy!r}"
+
+
+def test_cudnn_backward_script_refuses_without_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _load("cudnn_bwd_h200").main(["--out", "."]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_cudnn_backward_dry_run_decodes_what_the_stand_in_wrote(tmp_path):
+    # The stand-in kernel is the emulator encoded as cuDNN writes (FP8 times its scale): decoding it and
+    # running the same emulator must give F ~ 0, and the .npz must hold the FP8 bytes and the scales.
+    import numpy as np
+
+    mod = _load("cudnn_bwd_h200")
+    args = ["--dry", "--out", str(tmp_path), "--cases", "1", "--arms", "e4m3:e4m3", "--variants", "kfwd/fp32"]
+    assert mod.main(args) == 0
+    rows = json.loads((tmp_path / "cudnn_bwd_h200.json").read_text())["rows"]
+    fid = rows[0]["arms"]["e4m3:e4m3"]["variants"]["kfwd/fp32"]["fidelity"]
+    assert max(fid[g]["F"] for g in ("dq", "dk", "dv")) < 0.01
+    with np.load(tmp_path / "cudnn_bwd_cases.npz") as z:
+        name = rows[0]["case"]
+        assert z[f"{name}/q"].dtype == np.uint8 and z[f"{name}/e4m3:e4m3/dq_raw"].dtype == np.uint8
+        assert "scale_dQ" in json.loads(str(z[f"{name}/e4m3:e4m3/scalars"]))
+
+
+def test_cudnn_backward_dry_run_fails_when_decoding_is_wrong(tmp_path, monkeypatch):
+    # negative control: a decoder that forgets the kernel's scale moves F far from 0
+    from fa3_numerics.kernels import cudnn as kc
+
+    mod = _load("cudnn_bwd_h200")
+    monkeypatch.setattr(kc, "decode", lambda raw, scale: raw.to(torch.float64))
+    args = ["--dry", "--out", str(tmp_path), "--cases", "1", "--arms", "e4m3:e4m3", "--variants", "kfwd/fp32"]
+    assert mod.main(args) == 1
+
+
+def test_fit_script_reads_the_saved_cases_and_scores_the_stand_in(tmp_path, capsys):
+    # tools/fit_cudnn_bwd.py on a dry run's .npz: the stand-in kernel is the float32 emulator (cudnn-fp8-kernel's
+    # formats and P scale), so that candidate gives the kernel's codes back through the .npz round trip
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        fit = importlib.import_module("fit_cudnn_bwd")
+        mod = _load("cudnn_bwd_h200")
+        assert mod.main(["--dry", "--out", str(tmp_path), "--cases", "1", "--arms", "e4m3:e4m3", "--variants",
+                         "kfwd/fp32"]) == 0
+        (name, arm, d), = list(fit.cases(str(tmp_path / "cudnn_bwd_cases.npz")))
+        good = fit.score(d, "bwd.acc=fp32")
+        assert min(good[g]["codes_equal"] for g in ("dq", "dk", "dv")) > 0.99
+        assert max(good[g]["F"] for g in ("dq", "dk", "dv")) < 0.01
+        assert fit.main([str(tmp_path / "missing.npz")]) == 2
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+        sys.modules.pop("fit_cudnn_bwd", None)

@@ -30,9 +30,10 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
             for row in backend_table(dev):
                 # "not usable here": the backend exists and may work elsewhere; the line below says why not
                 mark = "usable here    " if row["usable"] else "not usable here"
-                kind = "hardware" if row["hardware"] else "emulated"
+                kind = ("hardware" if row["hardware"] else "emulated") + (", fwd+bwd" if row["backward"] else "")
                 typer.echo(f"  {row['name']:<17} {mark}  [{kind}] {row['description']}")
                 if not row["usable"]:
                     typer.echo(f"  {'':<17} {'':<15}  why, and the fix: {row['why']}")
         typer.echo("\nSelect one with `fa3-numerics run outliers --backend NAME --device cuda`; recipes a backend "
-                   "cannot compute are refused with the reason (e.g. per-block scales on fa3).")
+                   "cannot compute are refused with the reason (e.g. per-block scales on fa3). Backends marked fwd+bwd also "
+                   "compute gradients: `fa3-numerics run backward --backend NAME --no-attribution --device cuda`.")

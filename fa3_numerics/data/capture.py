@@ -284,7 +284,10 @@ def _capture_attention(module, query, key, value, attention_mask, *args, **kwarg
     if rec is not None:
         rec.record(module, query, key, value, attention_mask, kwargs)
     fn = _Override.active or model_attention
-    return fn(module, query, key, value, attention_mask, *args, **kwargs)
+    out = fn(module, query, key, value, attention_mask, *args, **kwargs)
+    if rec is not None and rec.grads is not None:
+        rec.watch(module, out[0])
+    return out
 
 
 def register_attention() -> None:
@@ -553,8 +556,25 @@ class _Recorder:
     # layer -> its window_size / softcap / sinks (``attention_options``), where any is set
     options: dict[int, dict] = field(default_factory=dict)
     calls: int = 0
+    # layer -> dL/dO (batch, heads, seq, dim) of its attention output, filled by a backward pass;
+    # None: gradients are not recorded (``capture --grads``: ``capture_grads.record_grads``)
+    grads: dict[int, torch.Tensor] | None = None
 
     active = None  # class attribute: the recorder in use, if any
+
+    def watch(self, module, out: torch.Tensor) -> None:
+        """Keep the gradient that reaches ``out`` (the attention output, (batch, seq, heads, dim))
+        when the loss is back-propagated, as (batch, heads, seq, dim) like Q."""
+        idx = int(module.layer_idx)
+        if self.layers is not None and idx not in self.layers:
+            return
+        require(out.requires_grad, f"layer {idx}'s attention output does not require grad: run the pass "
+                "under torch.enable_grad() with a leaf that requires grad (capture_grads.record_grads)")
+
+        def keep(g, idx=idx):
+            self.grads[idx] = g.detach().transpose(1, 2).clone()
+
+        out.register_hook(keep)
 
     def record(self, module, query, key, value, attention_mask, kwargs) -> None:
         self.calls += 1
@@ -708,6 +728,24 @@ class Capture:
         return self.q(layer), self.k(layer), self.v(layer)
 
     @property
+    def has_grads(self) -> bool:
+        """True when the capture holds dO (``capture --grads``)."""
+        return bool(self.meta.get("grads"))
+
+    @property
+    def grads(self) -> dict:
+        """The loss provenance of dO ({} without --grads): ``loss``, ``wrt``, ``loss_value``,
+        ``predicted_tokens``, ``tokens``, ``layout``."""
+        return json.loads(self.meta["grads"]) if self.has_grads else {}
+
+    def do(self, layer: int) -> torch.Tensor:
+        """dL/dO of ``layer``'s attention output, float64, (heads, seq, head_dim); only in a capture
+        made with ``--grads``."""
+        require(self.has_grads, f"capture {self.path or ''} holds no gradients; recapture it with "
+                "`fa3-numerics capture --grads`")
+        return self._get(layer, "do")
+
+    @property
     def scale(self) -> float:
         return float(self.meta["softmax_scale"])
 
@@ -838,12 +876,20 @@ def load_capture(path: str | os.PathLike) -> Capture:
     layers, heads, kv_heads, head_dim, tokens = _check_meta(path, meta)
     expected = {f"layers.{i}.{w}" for i in layers for w in "qkv"}
     expected |= {f"layers.{i}.sinks" for i, o in _options_meta(meta).items() if o.get("sinks")}
+    if meta.get("grads"):
+        try:
+            ok = isinstance(json.loads(meta["grads"]), dict)
+        except ValueError:
+            ok = False
+        require(ok, f"{path} has malformed metadata: grads is not a JSON object; recapture it with "
+                "`fa3-numerics capture --grads`")
+        expected |= {f"layers.{i}.do" for i in layers}
     names = set(tensors)
     require(names == expected,
             f"{path}: tensors do not match the layers in its metadata (missing "
             f"{sorted(expected - names)[:3]}, extra {sorted(names - expected)[:3]}); recapture it")
     for i in layers:
-        for w, h in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+        for w, h in (("q", heads), ("k", kv_heads), ("v", kv_heads)) + ((("do", heads),) if meta.get("grads") else ()):
             t = tensors[f"layers.{i}.{w}"]
             want = (h, tokens, head_dim)
             require(tuple(t.shape) == want,
@@ -881,8 +927,10 @@ def _check_out(out: str | os.PathLike) -> Path:
 def capture(model: str = DEFAULT_MODEL, out: str | os.PathLike = "capture.safetensors",
             text: str | os.PathLike | None = None, tokens: int = DEFAULT_TOKENS,
             layers: str | list[int] | None = None,
-            log: Callable[[str], None] | None = None) -> Capture:
-    """Capture post-RoPE Q, K, V of ``model`` over ``tokens`` tokens of text and write ``out``.
+            log: Callable[[str], None] | None = None, grads: bool = False) -> Capture:
+    """Capture post-RoPE Q, K, V of ``model`` over ``tokens`` tokens of text and write ``out``;
+    with ``grads`` also dO of each layer from a backward pass of a next-token loss
+    (``capture_grads``).
 
     Every input is checked before the model is loaded; nothing is written unless the whole
     capture succeeds.
@@ -891,14 +939,16 @@ def capture(model: str = DEFAULT_MODEL, out: str | os.PathLike = "capture.safete
 
     require(isinstance(tokens, int) and tokens >= 1,
             f"--tokens must be at least 1 (got {tokens}); e.g. --tokens {DEFAULT_TOKENS}")
+    require(not grads or tokens >= 2, f"--grads needs a next-token loss, so at least 2 tokens (got --tokens "
+            f"{tokens})")
     out_path = _check_out(out)
     # Held from before the model loads to after the rename: a second capture into the same file
     # refuses at once instead of replacing this one's file with its own minutes later.
     with OutputFileLock(out_path, "--out"):
-        return _capture(model, out_path, text, tokens, layers, log)
+        return _capture(model, out_path, text, tokens, layers, log, grads)
 
 
-def _capture(model: str, out_path: Path, text, tokens: int, layers, log) -> Capture:
+def _capture(model: str, out_path: Path, text, tokens: int, layers, log, grads: bool = False) -> Capture:
     say = log or (lambda _msg: None)
     t_start = time.perf_counter()
     if isinstance(layers, str) or layers is None:
@@ -925,13 +975,21 @@ def _capture(model: str, out_path: Path, text, tokens: int, layers, log) -> Capt
     say(f"capturing {tokens} tokens of {text_source}, layers {layer_str} of {num_layers}")
 
     t0 = time.perf_counter()
-    rec = record_qkv(m, input_ids, None if len(sel) == num_layers else sel)
+    prov = None
+    if grads:
+        from .capture_grads import record_grads
+
+        rec, prov = record_grads(m, input_ids, None if len(sel) == num_layers else sel)
+        say(f"loss {prov['loss_value']:.4f} (next-token cross-entropy over {prov['predicted_tokens']} tokens); "
+            "dO recorded by its backward pass")
+    else:
+        rec = record_qkv(m, input_ids, None if len(sel) == num_layers else sel)
     t_fwd = time.perf_counter() - t0
-    built = capture_from_record(rec, m, src, input_ids, src_text, text_source, sel)
+    built = capture_from_record(rec, m, src, input_ids, src_text, text_source, sel, grads=prov)
     tensors, meta = built.tensors, built.meta
     save_capture(out_path, tensors, meta)
     size = out_path.stat().st_size
-    say(f"wrote {out_path} ({size / 2**20:.1f} MiB, {len(sel)} layers); forward "
+    say(f"wrote {out_path} ({size / 2**20:.1f} MiB, {len(sel)} layers); forward{' and backward' if grads else ''} "
         f"{t_fwd:.1f} s, total {time.perf_counter() - t_start:.1f} s")
     return Capture(meta=meta, layers=sel, tensors=tensors, path=str(out_path))
 
@@ -960,10 +1018,13 @@ def model_sha256(src: ModelSource) -> str:
 
 def capture_from_record(rec: "_Recorder", model, src: ModelSource, input_ids: torch.Tensor, text: str,
                         text_source: str, layers: list[int], *,
-                        attn_note: str = "records, then transformers sdpa_attention_forward") -> Capture:
+                        attn_note: str = "records, then transformers sdpa_attention_forward",
+                        grads: dict | None = None) -> Capture:
     """A ``Capture`` (in memory, no path) of the layers ``layers`` of a recorded pass, with the
     same tensors and metadata ``capture`` writes. ``attn_note`` says what computed the layers'
-    attention in that pass (it decides the hidden states the later layers' Q, K, V come from)."""
+    attention in that pass (it decides the hidden states the later layers' Q, K, V come from).
+    ``grads``: the loss provenance of ``capture_grads.record_grads``, whose pass filled ``rec.grads``:
+    dO is stored as ``layers.{i}.do`` and the provenance as the ``grads`` metadata (JSON)."""
     cfg = model.config
     num_layers = int(cfg.num_hidden_layers)
     tokens = int(input_ids.shape[1])
@@ -985,6 +1046,11 @@ def capture_from_record(rec: "_Recorder", model, src: ModelSource, input_ids: to
                     f"layer {i} {w.upper()} has shape {tuple(t.shape)}; expected batch 1 and "
                     f"{tokens} positions")
             tensors[f"layers.{i}.{w}"] = t[0].to(device="cpu", dtype=torch.float32)
+        if grads is not None:
+            t = rec.grads[i]
+            require(tuple(t.shape) == tuple(rec.q[i].shape), f"layer {i} dO has shape {tuple(t.shape)}, Q "
+                    f"{tuple(rec.q[i].shape)}")
+            tensors[f"layers.{i}.do"] = t[0].to(device="cpu", dtype=torch.float32)
     options: dict = {}
     for i in sel:
         opts = dict(rec.options.get(i, {}))
@@ -1031,6 +1097,9 @@ def capture_from_record(rec: "_Recorder", model, src: ModelSource, input_ids: to
         "attn_implementation": f"{ATTN_NAME} ({attn_note})",
         "device": str(next(model.parameters()).device),
     }
+    if grads is not None:
+        meta["grads"] = json.dumps({**grads, "layout": "layers.{i}.do: (heads, seq, head_dim), float32"},
+                                   sort_keys=True)
     return Capture(meta=meta, layers=sel, tensors=tensors, path=None)
 
 

@@ -1,7 +1,7 @@
 """Backends: where an attention variant is computed.
 
 Exposed: ``Backend``, ``BACKENDS``, ``register_backend``, ``get_backend``, ``available_backends``,
-``backend_table``, ``refusal``, ``check_device``, ``DEVICE_HELP``.
+``backend_table``, ``refusal``, ``backward_refusal``, ``check_device``, ``DEVICE_HELP``.
 
 A backend turns (recipe, float64 Q, K, V) into the attention output for the chosen query
 rows. ``emulate`` is the kernel-faithful emulator (CPU or CUDA, same code). Other backends
@@ -35,6 +35,9 @@ Registered:
 
 - ``fa3-mock``: the ``fa3`` backend with a float32 stand-in for the kernel (CPU or CUDA), so the
   whole hardware path (``validate``, ``run --backend``) is testable anywhere. Never hardware.
+
+A backend that also computes gradients sets ``backward = True`` and implements ``gradients`` and
+``backward_supports`` (``emulate`` and ``cudnn-fp8``); ``run backward --backend`` reads them.
 
 A backend whose results come from hardware sets ``hardware = True``; recipes it cannot
 compute are refused with the reason, never silently emulated (``refusal``: the backend's own
@@ -92,6 +95,21 @@ class Backend:
         to a backend whose ``masking_refusal`` accepts them."""
         raise NotImplementedError
 
+    #: True when the backend computes gradients too (``gradients``: ``run backward --backend NAME``).
+    backward: ClassVar[bool] = False
+
+    def backward_supports(self, recipe: Recipe) -> str | None:
+        """None when ``gradients`` computes ``recipe``'s forward and backward here, else why not. A
+        backend with a backward checks every ``bwd.*`` key itself (``backward_refusal``)."""
+        return None if self.backward else (f"backend {self.name!r} computes the forward only; use --backend "
+                                           "emulate, or one `fa3-numerics backends` marks fwd+bwd")
+
+    def gradients(self, recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, *,
+                  causal: bool, rotation_seed: int, cache: dict, softmax_scale: float | None = None) -> dict:
+        """The forward and backward over every query row, float64: {"o" [B, H, N, Dv], "dq" [B, H, N, D],
+        "dk" [B, Hkv, N, D], "dv" [B, Hkv, N, Dv]} from float64 Q, K, V and the incoming gradient dO."""
+        raise NotImplementedError
+
     def provenance(self) -> dict[str, str]:
         """Where the results come from, for a dataset's attributes (e.g. ``kernel_module``,
         ``kernel_version``); studies ask the backend rather than import its module."""
@@ -119,6 +137,18 @@ class EmulateBackend(Backend):
 
     def masking_refusal(self, mk) -> str | None:
         return None
+
+    backward = True
+
+    def backward_supports(self, recipe: Recipe) -> str | None:
+        return None
+
+    def gradients(self, recipe, q, k, v, do, *, causal, rotation_seed, cache, softmax_scale=None):
+        from ..numerics.backward import emulate_backward
+
+        gr = emulate_backward(recipe, q, k, v, do, causal=causal, softmax_scale=softmax_scale,
+                              rotation_seed=rotation_seed, cache=cache)
+        return {"o": gr.forward.o, "dq": gr.dq, "dk": gr.dk, "dv": gr.dv}
 
     def attention(self, recipe, q, k, v, *, causal, q_index, rotation_seed, cache, softmax_scale=None, **masking):
         from ..numerics.emulator import emulate
@@ -200,6 +230,23 @@ def refusal(backend: Backend, recipe: Recipe) -> str | None:
     return None
 
 
+def backward_refusal(backend: Backend, recipe: Recipe) -> str | None:
+    """Why ``backend`` cannot compute ``recipe``'s forward and backward (None: it can): its own
+    ``backward_supports`` (which answers for the ``bwd.*`` keys), then ``refusal``'s key check for the
+    rest."""
+    sup = getattr(backend, "backward_supports", None)
+    why = sup(recipe) if sup is not None else f"backend {backend.name!r} computes the forward only; use --backend emulate"
+    if why is not None or backend.name == "emulate":
+        return why
+    for k, value in recipe.nondefault():
+        if not k.key.startswith("bwd.") and k.backends != "any" and backend.name not in k.backends:
+            from ..numerics.keys import fmt_value
+
+            return (f"{k.key}={fmt_value(value)} is not implemented by backend {backend.name!r} "
+                    f"(only {', '.join(('emulate',) + tuple(k.backends))}); drop it or use --backend emulate")
+    return None
+
+
 def available_backends(device: str) -> dict[str, str | None]:
     """name -> None if usable on ``device``, else the reason and fix."""
     try:
@@ -222,9 +269,9 @@ def backend_table(device: str) -> list[dict]:
     for name in names():
         try:
             b = get_backend(name)
-            desc, hw = b.description, b.hardware
+            desc, hw, bwd = b.description, b.hardware, bool(getattr(b, "backward", False))
         except (UsageError, ImportError):
-            desc, hw = "", False
+            desc, hw, bwd = "", False, False
         rows.append({"name": name, "usable": status[name] is None, "why": status[name] or "",
-                     "hardware": hw, "description": desc})
+                     "hardware": hw, "backward": bwd, "description": desc})
     return rows

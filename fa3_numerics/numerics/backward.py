@@ -325,6 +325,10 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
     # tensor/head scales of P and dS need their amax over the whole call first; the first pass keeps
     # its tiles (up to _KEEP_BYTES) so that the second does not recompute them
     whole, kept = {}, {}
+    # bwd.pscale=offset: P cast with the forward's fixed scale 2^poff (cuDNN's scale_s), not an amax
+    p_fixed = None
+    if recipe.bwd_pscale == "offset" and _scaled_fmt(p_fmt):
+        p_fixed = torch.tensor(2.0 ** -recipe.p_offset, dtype=torch.float32, device=q.device).reshape(1, 1, 1, 1)
     needs = [fmt for fmt in (p_fmt, ds_fmt_q, ds_fmt_k) if _scaled_fmt(fmt)]
     if needs and isinstance(gran, (PerTensor, PerHead)):
         dims = (0, 1, 2, 3) if isinstance(gran, PerTensor) else (2, 3)
@@ -345,7 +349,8 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
     dv = torch.zeros((b, h, nk, v.shape[-1]), dtype=wd, device=q.device)
     for s0, s1 in tiles:
         p, ds = kept.pop(s0) if s0 in kept else p_and_ds(s0, s1)
-        p_op = _cast_tile(p, p_fmt, _tile_descale(p, p_fmt, gran, bm, whole.get("p")), wd)
+        p_op = _cast_tile(p, p_fmt, p_fixed if p_fixed is not None else _tile_descale(p, p_fmt, gran, bm,
+                                                                                      whole.get("p")), wd)
         dv[:, :, s0:s1] = _mm(p_op, do_dv, acc, ta=True)
         dsq = _cast_tile(ds, ds_fmt_q, _tile_descale(ds, ds_fmt_q, gran, bm, whole.get("dsq")), wd)
         dsk = dsq if ds_fmt_k == ds_fmt_q else _cast_tile(ds, ds_fmt_k, _tile_descale(ds, ds_fmt_k, gran, bm,

@@ -270,7 +270,8 @@ _BACKWARD = [
            "either; TE's default HYBRID format: E4M3 forward, E5M2 gradients), scales from this call's amax "
            "(TE's delayed scaling uses earlier steps'), P in the forward as P~ filling E4M3 (poff=log2 448), the "
            "forward's O in BF16 (the backward reads it as per-tensor E4M3), FA3's tiles standing in for cuDNN's "
-           "unpublished ones. Requires: sm90 (cuDNN 9)"),
+           "unpublished ones; float32 accumulation for CPU speed. The kernel as measured on an H200 is "
+           "cudnn-fp8-kernel (FP8 O, Hopper MMA model, P at the forward's fixed scale). Requires: sm90 (cuDNN 9)"),
     Preset("sagebwd", dataclasses.replace(Recipe(
                qk="int8", gran=PerBlock(), bm=128, bn=64, smooth="k", ties="away", p="fp16", p_offset=0.0, v="fp16",
                acc="fp32", order="forward", out="bf16"),
@@ -310,6 +311,25 @@ _KERNEL_FWD = [
            "vllm-project/vllm #45251), scale_o = 448 / amax_o from the kernel's Amax_O (oscale=amax). Inferred, to "
            "be settled by validate --backend cudnn-fp8: the P V accumulator (acc=fp22, Hopper's FP8 wgmma without "
            "promotion), FA3's tiles and KV order standing in for cuDNN's unpublished ones. Requires: sm90, cuDNN 9"),
+    Preset("cudnn-fp8-kernel", dataclasses.replace(_CUDNN_FWD, acc="fp22", out="e4m3", oscale="amax",
+                                                   **{**_FP8_BWD, "bwd_acc": "fp22", "bwd_pscale": "offset"}),
+           "cuDNN's FP8 attention forward and backward as they run on Hopper (cudnn-frontend 1.32 sdpa_fp8 training "
+           "forward + sdpa_fp8_backward, cuDNN 9.19 on an H200: reports/h200/backward/cudnn.md; --backend cudnn-fp8 "
+           "runs it). The forward is cudnn-fp8-fwd's (E4M3 O scaled from Amax_O: Hopper writes FP8 O only). The "
+           "backward, fitted on the kernel's bytes with its own O and Stats: Q, K, V, O, P E4M3 and dO, dS (cuDNN's "
+           "dP) and dQ, dK, dV in the dO format (E5M2, TransformerEngine's HYBRID; E4M3 fits the kernel equally: "
+           "sdpa_fp8_backward takes either), one scale per tensor; dS = P (dP - D) with D = rowsum(dO O) from the FP8 "
+           "dO and O, scaled by scale_dP = max / Amax_dP (Amax_dP is taken over dS with the softmax scale folded "
+           "in, the cuDNN frontend's sm107 notes: 'dS in TRUE units, attn_scale folded'), P cast with the forward's "
+           "fixed scale_s = 2^poff, not its amax (bwd.pscale=offset: with P's amax, F of dV 0.72-0.76 on the "
+           "k-bias case whose largest P is 0.10, all of it explained: the emulator with either scale differs by the kernel's own discrepancy, 0.00258 RMSE; on the saved cases dV codes 100% equal), every product on Hopper's FP8 "
+           "wgmma model (bwd.acc=fp22: dK and dV codes 99.8-100% equal to the kernel's, against 51-94% with "
+           "float32 accumulation). Matched: dK (F 0.0001-0.011) and dV (F <= 0.02 with bwd.pscale=offset). Not "
+           "matched: dQ (F 0.06-0.20, 91-96% of codes equal, a discrepancy absolute rather than relative, larger "
+           "on rows that see more keys; not explained by dQ's key tile (16-1024), its float32/BF16/FP16 "
+           "accumulation across tiles, dS's format for dQ, or D computed as rowsum(P dP)), and the forward (F "
+           "0.16-0.67, as cudnn-fp8-fwd). Requires: sm90 with head dim 128 only (cuDNN 9.19 declines 64: "
+           "'hidden_dim shoud be equal to 128'), FP8 gradients (BF16 ones need Blackwell and cuDNN >= 9.13)"),
     Preset("torchao-fp8", Recipe(gran=PerHead(), rot="none", acc="fp22", inp="bf16", fquant="torchao"),
            "torchao 0.18's low-precision attention (apply_low_precision_attention, backend FP8_FA3, hadamard NONE; "
            "fp8_fa3_sdpa): the model's BF16 Q, K, V quantized by torchao's Triton kernels "

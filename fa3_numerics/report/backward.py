@@ -60,7 +60,8 @@ def backward_document(ds) -> Document:
     """The report of a backward dataset (what ``report`` renders for kind ``backward``)."""
     f = findings_of(ds, kind="backward")
     doc = Document("Backward pass: gradient error of low-precision attention", verdict_block(f) + [Para(
-        f"Distribution {md_code(ds.attrs.get('dist'))}; every query row; dO ~ N(0, 1) ({md_text(ds.attrs.get('do_seed'))}); "
+        f"Distribution {md_code(ds.attrs.get('dist'))}; every query row; dO: "
+        f"{md_text(ds.attrs.get('do_source') or 'N(0, 1), ' + str(ds.attrs.get('do_seed')))}; "
         f"reference: {md_text(ds.attrs.get('reference'))}. Figures: pooled over (seed, batch, head) samples with 95% BCa "
         f"intervals ({FEW} marks fewer than 8 samples).", "where")])
     for c in f["cells"]:

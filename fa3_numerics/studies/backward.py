@@ -1,14 +1,18 @@
 """`run backward`: the error of dQ, dK, dV under a recipe's forward and backward, and which product causes it.
 
 Exposed: ``STAGES``, ``stage_recipe``, ``exact_backward``, ``BackwardStudy``, ``load_study``, ``compute``,
-``GRADS``, ``DO_SEED``.
+``GRADS``, ``DO_SEED``, ``incoming``, ``SYNTHETIC_DO``, ``check_gradient_backend``.
 
 Definition: a distribution of the registry, a shape (every query row: dK and dV sum over all of
 them), variants (default: the backward presets, ``recipe.BACKWARD_PRESETS``) and seeds, as
-``run outliers`` defines them (``studies.outliers.Experiment``). The incoming gradient dO is drawn
-N(0, 1) from its own generator (``DO_SEED``). Per (cell, seed, variant): the recipe's forward over
-every row, its backward from that forward's O and LSE (``numerics.backward``), and every registered
-metric of O, dQ, dK, dV against float64 autograd of exact attention (``numerics.backward_reference``).
+``run outliers`` defines them (``studies.outliers.Experiment``). The incoming gradient dO is the
+distribution's own where it has one (a capture made with ``capture --grads``, through
+``capture-file:`` or ``captured:``: the real gradient of a next-token loss), else drawn N(0, 1)
+from its own generator (``DO_SEED``); the dataset's ``do_source`` says which. Per (cell, seed,
+variant): the recipe's forward over every row, its backward from that forward's O and LSE
+(``numerics.backward``, or ``--backend``'s ``gradients``: a kernel with a backward, such as
+``cudnn-fp8``), and every registered metric of O, dQ, dK, dV against float64 autograd of exact
+attention (``numerics.backward_reference``).
 
 Attribution (``STAGES``): the same inputs through recipes that keep one part of the variant in low
 precision and everything else exact: ``fwd`` (the forward's O and LSE, the backward exact),
@@ -41,7 +45,6 @@ from ..engine.inputs import DistInputs, check_inputs
 from ..engine.provenance import provenance
 from ..engine.sampling import deterministic_matmuls
 from ..engine.study import Study, StudyContext, StudyOption
-from ..numerics.backward import emulate_backward
 from ..numerics.backward_reference import reference_gradients
 from ..numerics.keys.backward import PRODUCTS
 from ..numerics.metrics import METRICS, per_sample
@@ -123,16 +126,28 @@ class BackwardStudy(StoredFindings, Study):
         StudyOption("dist", str, "input distribution (see `fa3-numerics run outliers --help`)", "outliers"),
         StudyOption("attribution", bool, "also run each stage alone in low precision (fwd, s, dv, dp, ds, dq, dk, "
                     "out, fwd+s, exact): about 10x the runs", True),
+        StudyOption("backend", str, "what computes each variant's forward and backward: emulate, or a backend "
+                    "`fa3-numerics backends` marks fwd+bwd (a kernel: with --no-attribution)", "emulate"),
+        StudyOption("device", str, "cpu or cuda[:N] (where the backend runs; the reference is float64 on the CPU)",
+                    "cpu"),
+        StudyOption("do", str, "incoming gradient: auto (the distribution's own where it has one, a capture made "
+                    "with --grads; else synthetic) or synthetic (N(0, 1) from the seed, always)", "auto"),
     )
     examples = (
         "fa3-numerics run backward                                    # backward presets, outliers, seqlen 1024",
         "fa3-numerics run backward --dist k-bias --causal true,false --out results/bwd-kbias",
         "fa3-numerics run backward --variants 'fa3-fp8-bwd-bf16;cudnn-fp8,bwd.gran=head' --no-attribution",
+        "fa3-numerics run backward --dist capture-file:grads.safetensors --layer 3 --seqlen 256 --head-dim 64 "
+        "--heads 9 --kv-heads 3      # real dO (capture --grads)",
     )
 
-    def __init__(self, exp: Experiment, attribution: bool = True):
+    def __init__(self, exp: Experiment, attribution: bool = True, backend: str = "emulate", device: str = "cpu",
+                 do: str = "auto"):
         self.exp = exp
         self.attribution = attribution
+        self.backend = backend
+        self.device = device
+        self.do = do
 
     @classmethod
     def from_options(cls, attribution: bool | None = True, **values) -> "BackwardStudy":
@@ -153,7 +168,9 @@ class BackwardStudy(StoredFindings, Study):
         if ctx is not None:
             store = ctx.cells({"study": "backward", "dist": self.exp.dist, "batch": self.exp.batch,
                                "heads": self.exp.heads, "kv_heads": self.exp.kv_heads,
-                               "inputs": dist_key(self.exp.dist)}, STUDY_MODULES, backend="emulate")
+                               "inputs": dist_key(self.exp.dist), "do": self.do}, STUDY_MODULES,
+                              backend=self.backend,
+                              device=self.device)
         return compute(self, progress=ctx.echo if ctx is not None else (lambda m: None), store=store)
 
     def assemble(self, results: "Results"):
@@ -172,6 +189,12 @@ class BackwardStudy(StoredFindings, Study):
 def load_study(overrides: dict, attribution: bool = True) -> BackwardStudy:
     """An ``Experiment`` (every check of ``run outliers``) over every query row."""
     kw = {k: v for k, v in overrides.items() if v is not None}
+    backend = kw.pop("backend", None) or "emulate"
+    device = kw.pop("device", None) or "cpu"
+    do = kw.pop("do", None) or "auto"
+    from ..errors import require
+
+    require(do in ("auto", "synthetic"), f"--do {do!r}: use auto (a capture's own dO where it has one) or synthetic")
     dist = kw.pop("dist", None) or "outliers"
     variants = kw.pop("variants", None) or [",".join(BACKWARD_PRESETS)]
     from ..data.dist_spec import parse_dist
@@ -183,7 +206,27 @@ def load_study(overrides: dict, attribution: bool = True) -> BackwardStudy:
     exp = Experiment(name="backward", description="gradient error of low-precision attention backward passes",
                      dist=dist, variants=variants, params={k: list(v) for k, v in params.items()}, rows=0,
                      **shape)
-    return BackwardStudy(exp, attribution)
+    check_gradient_backend(backend, device, exp.recipes, attribution)
+    return BackwardStudy(exp, attribution, backend, device, do)
+
+
+def check_gradient_backend(name: str, device: str, recipes, attribution: bool) -> None:
+    """UsageError (one line with the fix) unless backend ``name`` computes every recipe's backward on
+    ``device``; a kernel computes the variants themselves, not the attribution's emulated stages."""
+    from ..engine.backends import backward_refusal, check_device, get_backend
+    from ..errors import require
+
+    check_device(device)
+    b = get_backend(name)
+    why = b.check(device)
+    require(why is None, f"backend {name!r} cannot run: {why}")
+    require(getattr(b, "backward", False), f"backend {name!r} computes the forward only; `fa3-numerics backends` marks the fwd+bwd "
+            "ones (emulate, cudnn-fp8)")
+    require(name == "emulate" or not attribution, f"--backend {name} computes the variants, not the attribution's "
+            "emulated stages: add --no-attribution (or run the attribution with --backend emulate)")
+    for label, r in recipes:
+        why = backward_refusal(b, r)
+        require(why is None, f"variant {label!r} cannot run on backend {name!r}: {why}")
 
 
 @dataclasses.dataclass
@@ -212,6 +255,7 @@ def compute(study: BackwardStudy, progress=lambda m: None, store=None) -> Result
     specs = [[(r if s == "full" else stage_recipe(r, s)).spec() for s in stages] for _, r in exp.recipes]
     t0 = time.perf_counter()
     reused = 0
+    sources: set = set()
     for ci, si in itertools.product(range(len(cells)), range(len(exp.seeds))):
         cell, seed = cells[ci], exp.seeds[si]
         where = ", ".join(f"{kk}={cell[kk]}" for kk in exp.swept_dims()) or "single cell"
@@ -223,22 +267,61 @@ def compute(study: BackwardStudy, progress=lambda m: None, store=None) -> Result
             reused += 1
             progress(f"{where}, seed {seed}: from cache")
             continue
-        _compute_cell(exp, cell, seed, stages, specs, ci, si, out, progress, where)
+        sources.add(_compute_cell(study, cell, seed, stages, specs, ci, si, out, progress, where))
         if store is not None:
             store.put(key, {name: out[name][ci, :, :, si] for name in out})
-    return Results(study, out, specs, time.perf_counter() - t0, provenance("cpu"), reused)
+    attrs = provenance(study.device)
+    if study.backend != "emulate":
+        from ..engine.backends import get_backend
+
+        attrs.update(get_backend(study.backend).provenance())
+    attrs["do_source"] = "; ".join(sorted(sources)) if sources else do_source(study.exp, study.do)
+    return Results(study, out, specs, time.perf_counter() - t0, attrs, reused)
 
 
-def _compute_cell(exp, cell, seed, stages, specs, ci, si, out, progress, where) -> None:
+SYNTHETIC_DO = f"synthetic: N(0, 1) from torch.Generator().manual_seed({DO_SEED}), float64"
+
+
+def incoming(inp: DistInputs, seed: int, shape, do: str = "auto") -> tuple[torch.Tensor, str]:
+    """dO for the inputs ``inp`` draws: with ``do="auto"`` the distribution's own (a capture with
+    gradients), else (or with ``"synthetic"``) N(0, 1) from ``do_seed(seed)``; and where it comes from."""
+    from ..data import distributions
+
+    dims = distributions.AttnShape(inp.batch, inp.heads, inp.seqlen, inp.head_dim, kv_heads=inp.kv_heads)
+    real = None if do == "synthetic" else distributions.incoming_gradient(inp.dist, dims, seed, **dict(inp.params))
+    if real is not None:
+        do, source = real
+        if tuple(do.shape) != tuple(shape):
+            raise ValueError(f"{inp.describe()}: dO {tuple(do.shape)} does not match Q {tuple(shape)}")
+        return do.to(torch.float64), source
+    g = torch.Generator().manual_seed(do_seed(seed))
+    return torch.randn(shape, generator=g, dtype=torch.float64), SYNTHETIC_DO
+
+
+def do_source(exp, do: str = "auto") -> str:
+    """Where a study's dO comes from, without drawing anything (cached runs): the first cell's answer."""
+    hkv = exp.kv_heads or exp.heads
+    cell = exp.cells()[0]
+    inp = DistInputs(exp.dist, tuple((k, cell[k]) for k in exp.params), exp.batch, exp.heads, hkv, cell["seqlen"],
+                     cell["head_dim"], exp.seeds[0])
+    return incoming(inp, exp.seeds[0], (exp.batch, exp.heads, cell["seqlen"], cell["head_dim"]), do)[1]
+
+
+def _compute_cell(study, cell, seed, stages, specs, ci, si, out, progress, where) -> str:
+    from ..engine.backends import get_backend
+
+    exp = study.exp
     hkv = exp.kv_heads or exp.heads
     params = tuple((k, cell[k]) for k in exp.params)
     inp = DistInputs(exp.dist, params, exp.batch, exp.heads, hkv, cell["seqlen"], cell["head_dim"], seed)
     q, k, v = inp.draw("cpu")
     scale = 1.0 / math.sqrt(cell["head_dim"])
     check_inputs(q, k, v, scale=scale, where=f"{inp.describe()}, {where}, seed {seed}")
-    g = torch.Generator().manual_seed(do_seed(seed))
-    do = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    do, source = incoming(inp, seed, q.shape, study.do)
     ref = dict(zip(GRADS, reference_gradients(q, k, v, do, causal=cell["causal"], softmax_scale=scale)))
+    backend = get_backend(study.backend)
+    dev = study.device
+    on = (lambda t: t.to(dev)) if dev != "cpu" else (lambda t: t)  # noqa: E731
     done: dict = {}
     cache: dict = {}
     for vi, (label, r) in enumerate(exp.recipes):
@@ -246,14 +329,14 @@ def _compute_cell(exp, cell, seed, stages, specs, ci, si, out, progress, where) 
             spec = specs[vi][sti]
             if spec not in done:
                 rr = r if stage == "full" else stage_recipe(r, stage)
-                gr = emulate_backward(rr, q, k, v, do, causal=cell["causal"], softmax_scale=scale,
-                                      rotation_seed=seed, cache=cache)
-                got = {"o": gr.forward.o, "dq": gr.dq, "dk": gr.dk, "dv": gr.dv}
-                done[spec] = {gname: per_sample(got[gname], ref[gname]) for gname in GRADS}
+                got = backend.gradients(rr, on(q), on(k), on(v), on(do), causal=cell["causal"], softmax_scale=scale,
+                                        rotation_seed=seed, cache=cache)
+                done[spec] = {gname: per_sample(got[gname].cpu(), ref[gname]) for gname in GRADS}
             for gname in GRADS:
                 for m, val in done[spec][gname].items():
                     out[f"{gname}_{m}"][ci, vi, sti, si] = val
         progress(f"{where}, seed {seed}: {label} ({len(done)} backward runs so far)")
+    return source
 
 
 def _assemble(res: Results):
@@ -287,9 +370,10 @@ def _assemble(res: Results):
     attrs = dict(res.attrs)
     attrs.update({
         "format": "fa3-numerics-backward/1", "kind": "backward", "experiment": "backward", "dist": exp.dist,
-        "description": exp.description, "backend": "emulate", "seeds": json.dumps(exp.seeds),
+        "description": exp.description, "backend": study.backend, "seeds": json.dumps(exp.seeds),
         "rows_sampling": "every query row", "rotation_seed": "seed",
-        "do_seed": f"torch.randn from manual_seed({DO_SEED})",
+        "do_seed": (f"torch.randn from manual_seed({DO_SEED})" if res.attrs.get("do_source") == SYNTHETIC_DO
+                    else "none: dO is the distribution's own (do_source)"),
         "data_seed": "seed (torch.Generator on CPU, float64)", "wall_seconds": round(res.wall, 3),
         "cells_reused": res.reused,
         "reference": "float64 autograd of exact attention (numerics.backward_reference)",
@@ -314,4 +398,4 @@ def stage_shares(ds, grad: str, variant: str) -> dict[str, float]:
 
 
 __all__ = ["STAGES", "stage_recipe", "exact_backward", "BackwardStudy", "load_study", "compute", "Results", "GRADS",
-           "DO_SEED", "stage_shares", "SHARE_STAGES"]
+           "DO_SEED", "stage_shares", "SHARE_STAGES", "incoming", "SYNTHETIC_DO", "check_gradient_backend"]

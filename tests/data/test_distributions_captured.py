@@ -180,3 +180,51 @@ def test_generator_reproduces_amax_profile_and_audit_error(real, layer):
     for name, ratio in r["ratio"].items():
         assert abs(ratio - 1) <= 0.25, (name, r)
     assert all(math.isfinite(x) and x > 0 for x in r["rmse_generated"].values())
+
+
+# -- the capture's own dO (capture --grads) -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def synth_grads(tmp_path_factory, write_capture):
+    import json
+
+    g = torch.Generator().manual_seed(11)
+    do = {f"layers.{i}.do": torch.randn(HEADS, N, HD, generator=g) for i in (0, 1)}
+    path = tmp_path_factory.mktemp("captured-grads") / "g.safetensors"
+    write_capture(path, tokens=N, tensor_over=do,
+                  meta_over={"grads": json.dumps({"loss": "test loss", "loss_value": 1.5, "tokens": N})})
+    return str(path)
+
+
+def test_captured_do_rows_move_with_their_tokens(synth_grads):
+    """Resampled: the dO row at each generated position is the recorded row of the token placed there
+    (found independently by matching its V row, which is not rotated)."""
+    c = cap.load_capture(synth_grads)
+    name = f"captured:{synth_grads}@layer=1,block=16,sinks=4"
+    q, k, v = D.generate(name, shape(), seed=5)
+    do, source = D.incoming_gradient(name, shape(), seed=5)
+    assert do.shape == q.shape and "capture --grads" in source and "test loss" in source
+    recorded_v, recorded_do = c.v(1)[0], c.do(1)
+    src = [int((recorded_v - v[0, 0, t]).abs().sum(-1).argmin()) for t in range(N)]
+    assert src[:4] == [0, 1, 2, 3] and src != list(range(N))  # sinks first, the rest resampled
+    assert torch.equal(do[0], recorded_do[:, src])
+
+
+def test_capture_without_grads_has_no_incoming_gradient(synth):
+    assert D.incoming_gradient(f"captured:{synth}@layer=1", shape(), seed=0) is None
+    assert D.incoming_gradient(f"capture-file:{synth}", shape(), seed=0, layer=1) is None
+
+
+def test_capture_file_do_is_the_recorded_one_for_the_heads_it_takes(synth_grads):
+    c = cap.load_capture(synth_grads)
+    same = D.AttnShape(1, HEADS, 50, HD, kv_heads=KV)
+    do, _ = D.incoming_gradient(f"capture-file:{synth_grads}", same, seed=0, layer=1)
+    assert torch.equal(do[0], c.do(1)[:, :50])
+    # one K/V head per query head: seed and batch pick the heads, dO follows Q
+    picked = D.AttnShape(2, 2, 50, HD)
+    q, _, _ = D.generate(f"capture-file:{synth_grads}", picked, seed=1, layer=1)
+    do, _ = D.incoming_gradient(f"capture-file:{synth_grads}", picked, seed=1, layer=1)
+    for b in range(2):
+        for h in range(2):
+            hh = int((c.q(1)[:, :50] - q[b, h]).abs().sum((-1, -2)).argmin())
+            assert torch.equal(do[b, h], c.do(1)[hh, :50])

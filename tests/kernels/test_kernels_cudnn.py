@@ -219,3 +219,167 @@ def test_backend_scales_o_by_the_kernels_amax():
                        o.index_select(2, some))
     with pytest.raises(UsageError, match="causal with seqlen_q"):
         b.attention(CUDNN, q[:, :, :32], k, v, causal=True, q_index=rows[:32], rotation_seed=0, cache={})
+
+
+# -- the backward: sdpa_fp8 training + sdpa_fp8_backward ----------------------------------------
+
+from fa3_numerics.engine.backends import backward_refusal  # noqa: E402
+from fa3_numerics.kernels import cudnn as kc  # noqa: E402
+from fa3_numerics.numerics.backward import emulate_backward  # noqa: E402
+from fa3_numerics.numerics.metrics import fidelity  # noqa: E402
+
+
+def _bwd_recipe(do_fmt="e4m3", grad="e4m3", **kw):
+    # the kernel preset at float32 accumulation (CPU speed), in the given dO and gradient formats
+    return dataclasses.replace(get_recipe("cudnn-fp8-kernel").recipe, acc="fp32", **kc.bwd_formats(do_fmt, grad),
+                               bwd_acc="fp32", **kw)
+
+
+def test_backends_lists_which_compute_gradients():
+    rows = {r["name"]: r for r in backend_table("cpu")}
+    assert rows["cudnn-fp8"]["backward"] and rows["emulate"]["backward"]
+    assert not rows["fa3"]["backward"] and not rows["sdpa-flash"]["backward"]
+    assert "forward only" in backward_refusal(get_backend("fa3"), get_recipe("fa3-fp8-bwd-bf16").recipe)
+
+
+def test_backward_refuses_what_cudnn_does_not_compute_with_the_fix():
+    b = get_backend("cudnn-fp8")
+    assert backward_refusal(b, _bwd_recipe()) is None
+    assert backward_refusal(b, _bwd_recipe("e5m2", "bf16")) is None
+    assert backward_refusal(b, get_recipe("cudnn-fp8-kernel").recipe) is None
+    # the study preset (BF16 O, P at its amax) is not what the kernel computes; the kernel preset is
+    assert "out=e4m3,oscale=amax" in backward_refusal(b, get_recipe("cudnn-fp8").recipe)
+    assert "bwd.pscale=offset" in backward_refusal(b, dataclasses.replace(_bwd_recipe(), bwd_pscale="amax"))
+    # Hopper's training forward writes FP8 O, which the backward reads
+    assert "out=e4m3,oscale=amax" in backward_refusal(b, dataclasses.replace(_bwd_recipe(), out="bf16",
+                                                                              oscale="none"))
+    assert "one scale per tensor" in backward_refusal(b, dataclasses.replace(_bwd_recipe(),
+                                                                              bwd_gran=get_recipe("fp8-bwd-block").recipe.bwd_gran))
+    # dS in another format than dO: not what this path runs
+    why = backward_refusal(b, dataclasses.replace(_bwd_recipe("e5m2"), bwd_dq="e4m3"))
+    assert why and "bwd.dq=e5m2:e4m3" in why
+    assert "dO in bf16" in backward_refusal(b, dataclasses.replace(_bwd_recipe(), bwd_dv="e4m3:bf16",
+                                                                    bwd_dp="bf16:e4m3", bwd_ds="bf16:e4m3"))
+
+
+def test_gradients_refuse_on_the_cpu():
+    q, k, v = _inputs()
+    with pytest.raises(UsageError, match="CUDA device"):
+        get_backend("cudnn-fp8").gradients(_bwd_recipe(), q, k, v, torch.ones_like(q), causal=False,
+                                           rotation_seed=0, cache={})
+
+
+@pytest.mark.parametrize("do_fmt,grad,causal", [("e4m3", "e4m3", False), ("e5m2", "bf16", True)])
+def test_gradients_path_on_emulated_graphs_is_the_emulator(monkeypatch, do_fmt, grad, causal):
+    # The whole path but cuDNN (prepare -> FP8 codes and descales -> the scale passes -> decoding)
+    # on graph functions computed by the emulator: it must give the emulator's own gradients back, to
+    # the one-code differences of x * scale against x / descale in the FP8 outputs.
+    monkeypatch.setattr(kc.CudnnFp8Backend, "graphs", kc.EmulatedGraphs)
+    b = get_backend("cudnn-fp8")
+    q, k, v = _inputs(n=128, d=64)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    r = _bwd_recipe(do_fmt, grad)
+    got = b.gradients(r, q, k, v, do, causal=causal, rotation_seed=0, cache={})
+    want = emulate_backward(r, q, k, v, do, causal=causal)
+    ref = emulate_backward(dataclasses.replace(r, **{f: "fp32" for f in ("bwd_s", "bwd_dv", "bwd_dp", "bwd_ds",
+                                                                         "bwd_dq", "bwd_dk", "bwd_out")},
+                                               qk="fp32", v="fp32", p="fp32", out="fp32", oscale="none"),
+                           q, k, v, do, causal=causal)
+    for name, w, rr in (("dq", want.dq, ref.dq), ("dk", want.dk, ref.dk), ("dv", want.dv, ref.dv)):
+        assert got[name].shape == w.shape
+        assert fidelity(w, got[name], rr)["F"] < 0.01, name
+    assert fidelity(want.forward.o, got["o"], ref.forward.o)["F"] < 0.01
+    sc = kc.CudnnFp8Backend.last_backward["scalars"]
+    fmax = kc.FMT_MAX[do_fmt]
+    assert sc["scale_dP"] == pytest.approx(fmax) and sc["descale_dP"] == pytest.approx(1 / fmax)  # stand-in amax 1
+    # negative control: dO quantized in the other format moves the gradients
+    other = "e5m2" if do_fmt == "e4m3" else "e4m3"
+    moved = emulate_backward(_bwd_recipe(other, grad), q, k, v, do, causal=causal)
+    assert fidelity(moved.dq, got["dq"], ref.dq)["F"] > 0.05
+
+
+class _FakeTensor:
+    def __init__(self, name, **kw):
+        self.name, self.attrs = name, dict(kw)
+
+    def __getattr__(self, attr):
+        if attr.startswith("set_"):
+            def setter(value):
+                self.attrs[attr[4:]] = value
+                return self
+            return setter
+        raise AttributeError(attr)
+
+
+class _FakeGraph:
+    def __init__(self, **kw):
+        self.kw, self.calls, self.executed = kw, {}, []
+
+    def tensor(self, name, dim, stride, data_type):
+        return _FakeTensor(name, dim=dim, stride=stride, data_type=data_type)
+
+    def sdpa_fp8(self, **kw):
+        self.calls["sdpa_fp8"] = kw
+        return tuple(_FakeTensor(n) for n in ("o", "stats", "amax_s", "amax_o"))
+
+    def sdpa_fp8_backward(self, **kw):
+        self.calls["sdpa_fp8_backward"] = kw
+        return tuple(_FakeTensor(n) for n in ("dq", "dk", "dv", "amax_dq", "amax_dk", "amax_dv", "amax_dp"))
+
+    def validate(self):
+        pass
+
+    build_operation_graph = check_support = build_plans = validate
+
+    def create_execution_plans(self, modes):
+        pass
+
+    def get_workspace_size(self):
+        return 0
+
+    def execute(self, pack, ws, handle=None):
+        self.executed.append(pack)
+
+
+class _FakeCudnn:
+    class data_type:  # noqa: N801 - cudnn's spelling
+        FP8_E4M3, FP8_E5M2, BFLOAT16, FLOAT = "e4m3", "e5m2", "bf16", "f32"
+
+    class heur_mode:  # noqa: N801
+        A, FALLBACK = "A", "FALLBACK"
+
+    graphs: list = []
+
+    @classmethod
+    def pygraph(cls, **kw):
+        cls.graphs.append(_FakeGraph(**kw))
+        return cls.graphs[-1]
+
+
+def test_backward_graph_takes_cudnns_documented_operands(monkeypatch):
+    # The operand names of sdpa_fp8_backward as the wheel's binding documents them (cudnn-frontend
+    # 1.32 docstring: q, k, v, o, dO, stats, descale_q/k/v/o/dO/s/dP, scale_s/dQ/dK/dV/dP), dO in the
+    # asked format, the gradients written in theirs, and every graph tensor bound at execution.
+    monkeypatch.setattr(kc, "_KERNEL", {"mod": _FakeCudnn, "version": "fake"})
+    monkeypatch.setattr(kc, "_handle", lambda dev: None)
+    monkeypatch.setattr(kc, "_BWD", {})
+    entry = kc.build_backward(torch.device("cpu"), 1, 4, 2, 64, 64, True, 0.125, "e5m2", "bf16")
+    g = _FakeCudnn.graphs[-1]
+    kw = g.calls["sdpa_fp8_backward"]
+    documented = {"q", "k", "v", "o", "dO", "stats", "descale_q", "descale_k", "descale_v", "descale_o",
+                  "descale_dO", "descale_s", "descale_dP", "scale_s", "scale_dQ", "scale_dK", "scale_dV",
+                  "scale_dP", "attn_scale", "use_causal_mask", "name"}
+    assert set(kw) == documented
+    assert kw["use_causal_mask"] is True and kw["attn_scale"] == 0.125
+    assert kw["dO"].attrs["data_type"] == "e5m2" and kw["q"].attrs["data_type"] == "e4m3"
+    assert kw["k"].attrs["dim"] == [1, 2, 64, 64]
+    assert {entry["t"][n].attrs["data_type"] for n in ("dq", "dk", "dv")} == {"bf16"}
+    assert entry["t"]["dk"].attrs["dim"] == [1, 2, 64, 64]
+    e4 = torch.float8_e4m3fn
+    ins = {"q": torch.zeros(1, 4, 64, 64, dtype=e4), "k": torch.zeros(1, 2, 64, 64, dtype=e4),
+           "v": torch.zeros(1, 2, 64, 64, dtype=e4), "o": torch.zeros(1, 4, 64, 64, dtype=e4),
+           "dO": torch.zeros(1, 4, 64, 64, dtype=torch.float8_e5m2), "stats": torch.zeros(1, 4, 64, 1)}
+    out = kc.run_backward(entry, ins, {n: 1.0 for n in kc.BWD_SCALARS})
+    pack = g.executed[-1]
+    assert set(map(id, pack)) == set(map(id, entry["t"].values()))
+    assert out["dq"].dtype == torch.bfloat16 and out["dk"].shape == (1, 2, 64, 64)

@@ -294,3 +294,92 @@ def test_lse_of_a_smoothed_forward_is_the_lse_of_the_scores():
     diff = (plain["lse"] - smooth["lse"]).abs().max()
     shift = (q * k.mean(dim=2, keepdim=True).repeat_interleave(2, 1)).sum(-1).abs().max() / 8
     assert diff < 1e-4 < shift
+
+
+# -- real dO from a capture (capture --grads), and the backend that computes the gradients ----------
+
+@pytest.mark.slow
+def test_run_backward_on_a_capture_reads_its_real_do(tiny_llama, tmp_path):
+    import xarray as xr
+
+    from fa3_numerics.cli import main
+    from fa3_numerics.data import capture as cap
+    from fa3_numerics.numerics.metrics import per_sample
+
+    folder = tiny_llama("bwd-grads", layers=2, hidden=64, positions=128, words=300, by_frequency=True)
+    path = tmp_path / "g.safetensors"
+    c = cap.capture(model=str(folder), out=path, tokens=64, grads=True)
+    out = tmp_path / "bwd"
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "backward", "--dist", f"capture-file:{path}", "--layer", "1", "--seqlen", "64", "--head-dim",
+              "64", "--heads", "2", "--kv-heads", "1", "--causal", "true", "--variants", "fa3-fp8-bwd-bf16",
+              "--no-attribution", "--out", str(out)])
+    assert exc.value.code in (0, None)
+    ds = xr.load_dataset(out / "backward.nc", engine="h5netcdf")
+    assert ds.attrs["do_source"].startswith("captured: dL/dO") and ds.attrs["do_seed"].startswith("none")
+    # independently: the capture's own Q, K, V, dO through the emulator give the dataset's figures
+    q, k, v = (t[None] for t in c.qkv(1))
+    r = PRESETS["fa3-fp8-bwd-bf16"].recipe
+    got = ds["dq_rmse"].sel(stage="full", variant="fa3-fp8-bwd-bf16").values.reshape(-1)
+
+    def rmse(do):
+        gr = emulate_backward(r, q, k, v, do, causal=True, softmax_scale=c.scale, rotation_seed=0)
+        ref = reference_gradients(q, k, v, do, causal=True, softmax_scale=c.scale)
+        return np.asarray(per_sample(gr.dq, ref[1])["rmse"]).reshape(-1)
+
+    np.testing.assert_allclose(got, rmse(c.do(1)[None]), rtol=1e-9)
+    # negative control: the synthetic dO (--do synthetic, what the study draws without a capture's own)
+    # gives other figures, and those are what --do synthetic records
+    synthetic = torch.randn(q.shape, generator=torch.Generator().manual_seed(29), dtype=torch.float64)
+    assert not np.allclose(got, rmse(synthetic), rtol=0.1)
+    out2 = tmp_path / "bwd-synthetic"
+    with pytest.raises(SystemExit):
+        main(["run", "backward", "--dist", f"capture-file:{path}", "--layer", "1", "--seqlen", "64", "--head-dim",
+              "64", "--heads", "2", "--kv-heads", "1", "--causal", "true", "--variants", "fa3-fp8-bwd-bf16",
+              "--no-attribution", "--do", "synthetic", "--out", str(out2)])
+    ds2 = xr.load_dataset(out2 / "backward.nc", engine="h5netcdf")
+    assert ds2.attrs["do_source"].startswith("synthetic")
+    np.testing.assert_allclose(ds2["dq_rmse"].sel(stage="full").values.reshape(-1), rmse(synthetic), rtol=1e-9)
+
+
+def test_synthetic_do_is_said_so():
+    from fa3_numerics.studies.backward import SYNTHETIC_DO, load_study
+
+    study = load_study({"seqlen": [32], "head_dim": [64], "heads": 1, "variants": ["exact"]}, attribution=False)
+    res = study.run(None)
+    assert res.attrs["do_source"] == SYNTHETIC_DO and res.dataset().attrs["do_seed"].startswith("torch.randn")
+
+
+def test_gradient_backends_are_checked_with_the_fix():
+    from fa3_numerics.studies.backward import load_study
+
+    base = {"seqlen": [32], "head_dim": [64], "heads": 1, "variants": ["fa3-fp8-bwd-bf16"]}
+    with pytest.raises(UsageError, match="forward only"):
+        load_study({**base, "backend": "fa3-mock"}, attribution=False)
+    with pytest.raises(UsageError, match="cannot run"):
+        load_study({**base, "backend": "cudnn-fp8"}, attribution=False)  # no GPU here
+    with pytest.raises(UsageError, match="not a device"):
+        load_study({**base, "device": "tpu"}, attribution=False)
+    assert load_study({**base, "backend": "emulate"}).backend == "emulate"
+
+
+def test_bwd_pscale_offset_casts_p_at_the_forwards_fixed_scale():
+    """bwd.pscale=offset (cuDNN's scale_s): dV = P^T dO with P cast as e4m3(P * 2^poff) whatever P's amax,
+    checked against a hand computation on rows whose largest P is far below 1 (where amax scaling differs)."""
+    from fa3_numerics.numerics.formats import cast
+
+    q, k, v, do = _inputs(h=2, hkv=2, n=64, nk=64, d=64, scale=0.05)  # flat scores: max P ~ 1/64 * e
+    base = Recipe.from_str("exact,bwd.dv=e4m3:fp32")
+    lse_fwd = _exact_forward(q, k, v, False, 0.125)
+    fixed = backward_from(Recipe.from_str("exact,bwd.dv=e4m3:fp32,bwd.pscale=offset,poff=8"), q, k, v, lse_fwd, do,
+                          softmax_scale=0.125)
+    amax = backward_from(base, q, k, v, lse_fwd, do, softmax_scale=0.125)
+    s = (q @ k.transpose(-1, -2)).float() * torch.tensor(0.125 * math.log2(math.e), dtype=torch.float32)
+    p = torch.exp2(s - (lse_fwd.lse.float() * torch.tensor(math.log2(math.e), dtype=torch.float32)).unsqueeze(-1))
+    assert float(p.max()) < 0.2
+    want = (cast(p / torch.tensor(2.0 ** -8, dtype=torch.float32), "e4m3").float().transpose(-1, -2) @ do.float()) * 2.0 ** -8
+    torch.testing.assert_close(fixed.dv, want.double(), rtol=1e-6, atol=1e-7)
+    # negative control: P's amax scale gives other dV values
+    assert float((amax.dv - fixed.dv).abs().max()) > 1e-3 * float(fixed.dv.abs().max())
+    with pytest.raises(UsageError):
+        Recipe.from_str("exact,bwd.pscale=block")

@@ -1,7 +1,7 @@
 """Registry of input distributions for Q, K, V.
 
 Exposed: ``AttnShape``, ``register``, ``get``, ``available``, ``generate``, ``param_label``,
-``param_long_name``, ``param_symbol``.
+``param_long_name``, ``param_symbol``, ``incoming_gradient``.
 
 A distribution is a function ``fn(shape, seed, **params) -> (q, k, v)`` returning float64
 tensors laid out (batch, heads, seqlen, head_dim) for Q and (batch, kv_heads, seqlen,
@@ -86,6 +86,9 @@ class Entry:
     # alone is drawn beside the counts as their reference
     histogram: str = ""
     bulk: bool = False
+    # the family's own incoming gradient dO for what ``fn`` draws (same arguments), or None: a
+    # function returning (dO [B, H, N, D] float64, where it comes from) or None when it has none
+    grads: Callable | None = None
 
 
 _REGISTRY: dict[str, Entry] = {}
@@ -94,15 +97,18 @@ _loaded = False
 
 def register(name: str, *, description: str, params: dict[str, tuple[float, str]] | None = None,
              validate: Callable[[dict], None] | None = None, on_device: bool = False,
-             labels: dict[str, tuple[str, str, str]] | None = None, histogram: str = "", bulk: bool = False):
+             labels: dict[str, tuple[str, str, str]] | None = None, histogram: str = "", bulk: bool = False,
+             grads: Callable | None = None):
     """Decorator: register ``fn`` under ``name`` with its parameters' defaults and help.
     ``on_device``: ``fn`` accepts ``device=`` and draws its tensors there. ``labels``: parameter ->
     (symbol, long name, axis label) for datasets and reports (default: the name and its help); ``histogram``, ``bulk``:
-    what a report says under, and draws beside, a histogram of inputs from this family."""
+    what a report says under, and draws beside, a histogram of inputs from this family. ``grads``:
+    ``fn(shape, seed, **params)`` -> (dO, source) or None, the family's real incoming gradient for
+    the Q, K, V ``fn`` draws (``incoming_gradient``; a capture made with ``--grads``)."""
 
     def deco(fn):
         _REGISTRY[name] = Entry(name, fn, description, dict(params or {}), validate, on_device, dict(labels or {}),
-                                histogram, bulk)
+                                histogram, bulk, grads)
         return fn
 
     return deco
@@ -182,6 +188,19 @@ def generate(name: str, shape: AttnShape, seed: int, *, device: str = "cpu",
         full["device"] = "cpu"
     q, k, v = entry.fn(shape, seed, **full)
     return tuple(t.to(device) for t in (q, k, v)) if str(device) != "cpu" else (q, k, v)
+
+
+def incoming_gradient(name: str, shape: AttnShape, seed: int, **params) -> tuple[torch.Tensor, str] | None:
+    """The family's own dO for the Q, K, V ``generate`` draws with the same arguments (float64 [B, H, N, D]
+    on the CPU) and a sentence saying where it comes from, or None when the family has none (the caller
+    then draws a synthetic dO and says so)."""
+    entry = get(name)
+    if entry.grads is None:
+        return None
+    full = {k: v[0] for k, v in entry.params.items()} | params
+    if ":" in name:
+        full["arg"] = name.split(":", 1)[1]
+    return entry.grads(shape, seed, **full)
 
 
 def rng_stream(name: str, device: str) -> str:

@@ -33,10 +33,41 @@ def capture_info(path: str) -> tuple[int, int]:
     return cap.tokens, cap.head_dim
 
 
+def _heads(shape: AttnShape, seed: int, h: int, hkv: int) -> list[tuple[list[int], list[int]]] | None:
+    """Per batch element, (query heads, their K/V heads) that ``capture_file`` takes; None: the
+    capture's own layout (every head as recorded)."""
+    if shape.kv_heads != shape.heads:
+        return None
+    group = h // hkv
+    out = []
+    for b in range(shape.batch):
+        start = (seed * shape.batch + b) * shape.heads
+        idx = [(start + i) % h for i in range(shape.heads)]
+        out.append((idx, [i // group for i in idx]))
+    return out
+
+
+def capture_file_do(shape: AttnShape, seed: int, *, layer: float, arg: str):
+    """The recorded dO of the heads and tokens ``capture_file`` takes (a capture made with --grads), or None."""
+    cap = _capture(arg)
+    if not cap.has_grads:
+        return None
+    do = cap.do(int(layer))
+    picks = _heads(shape, seed, cap.heads, cap.kv_heads)
+    if picks is None:
+        out = do[None, :, : shape.seqlen]
+    else:
+        out = torch.stack([do[idx, : shape.seqlen] for idx, _ in picks])
+    g = cap.grads
+    return out.to(torch.float64), (f"captured: dL/dO of {g.get('loss', 'the loss')} (loss {g.get('loss_value')}), "
+                                   f"recorded by `capture --grads` for these tokens")
+
+
 @register(
     "capture-file:",
     description="a capture file's recorded post-RoPE Q, K, V (capture-file:PATH); seed and batch pick the heads",
     params={"layer": (0, "layer of the capture file")},
+    grads=capture_file_do,
 )
 def capture_file(shape: AttnShape, seed: int, *, layer: float, arg: str):
     cap = _capture(arg)
@@ -52,12 +83,8 @@ def capture_file(shape: AttnShape, seed: int, *, layer: float, arg: str):
                 f"capture-file: with grouped K/V heads give the capture's own layout: batch 1, {h} heads, "
                 f"{hkv} KV heads")
         return tuple(t[None, :, : shape.seqlen].to(torch.float64) for t in (q, k, v))
-    group = h // hkv
     qs, ks, vs = [], [], []
-    for b in range(shape.batch):
-        start = (seed * shape.batch + b) * shape.heads
-        idx = [(start + i) % h for i in range(shape.heads)]
-        kv_idx = [i // group for i in idx]
+    for idx, kv_idx in _heads(shape, seed, h, hkv):
         qs.append(q[idx, : shape.seqlen])
         ks.append(k[kv_idx, : shape.seqlen])
         vs.append(v[kv_idx, : shape.seqlen])

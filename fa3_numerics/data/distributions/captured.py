@@ -172,6 +172,10 @@ class Fit:
     std: dict[str, torch.Tensor]
     outliers: dict[str, list[tuple[int, int]]]   # tensor -> [(head, channel)]
     sink_norm_ratio: dict[str, torch.Tensor]     # tensor -> (heads,) mean sink-token norm / median token norm
+    # (heads, tokens, d): dL/dO as recorded by `capture --grads` (None without); O is not rotated, so
+    # dO rows move with their tokens unchanged
+    do: torch.Tensor | None = None
+    loss: str = ""                               # what the loss was, for the dataset's do_source
 
     def describe(self) -> str:
         lines = [f"captured layer {self.layer} of {self.model} ({self.tokens} tokens, {self.heads} heads, "
@@ -230,8 +234,10 @@ def fit_capture(path: str | os.PathLike, layer: int = -1, sinks: int = 4, rope: 
         outliers[name] = [tuple(x) for x in hot.nonzero().tolist()]
         norms = t.norm(dim=-1)
         sink_ratio[name] = (norms[:, :s].mean(dim=1) / norms.median(dim=1).values) if s else torch.ones(t.shape[0])
+    do = cap.do(layer) if cap.has_grads else None
+    loss = f"{cap.grads.get('loss', '')} (loss {cap.grads.get('loss_value')})" if cap.has_grads else ""
     fit = Fit(str(p), layer, cap.meta.get("model", "?"), n, cap.heads, cap.kv_heads, d, theta, s, q, k, v,
-              mean, std, outliers, sink_ratio)
+              mean, std, outliers, sink_ratio, do, loss)
     while len(_FITS) >= _FITS_SIZE:
         _FITS.pop(next(iter(_FITS)))
     _FITS[key] = fit
@@ -269,7 +275,9 @@ def source_index(n_cap: int, n_out: int, sinks: int, block: int, g: torch.Genera
     return torch.cat(parts)[:n_out]
 
 
-def generate_from_fit(fit: Fit, shape: AttnShape, seed: int, block: int = 64):
+def generate_from_fit(fit: Fit, shape: AttnShape, seed: int, block: int = 64, with_do: bool = False):
+    """(Q, K, V) at ``shape`` from the fit; ``with_do``: (Q, K, V, dO), dO the recorded rows of the same
+    tokens (the fit must hold dO)."""
     need = f"--heads {fit.heads} --kv-heads {fit.kv_heads} --head-dim {fit.head_dim}"
     require((shape.heads, shape.kv_heads, shape.head_dim) == (fit.heads, fit.kv_heads, fit.head_dim),
             f"captured: {Path(fit.path).name} has {fit.heads} heads, {fit.kv_heads} KV heads, head dim "
@@ -279,7 +287,9 @@ def generate_from_fit(fit: Fit, shape: AttnShape, seed: int, block: int = 64):
     n = shape.seqlen
     if fit.theta is not None:
         cos, sin = rope_tables(torch.arange(n), fit.head_dim, fit.theta)
-    qs, ks, vs = [], [], []
+    require(not with_do or fit.do is not None, f"captured: {Path(fit.path).name} holds no gradients; recapture "
+            "it with `fa3-numerics capture --grads`")
+    qs, ks, vs, dos = [], [], [], []
     for _ in range(shape.batch):
         idx = source_index(fit.tokens, n, fit.sinks, int(block), g)
         q, k, v = fit.q[:, idx], fit.k[:, idx], fit.v[:, idx]
@@ -288,7 +298,33 @@ def generate_from_fit(fit: Fit, shape: AttnShape, seed: int, block: int = 64):
         qs.append(q)
         ks.append(k)
         vs.append(v)
-    return (torch.stack(qs).contiguous(), torch.stack(ks).contiguous(), torch.stack(vs).contiguous())
+        if with_do:
+            dos.append(fit.do[:, idx])
+    out = (torch.stack(qs).contiguous(), torch.stack(ks).contiguous(), torch.stack(vs).contiguous())
+    return out + (torch.stack(dos).contiguous(),) if with_do else out
+
+
+def _fit_for(shape: AttnShape, layer, sinks, block, rope, arg) -> tuple[Fit, int]:
+    path, over = parse_arg(arg)
+    params = {"layer": layer, "sinks": sinks, "block": block, "rope": rope} | over
+    _validate(params)
+    # Sinks beyond the sequence would be cut silently: the recorded sinks= would not be the one used.
+    require(int(params["sinks"]) <= shape.seqlen, f"captured: sinks={int(params['sinks'])} exceeds seqlen "
+            f"{shape.seqlen}; use @sinks={shape.seqlen} or fewer")
+    fit = fit_capture(path, layer=int(params["layer"]), sinks=int(params["sinks"]), rope=bool(int(params["rope"])))
+    return fit, int(params["block"])
+
+
+def captured_do(shape: AttnShape, seed: int, *, layer: float, sinks: float, block: float, rope: float, arg: str = ""):
+    """The recorded dO rows of the tokens ``captured`` places at each position (a capture made with
+    --grads), or None. At the captured length in captured order they are the gradient itself; resampled,
+    each row is a real gradient moved with its token, not the gradient at its new position."""
+    fit, blk = _fit_for(shape, layer, sinks, block, rope, arg)
+    if fit.do is None:
+        return None
+    do = generate_from_fit(fit, shape, seed, block=blk, with_do=True)[3]
+    return do, (f"captured: dL/dO of {fit.loss} recorded by `capture --grads`, rows moved with their tokens "
+                "(sinks kept, blocks resampled)")
 
 
 @register(
@@ -297,16 +333,11 @@ def generate_from_fit(fit: Fit, shape: AttnShape, seed: int, block: int = 64):
                 "kept, blocks of tokens resampled, RoPE re-applied at the new positions",
     params=PARAMS,
     validate=_validate,
+    grads=captured_do,
 )
 def captured(shape: AttnShape, seed: int, *, layer: float, sinks: float, block: float, rope: float, arg: str = ""):
-    path, over = parse_arg(arg)
-    params = {"layer": layer, "sinks": sinks, "block": block, "rope": rope} | over
-    _validate(params)
-    # Sinks beyond the sequence would be cut silently: the recorded sinks= would not be the one used.
-    require(int(params["sinks"]) <= shape.seqlen, f"captured: sinks={int(params['sinks'])} exceeds seqlen "
-            f"{shape.seqlen}; use @sinks={shape.seqlen} or fewer")
-    fit = fit_capture(path, layer=int(params["layer"]), sinks=int(params["sinks"]), rope=bool(int(params["rope"])))
-    return generate_from_fit(fit, shape, seed, block=int(params["block"]))
+    fit, blk = _fit_for(shape, layer, sinks, block, rope, arg)
+    return generate_from_fit(fit, shape, seed, block=blk)
 
 
 # --------------------------------------------------------------------------------------------

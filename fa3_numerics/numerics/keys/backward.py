@@ -129,4 +129,8 @@ def _mma_scales(r) -> str | None:
     return None
 
 
+register_key(RecipeKey("bwd.pscale", "amax", "scale of P in dV = P^T dO: amax (P's amax over the call, current "
+                       "scaling) or offset (the forward's fixed 2^poff: cuDNN's scale_s)", field="bwd_pscale",
+                       choices=("amax", "offset")))
+
 __all__ = ["PRODUCTS", "operand_pair", "backward_pairs"]
