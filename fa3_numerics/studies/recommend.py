@@ -54,7 +54,7 @@ from ..numerics import calibration as calib
 from ..numerics.recipe import Recipe
 from .stored import StoredFindings
 from .impact_analysis import layer_rel_l2, summarize
-from .impact_model import REF, SDPA_BF16, ModelRunner, recipe_attn, score
+from .impact_model import REF, SDPA_BF16, ModelRunner, cpu_threads, recipe_attn, score
 from .recommend_targets import candidates as target_candidates
 from .recommend_targets import FALLBACK, mix_pool
 
@@ -114,32 +114,6 @@ def _check_budget(kl, ppl, top1, factor) -> Budget:
     return Budget(kl, ppl, top1, factor)
 
 
-def cpu_threads() -> tuple[int, str]:
-    """(torch intra-op threads for a CPU run, why). ``FA3N_THREADS`` sets them; otherwise every core on
-    an idle machine and one when other processes already keep the cores busy (1-minute load average
-    >= cores - 0.5). The study's calls are many small tensor operations, each an OpenMP region
-    whose threads wait for one another: when another process holds a core, every region waits
-    for a descheduled thread (measured on the 2-core container at load 2-5: a float64 reference
-    pass of SmolLM2 took 5-15 s with 2 threads and 1.1-2.6 s with 1, in 3-6x the CPU time). The
-    results do not depend on the count (a run with 1 and one with 2 threads wrote bit-identical
-    datasets)."""
-    import os
-
-    from ..env import env_number
-
-    cores = os.cpu_count() or 1
-    asked = env_number("FA3N_THREADS", 0, integer=True)
-    if asked:
-        return int(asked), "FA3N_THREADS"
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        return torch.get_num_threads(), "torch's default"
-    if cores > 1 and load >= cores - 0.5:
-        return 1, f"load average {load:.1f} on {cores} cores; FA3N_THREADS sets them"
-    return torch.get_num_threads(), f"load average {load:.1f} on {cores} cores"
-
-
 def resolve(recipe: Recipe, cid: str, layer: int) -> Recipe:
     """``recipe`` for one layer: its calibration named when it reads one."""
     if calib.uses_calibration(recipe):
@@ -189,15 +163,8 @@ def prepare(*, model: str = "smollm2", text: str | Path | None = None, calib_tex
 
 def run_prepared(prep: dict, progress: Callable[[str], None] = _stderr):
     """Load the model and run the study from ``prepare``'s checked options."""
-    saved = torch.get_num_threads()
-    if prep["device"] == "cpu":
-        threads, why = cpu_threads()
-        torch.set_num_threads(threads)
-        progress(f"recommend: {threads} CPU thread(s) ({why})")
-    try:
+    with cpu_threads(prep["device"], lambda m: progress(f"recommend: {m}")):
         return _run_prepared(prep, progress)
-    finally:
-        torch.set_num_threads(saved)
 
 
 def _run_prepared(prep: dict, progress: Callable[[str], None]):
