@@ -65,7 +65,7 @@ def _timed(args: list[str], log: Path, env: dict) -> dict:
         proc = subprocess.Popen(_cmd() + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         for line in proc.stdout:
             fh.write(line)
-            if "it/s]" not in line and "Loading weights" not in line:
+            if line.strip() and "it/s]" not in line and "Loading weights" not in line:
                 print("  " + line.rstrip(), flush=True)
         rc = proc.wait()
     wall = time.perf_counter() - t0
