@@ -194,7 +194,7 @@ def hopper_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, 
         d = fast(a, b, c, a_min_exp=a_fmt.emin, b_min_exp=b_fmt.emin, model=model)
         if d is not None:
             return d
-    return hopper_fp8_mma_reference(a, b, c, a_min_exp=a_fmt.emin, b_min_exp=b_fmt.emin, model=model)
+    return _general_or_reference(a, b, c, a_fmt.emin, b_fmt.emin, model)
 
 
 #: name -> "module:function" of a fast implementation of the model on a device: the function
@@ -268,4 +268,17 @@ def hopper_fp8_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = No
         d = gpu(a, b, c, a_min_exp=a_min_exp, b_min_exp=b_min_exp, model=FP8_MMA)
         if d is not None:  # None: a non-finite operand or a float32 overflow mid-chain
             return d
-    return hopper_fp8_mma_reference(a, b, c, a_min_exp=a_min_exp, b_min_exp=b_min_exp)
+    return _general_or_reference(a, b, c, a_min_exp, b_min_exp, FP8_MMA)
+
+
+def _general_or_reference(a, b, c, a_min_exp, b_min_exp, model):
+    """The compiled double-precision form of the reference (any finite float32 operands: FP8 V times
+    a per-token descale, 16-bit operands) where it runs, else the reference itself; same numbers."""
+    from . import native
+
+    general = native.mma_general(a.device)
+    if general is not None:
+        d = general(a, b, c, a_min_exp=a_min_exp, b_min_exp=b_min_exp, model=model)
+        if d is not None:  # None: a non-finite or float64 operand, which only the reference takes
+            return d
+    return hopper_fp8_mma_reference(a, b, c, a_min_exp=a_min_exp, b_min_exp=b_min_exp, model=model)
