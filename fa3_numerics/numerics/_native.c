@@ -841,6 +841,7 @@ void fa3n_mt_uniform64(uint32_t *restrict st, int32_t *restrict left, uint32_t *
  * float32, as the reference's .to(torch.float32). The sum starts from +0, as torch's does, so a
  * zero result has the reference's sign. Returns 1 for a non-finite operand (the reference
  * propagates those), 0 otherwise. */
+#define GEN_ZERO_EXP (-100000)
 static inline int exp_of(double x) {
     int e;
     frexp(x, &e);
@@ -872,7 +873,7 @@ int fa3n_mma_model_f64(int64_t L, int64_t M, int64_t K, int64_t N, const float *
                             if (!isfinite(x)) bad |= 1;
                             bt[j * K + kk] = x;
                             const int e = exp_of(x);
-                            ebt[j * K + kk] = e < b_min_exp ? b_min_exp : e;
+                            ebt[j * K + kk] = x == 0.0 ? GEN_ZERO_EXP : (e < b_min_exp ? b_min_exp : e);
                         }
                     last_l = l;
                 }
@@ -881,7 +882,7 @@ int fa3n_mma_model_f64(int64_t L, int64_t M, int64_t K, int64_t N, const float *
                     if (!isfinite(x)) bad |= 1;
                     ar[kk] = x;
                     const int e = exp_of(x);
-                    ear[kk] = e < a_min_exp ? a_min_exp : e;
+                    ear[kk] = x == 0.0 ? GEN_ZERO_EXP : (e < a_min_exp ? a_min_exp : e);
                 }
                 for (int64_t j = 0; j < N; j++) {
                     const double *bj = bt + j * K;
@@ -891,13 +892,14 @@ int fa3n_mma_model_f64(int64_t L, int64_t M, int64_t K, int64_t N, const float *
                     int has_acc = c != NULL;
                     for (int64_t k0 = 0; k0 < K; k0 += k_step) {
                         const int64_t k1 = k0 + k_step < K ? k0 + k_step : K;
-                        int emax = -4096, live = 0;
-                        for (int64_t kk = k0; kk < k1; kk++)
-                            if (ar[kk] != 0.0 && bj[kk] != 0.0) {
-                                const int e = ear[kk] + ej[kk];
-                                if (!live || e > emax) emax = e;
-                                live = 1;
-                            }
+                        /* a zero operand's exponent code keeps its sum below every real one (>= -400) */
+                        int emax = 2 * GEN_ZERO_EXP;
+#pragma omp simd reduction(max : emax)
+                        for (int64_t kk = k0; kk < k1; kk++) {
+                            const int e = ear[kk] + ej[kk];
+                            emax = e > emax ? e : emax;
+                        }
+                        int live = emax > GEN_ZERO_EXP / 2;
                         if (has_acc && acc != 0.0f) {
                             const int e = exp_of((double)acc);
                             if (!live || e > emax) emax = e;
@@ -906,7 +908,9 @@ int fa3n_mma_model_f64(int64_t L, int64_t M, int64_t K, int64_t N, const float *
                         double d = 0.0;
                         if (live) {
                             const double inv = ldexp(1.0, bits - emax);
+                            /* exact integers below 2^21 in all: any order of the sum gives the same value */
                             double total = 0.0;
+#pragma omp simd reduction(+ : total)
                             for (int64_t kk = k0; kk < k1; kk++) total += trunc(ar[kk] * bj[kk] * inv);
                             if (has_acc) total = total + trunc((double)acc * inv);
                             d = total / inv;
