@@ -877,9 +877,11 @@ int fa3n_mma_model_f64(int64_t L, int64_t M, int64_t K, int64_t N, const float *
                         }
                     last_l = l;
                 }
+                int row_zero = 1;
                 for (int64_t kk = 0; kk < K; kk++) {
                     const double x = a[l * as[0] + i * as[1] + kk * as[2]];
                     if (!isfinite(x)) bad |= 1;
+                    row_zero &= x == 0.0;
                     ar[kk] = x;
                     const int e = exp_of(x);
                     ear[kk] = x == 0.0 ? GEN_ZERO_EXP : (e < a_min_exp ? a_min_exp : e);
@@ -889,6 +891,10 @@ int fa3n_mma_model_f64(int64_t L, int64_t M, int64_t K, int64_t N, const float *
                     const int *ej = ebt + j * K;
                     float acc = c ? c[l * cs[0] + i * cs[1] + j * cs[2]] : 0.0f;
                     if (c && !isfinite(acc)) bad |= 1;
+                    if (row_zero && acc == 0.0f) { /* no live step: +0, as every step gives (a causal P row before its keys) */
+                        out[l * N * M + i * N + j] = 0.0f;
+                        continue;
+                    }
                     int has_acc = c != NULL;
                     for (int64_t k0 = 0; k0 < K; k0 += k_step) {
                         const int64_t k1 = k0 + k_step < K ? k0 + k_step : K;

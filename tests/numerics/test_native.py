@@ -242,6 +242,18 @@ def test_mma_general_operands_match_reference(model_name, mins):
         ref = hopper_fp8_mma_reference(a, b, c, a_min_exp=mins[0], b_min_exp=mins[1], model=model)
         got = gen(a, b, c, a_min_exp=mins[0], b_min_exp=mins[1], model=model)
         assert torch.equal(ref.view(torch.int32), got.view(torch.int32)), trial
+    # rows of zeros and of negative zeros (a causal P row before its keys) with zero, -0 and non-zero C
+    z = torch.randn(2, 30, 70, generator=g)
+    z[:, ::2] = 0.0
+    z[:, 1::4] = -0.0
+    w = torch.randn(2, 70, 20, generator=g) * 3
+    cz = torch.randn(2, 30, 20, generator=g)
+    cz[:, ::3] = 0.0
+    cz[:, 1::6] = -0.0
+    for cc in (None, cz):
+        ref = hopper_fp8_mma_reference(z, w, cc, a_min_exp=mins[0], b_min_exp=mins[1], model=model)
+        got = gen(z, w, cc, a_min_exp=mins[0], b_min_exp=mins[1], model=model)
+        assert torch.equal(ref.view(torch.int32), got.view(torch.int32))
     assert native.mma(torch.device("cpu"))(a, b, c, a_min_exp=-6, b_min_exp=-6) is None
     a[0, 0, 0] = math.inf
     assert gen(a, b, c, a_min_exp=mins[0], b_min_exp=mins[1], model=model) is None  # the reference takes it
