@@ -391,6 +391,56 @@ def model_config(src: ModelSource):
     return SimpleNamespace(num_hidden_layers=layers, max_position_embeddings=cfg.get("max_position_embeddings"))
 
 
+@contextmanager
+def _gguf_parsed_once():
+    """Within the block, transformers' GGUF loading parses each file once and builds each tensor
+    name map once. It builds a ``gguf.GGUFReader`` of the same file for the tokenizer, the config
+    and the weights (each parse walks every metadata field: ~5 s for SmolLM2's vocabulary on a
+    2-core CPU) and a ``TensorNameMap`` for every module of the model (~400 for SmolLM2, ~30 ms
+    each). Both are read-only, so one of each serves every call; the weights are the same bytes.
+    Outside the block nothing is kept (the reader maps the whole file)."""
+    try:
+        import gguf
+    except ImportError:  # not a GGUF model: nothing to share
+        yield
+        return
+    if getattr(gguf.GGUFReader, "_fa3n_shared", False):  # an enclosing block already shares them
+        yield
+        return
+    readers: dict[tuple, object] = {}
+    base, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    class _Shared(base):
+        _fa3n_shared = True
+
+        def __new__(cls, path, mode="r"):
+            key = (os.path.realpath(path), mode)
+            if key not in readers:
+                readers[key] = super().__new__(cls)
+                readers[key]._fa3n_parsed = False
+            return readers[key]
+
+        def __init__(self, path, mode="r"):
+            if not self._fa3n_parsed:
+                super().__init__(path, mode)
+                self._fa3n_parsed = True
+
+    maps: dict[tuple, object] = {}
+
+    def shared_map(arch, n_blocks):
+        if (arch, n_blocks) not in maps:
+            maps[(arch, n_blocks)] = name_map(arch, n_blocks)
+        return maps[(arch, n_blocks)]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = _Shared, shared_map
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = base, name_map
+        readers.clear()
+        maps.clear()
+
+
 _TOKENIZERS: dict[tuple, object] = {}
 
 
@@ -403,7 +453,8 @@ def load_tokenizer(src: ModelSource):
     if key not in _TOKENIZERS:
         extra = {"gguf_file": src.gguf_file} if src.gguf_file else {}
         try:
-            _TOKENIZERS[key] = AutoTokenizer.from_pretrained(src.folder, local_files_only=True, **extra)
+            with _gguf_parsed_once():
+                _TOKENIZERS[key] = AutoTokenizer.from_pretrained(src.folder, local_files_only=True, **extra)
         except (OSError, ValueError, KeyError) as exc:
             raise _load_error(src, exc) from exc
         while len(_TOKENIZERS) > _MODEL_CACHE_SIZE:
@@ -443,10 +494,11 @@ def load_model(model: str | ModelSource, log: Callable[[str], None] | None = Non
     extra = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     t0 = time.perf_counter()
     try:
-        tok = load_tokenizer(src)
-        m = AutoModelForCausalLM.from_pretrained(  # ``dtype=``: transformers >= 4.56
-            src.folder, dtype=torch.float32, attn_implementation=ATTN_NAME,
-            local_files_only=True, **({} if src.gguf_file else {"use_safetensors": True}), **extra)
+        with _gguf_parsed_once():  # the tokenizer, the config and the weights share one parse
+            tok = load_tokenizer(src)
+            m = AutoModelForCausalLM.from_pretrained(  # ``dtype=``: transformers >= 4.56
+                src.folder, dtype=torch.float32, attn_implementation=ATTN_NAME,
+                local_files_only=True, **({} if src.gguf_file else {"use_safetensors": True}), **extra)
     except (OSError, ValueError, KeyError) as exc:
         raise _load_error(src, exc) from exc
     if device_map is None:

@@ -827,3 +827,114 @@ void fa3n_mt_uniform64(uint32_t *restrict st, int32_t *restrict left, uint32_t *
     *left = (int32_t)l;
     *next = (uint32_t)nx;
 }
+
+/* ---- the tensor-core model for any finite float32 operands, in double ----
+ *
+ * What numerics/mma.py's hopper_fp8_mma_reference computes, for operands outside the float form's
+ * exact domain above (more than 12 significant bits: a per-token V descale multiplied into FP8 V,
+ * say), where the caller used to run the PyTorch reference. The same steps in the same arithmetic:
+ * E(x) = floor(log2|x|) clamped at the format's smallest normal exponent; per k-step emax over
+ * non-zero products of E(a) + E(b), and E(C) (unclamped) when C != 0; a b is exact in double (at
+ * most 48 significant bits), a b 2^(bits - emax) too (a power of two, far from double's range
+ * ends), its truncation is below 2^15, and a step's sum of them (and of C's) is an exact integer in
+ * double in any order; it is truncated to final_bits after its leading bit and rounded once to
+ * float32, as the reference's .to(torch.float32). The sum starts from +0, as torch's does, so a
+ * zero result has the reference's sign. Returns 1 for a non-finite operand (the reference
+ * propagates those), 0 otherwise. */
+#define GEN_ZERO_EXP (-100000)
+static inline int exp_of(double x) {
+    int e;
+    frexp(x, &e);
+    return e - 1;
+}
+
+int fa3n_mma_model_f64(int64_t L, int64_t M, int64_t K, int64_t N, const float *a, const int64_t *as, const float *b,
+                       const int64_t *bs, const float *c, const int64_t *cs, float *out, int a_min_exp, int b_min_exp,
+                       int k_step, int bits, int final_bits, int nthreads) {
+    if (L <= 0 || M <= 0 || N <= 0) return 0;
+    if (K <= 0 || k_step <= 0) return 1;
+    int bad = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : bad)
+    {
+        double *bt = (double *)malloc(sizeof(double) * (size_t)(N * K));
+        int *ebt = (int *)malloc(sizeof(int) * (size_t)(N * K));
+        double *ar = (double *)malloc(sizeof(double) * (size_t)K);
+        int *ear = (int *)malloc(sizeof(int) * (size_t)K);
+        if (!bt || !ebt || !ar || !ear) bad |= 2;
+        int64_t last_l = -1;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t l = 0; l < L; l++)
+            for (int64_t i = 0; i < M; i++) {
+                if (bad) continue;
+                if (l != last_l) { /* B of this l, transposed to [N][K], and its clamped exponents */
+                    for (int64_t kk = 0; kk < K; kk++)
+                        for (int64_t j = 0; j < N; j++) {
+                            const double x = b[l * bs[0] + kk * bs[1] + j * bs[2]];
+                            if (!isfinite(x)) bad |= 1;
+                            bt[j * K + kk] = x;
+                            const int e = exp_of(x);
+                            ebt[j * K + kk] = x == 0.0 ? GEN_ZERO_EXP : (e < b_min_exp ? b_min_exp : e);
+                        }
+                    last_l = l;
+                }
+                int row_zero = 1;
+                for (int64_t kk = 0; kk < K; kk++) {
+                    const double x = a[l * as[0] + i * as[1] + kk * as[2]];
+                    if (!isfinite(x)) bad |= 1;
+                    row_zero &= x == 0.0;
+                    ar[kk] = x;
+                    const int e = exp_of(x);
+                    ear[kk] = x == 0.0 ? GEN_ZERO_EXP : (e < a_min_exp ? a_min_exp : e);
+                }
+                for (int64_t j = 0; j < N; j++) {
+                    const double *bj = bt + j * K;
+                    const int *ej = ebt + j * K;
+                    float acc = c ? c[l * cs[0] + i * cs[1] + j * cs[2]] : 0.0f;
+                    if (c && !isfinite(acc)) bad |= 1;
+                    if (row_zero && acc == 0.0f) { /* no live step: +0, as every step gives (a causal P row before its keys) */
+                        out[l * N * M + i * N + j] = 0.0f;
+                        continue;
+                    }
+                    int has_acc = c != NULL;
+                    for (int64_t k0 = 0; k0 < K; k0 += k_step) {
+                        const int64_t k1 = k0 + k_step < K ? k0 + k_step : K;
+                        /* a zero operand's exponent code keeps its sum below every real one (>= -400) */
+                        int emax = 2 * GEN_ZERO_EXP;
+#pragma omp simd reduction(max : emax)
+                        for (int64_t kk = k0; kk < k1; kk++) {
+                            const int e = ear[kk] + ej[kk];
+                            emax = e > emax ? e : emax;
+                        }
+                        int live = emax > GEN_ZERO_EXP / 2;
+                        if (has_acc && acc != 0.0f) {
+                            const int e = exp_of((double)acc);
+                            if (!live || e > emax) emax = e;
+                            live = 1;
+                        }
+                        double d = 0.0;
+                        if (live) {
+                            const double inv = ldexp(1.0, bits - emax);
+                            /* exact integers below 2^21 in all: any order of the sum gives the same value */
+                            double total = 0.0;
+#pragma omp simd reduction(+ : total)
+                            for (int64_t kk = k0; kk < k1; kk++) total += trunc(ar[kk] * bj[kk] * inv);
+                            if (has_acc) total = total + trunc((double)acc * inv);
+                            d = total / inv;
+                            if (d != 0.0) {
+                                const double q = ldexp(1.0, exp_of(d) - final_bits);
+                                d = trunc(d / q) * q;
+                            }
+                        }
+                        acc = (float)d;
+                        has_acc = 1;
+                    }
+                    out[l * N * M + i * N + j] = acc;
+                }
+            }
+        free(bt);
+        free(ebt);
+        free(ar);
+        free(ear);
+    }
+    return bad & 2 ? 2 : (bad ? 1 : 0);
+}

@@ -67,8 +67,12 @@ MANTISSA_BITS = 13
 E4M3_MIN_EXP = -6
 # Exponent given to zeros: below any E(a) + E(b) of non-zero operands, so they never set emax.
 ZERO_EXP = -4096
-# Elements of one [.., rows, N, K_STEP] product block in the reference; bounds its memory.
-_BLOCK_ELEMS = 1 << 24
+# Elements of one [.., rows, N, K_STEP] product block in the reference; bounds its memory. Each
+# float64 temporary of a block is 2 MB: below glibc's mmap threshold, so the allocator reuses it
+# instead of mapping and zeroing fresh pages per operation (at 1 << 24, 128 MB temporaries made a
+# per-token decode pass spend most of its time in the kernel: 5.8 s system of 13 s wall). Rows of
+# a block are independent, so the results do not depend on it.
+_BLOCK_ELEMS = 1 << 18
 
 
 def operand_parts(x: torch.Tensor, min_exp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +194,7 @@ def hopper_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, 
         d = fast(a, b, c, a_min_exp=a_fmt.emin, b_min_exp=b_fmt.emin, model=model)
         if d is not None:
             return d
-    return hopper_fp8_mma_reference(a, b, c, a_min_exp=a_fmt.emin, b_min_exp=b_fmt.emin, model=model)
+    return _general_or_reference(a, b, c, a_fmt.emin, b_fmt.emin, model)
 
 
 #: name -> "module:function" of a fast implementation of the model on a device: the function
@@ -264,4 +268,17 @@ def hopper_fp8_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = No
         d = gpu(a, b, c, a_min_exp=a_min_exp, b_min_exp=b_min_exp, model=FP8_MMA)
         if d is not None:  # None: a non-finite operand or a float32 overflow mid-chain
             return d
-    return hopper_fp8_mma_reference(a, b, c, a_min_exp=a_min_exp, b_min_exp=b_min_exp)
+    return _general_or_reference(a, b, c, a_min_exp, b_min_exp, FP8_MMA)
+
+
+def _general_or_reference(a, b, c, a_min_exp, b_min_exp, model):
+    """The compiled double-precision form of the reference (any finite float32 operands: FP8 V times
+    a per-token descale, 16-bit operands) where it runs, else the reference itself; same numbers."""
+    from . import native
+
+    general = native.mma_general(a.device)
+    if general is not None:
+        d = general(a, b, c, a_min_exp=a_min_exp, b_min_exp=b_min_exp, model=model)
+        if d is not None:  # None: a non-finite or float64 operand, which only the reference takes
+            return d
+    return hopper_fp8_mma_reference(a, b, c, a_min_exp=a_min_exp, b_min_exp=b_min_exp, model=model)

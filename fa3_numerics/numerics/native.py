@@ -128,6 +128,8 @@ def _lib():
     lib.fa3n_mma_fp22_f32.restype = ctypes.c_int
     lib.fa3n_softmax_step.argtypes = [i64, i64, i64, p, p, p, p, f32, p, p, p, p, f64, i32, i32, i32, i32, f64, f64,
                                       i32, i32]
+    lib.fa3n_mma_model_f64.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, p, i32, i32, i32, i32, i32, i32]
+    lib.fa3n_mma_model_f64.restype = ctypes.c_int
     lib.fa3n_round_f64.argtypes = [i64, p, p, i32, i32, f64, f64, i32, i32]
     lib.fa3n_round_f32.argtypes = [i64, p, p, i32, i32, f64, f64, i32, i32]
     lib.fa3n_fwht.argtypes = [i64, i64, p, p, f64, p, i32]
@@ -199,6 +201,36 @@ def mma(device: torch.device):
         cc, sc = (None, None) if c is None else _flat3(c, lead, m, n)
         rc = _lib().fa3n_mma_fp22_f32(big_l, m, k, n, _ptr(aa), sa, _ptr(bb), sb, _ptr(cc), sc, _ptr(out),
                                       int(a_min_exp), int(b_min_exp), _threads(), int(portable))
+        if rc == 2:
+            raise MemoryError("the compiled MMA model could not allocate its operand buffers")
+        return None if rc else out
+
+    return run
+
+
+def mma_general(device: torch.device):
+    """The compiled tensor-core model for any finite float32 operands (``fa3n_mma_model_f64``: the
+    reference's arithmetic in double, for operands the float form above cannot take, e.g. FP8 V
+    times a per-token descale), or None. Same arguments as ``mma.hopper_fp8_mma_reference`` plus
+    ``model`` (an ``mma.MmaModel``); the returned function gives None for non-finite or float64
+    operands, which the reference takes."""
+    if device.type != "cpu" or _lib() is None:
+        return None
+
+    def run(a, b, c=None, *, a_min_exp, b_min_exp, model):
+        if any(t is not None and t.dtype != torch.float32 for t in (a, b, c)):
+            return None
+        lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        m, k = a.shape[-2:]
+        n = b.shape[-1]
+        out = torch.empty(*lead, m, n, dtype=torch.float32)
+        if out.numel() == 0 or k == 0:
+            return None if k == 0 else out
+        (aa, sa), (bb, sb) = _flat3(a, lead, m, k), _flat3(b, lead, k, n)
+        cc, sc = (None, None) if c is None else _flat3(c, lead, m, n)
+        rc = _lib().fa3n_mma_model_f64(math.prod(lead) if lead else 1, m, k, n, _ptr(aa), sa, _ptr(bb), sb, _ptr(cc),
+                                       sc, _ptr(out), int(a_min_exp), int(b_min_exp), int(model.k_step),
+                                       int(model.bits), int(model.final_bits), _threads())
         if rc == 2:
             raise MemoryError("the compiled MMA model could not allocate its operand buffers")
         return None if rc else out

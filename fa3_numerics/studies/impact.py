@@ -225,6 +225,12 @@ class ImpactStudy(StoredFindings, Study):
 
     def run(self, ctx: StudyContext | None):
         """Load the model, take the reference pass and every cell (cached under ``ctx``: None keeps none)."""
+        from .impact_model import cpu_threads
+
+        with cpu_threads(self.device, lambda m: self.progress(f"impact: {m}")):
+            return self._run(ctx)
+
+    def _run(self, ctx: StudyContext | None):
         from ..data import capture as cap
         from ..engine.cache import study_cells
         from .impact_budget import check_map_layers

@@ -92,6 +92,50 @@ def causal_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask, 
     return idx, scale
 
 
+def thread_count() -> tuple[int, str]:
+    """(torch intra-op threads for a study on the CPU, why). ``FA3N_THREADS`` sets them; otherwise
+    torch's default (every core) on an idle machine and one when other processes already keep the
+    cores busy (1-minute load average >= cores - 0.5). A model pass is many small tensor
+    operations, each an OpenMP region whose threads wait for one another at its end: when another
+    process holds a core, every region waits for a descheduled thread (measured on the 2-core
+    container at load 2-5: a float64 reference pass of SmolLM2 took 5-15 s with 2 threads and
+    1.1-2.6 s with 1, in 3-6x the CPU time). The results do not depend on the count (recommend
+    runs with 1 and with 2 threads wrote bit-identical datasets)."""
+    import os
+
+    from ..env import env_number
+
+    cores = os.cpu_count() or 1
+    asked = env_number("FA3N_THREADS", 0, integer=True)
+    if asked:
+        return int(asked), "FA3N_THREADS"
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return torch.get_num_threads(), "torch's default"
+    if cores > 1 and load >= cores - 0.5:
+        return 1, f"load average {load:.1f} on {cores} cores; FA3N_THREADS sets them"
+    return torch.get_num_threads(), f"load average {load:.1f} on {cores} cores"
+
+
+@contextmanager
+def cpu_threads(device: str, log=None):
+    """Within the block, torch uses ``thread_count()`` threads when ``device`` is the CPU (said to
+    ``log``); the caller's count is restored after."""
+    if device != "cpu":
+        yield
+        return
+    saved = torch.get_num_threads()
+    threads, why = thread_count()
+    torch.set_num_threads(threads)
+    if log is not None:
+        log(f"{threads} CPU thread(s) ({why})")
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 @dataclasses.dataclass(frozen=True)
 class Attn:
     """How one layer computes its attention."""
@@ -403,5 +447,5 @@ class ModelRunner:
         return per_sample(self.kept[layer], self.ref.attn[layer])["rel_l2"][0]
 
 
-__all__ = ["causal_call", "Attn", "REF", "SDPA_FP32", "SDPA_BF16", "recipe_attn", "ModelRunner", "Reference", "score",
+__all__ = ["causal_call", "thread_count", "cpu_threads", "Attn", "REF", "SDPA_FP32", "SDPA_BF16", "recipe_attn", "ModelRunner", "Reference", "score",
            "causal_attention64"]

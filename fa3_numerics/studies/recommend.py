@@ -54,7 +54,7 @@ from ..numerics import calibration as calib
 from ..numerics.recipe import Recipe
 from .stored import StoredFindings
 from .impact_analysis import layer_rel_l2, summarize
-from .impact_model import REF, SDPA_BF16, ModelRunner, recipe_attn, score
+from .impact_model import REF, SDPA_BF16, ModelRunner, cpu_threads, recipe_attn, score
 from .recommend_targets import candidates as target_candidates
 from .recommend_targets import FALLBACK, mix_pool
 
@@ -163,6 +163,11 @@ def prepare(*, model: str = "smollm2", text: str | Path | None = None, calib_tex
 
 def run_prepared(prep: dict, progress: Callable[[str], None] = _stderr):
     """Load the model and run the study from ``prepare``'s checked options."""
+    with cpu_threads(prep["device"], lambda m: progress(f"recommend: {m}")):
+        return _run_prepared(prep, progress)
+
+
+def _run_prepared(prep: dict, progress: Callable[[str], None]):
     from ..data import capture as cap
 
     text, calib_text, tokens, target = prep["text"], prep["calib_text"], prep["tokens"], prep["target"]

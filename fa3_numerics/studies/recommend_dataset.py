@@ -176,6 +176,14 @@ def _avoid(info, verified, choice) -> list[dict]:
     return sorted(rows, key=lambda r: -r["kl_mean"] if math.isfinite(r["kl_mean"]) else -math.inf)
 
 
+def _measured_with(backend: str, device: str) -> dict:
+    from ..engine.backends import get_backend
+
+    be = get_backend(backend)
+    return {"backend": backend, "device": device, "what": getattr(be, "label", None) or be.description,
+            "hardware_kernel": bool(getattr(be, "hardware", False))}
+
+
 def assemble(info) -> tuple[xr.Dataset, dict]:
     from ..data.capture import token_ids_sha256
     from ..engine.provenance import provenance
@@ -218,6 +226,8 @@ def assemble(info) -> tuple[xr.Dataset, dict]:
                    "dynamic descales are evaluated as prefill calls"),
         "accumulator": ("acc=fp22 ran as acc=fp32 (emulator on a CPU)" if any(
             r.acc != r2.acc for (_, r), (_, r2) in zip(info["cands"], info["run_recipes"])) else "as given"),
+        # which attention computed every measured figure: the emulator, the FA3 kernel, or a stand-in
+        "measured_with": _measured_with(info["backend"], info["device"]),
         "seconds": round(info["seconds"], 1),
     }
     coords = {"candidate": labels, "layer": np.arange(L), "head": np.arange(H), "tensor": ["q", "k", "v"],

@@ -213,6 +213,63 @@ def test_mma_declines_what_its_float_form_cannot_hold():
     assert torch.equal(_bits(hopper_fp8_mma(a, b, c)), _bits(hopper_fp8_mma_reference(a, b, c)))
 
 
+
+@pytest.mark.parametrize("model_name, mins", [("FP8_MMA", (-6, -6)), ("FP8_MMA", (-14, -6)), ("BF16_MMA", (-126, -126))])
+def test_mma_general_operands_match_reference(model_name, mins):
+    """The double-precision compiled model (operands of any precision: FP8 V times a per-token descale,
+    the decode pass's PV product) against the PyTorch reference, bit for bit (float32 bits, so the
+    sign of a zero counts): zeros, negative zeros, tiny and subnormal values, an accumulator of zeros
+    and of tiny values, partial k-steps, broadcast lead dimensions. The float form declines these
+    operands (the case this path exists for)."""
+    from fa3_numerics.numerics import mma
+
+    model = getattr(mma, model_name)
+    gen = native.mma_general(torch.device("cpu"))
+    g = torch.Generator().manual_seed(11)
+    for trial in range(12):
+        m, k, n = (int(torch.randint(1, hi, (1,), generator=g)) for hi in (24, 90, 24))
+        a = torch.randn(3, m, k, generator=g) * torch.exp2(torch.randint(-20, 20, (3, m, k), generator=g).float())
+        b = torch.randn(1 if trial % 4 == 3 else 3, k, n, generator=g) * torch.exp2(
+            torch.randint(-20, 20, (1, k, n), generator=g).float())
+        a[torch.rand(a.shape, generator=g) < 0.2] = 0
+        b[torch.rand(b.shape, generator=g) < 0.2] = 0
+        a[torch.rand(a.shape, generator=g) < 0.05] *= -0.0
+        if trial % 3 == 0:
+            a = a * 1e-38  # float32 subnormals and products far below the accumulator
+        c = None if trial % 2 else torch.randn(3, m, n, generator=g) * (1e-30 if trial % 4 == 1 else 1.0)
+        if c is not None:
+            c[0, 0] = 0.0
+        ref = hopper_fp8_mma_reference(a, b, c, a_min_exp=mins[0], b_min_exp=mins[1], model=model)
+        got = gen(a, b, c, a_min_exp=mins[0], b_min_exp=mins[1], model=model)
+        assert torch.equal(ref.view(torch.int32), got.view(torch.int32)), trial
+    # rows of zeros and of negative zeros (a causal P row before its keys) with zero, -0 and non-zero C
+    z = torch.randn(2, 30, 70, generator=g)
+    z[:, ::2] = 0.0
+    z[:, 1::4] = -0.0
+    w = torch.randn(2, 70, 20, generator=g) * 3
+    cz = torch.randn(2, 30, 20, generator=g)
+    cz[:, ::3] = 0.0
+    cz[:, 1::6] = -0.0
+    for cc in (None, cz):
+        ref = hopper_fp8_mma_reference(z, w, cc, a_min_exp=mins[0], b_min_exp=mins[1], model=model)
+        got = gen(z, w, cc, a_min_exp=mins[0], b_min_exp=mins[1], model=model)
+        assert torch.equal(ref.view(torch.int32), got.view(torch.int32))
+    assert native.mma(torch.device("cpu"))(a, b, c, a_min_exp=-6, b_min_exp=-6) is None
+    a[0, 0, 0] = math.inf
+    assert gen(a, b, c, a_min_exp=mins[0], b_min_exp=mins[1], model=model) is None  # the reference takes it
+
+
+def test_per_token_decode_uses_the_compiled_model_same_numbers(torch_only):
+    """A per-token FP8 KV-cache decode (V times its per-token descale into the FP8 tensor-core model)
+    computes the same bits with the compiled path as with the PyTorch reference."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 200, 64, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    r = Recipe.from_str("fa3-fp8-kernel,gran=token")  # the decode pass of impact's --decode token
+    fast = emulate(r, q, k, v, causal=True, softmax_scale=0.125)
+    ref = torch_only(lambda: emulate(r, q, k, v, causal=True, softmax_scale=0.125))
+    assert torch.equal(fast.view(torch.int64), ref.view(torch.int64))
+
+
 @pytest.mark.parametrize("name", ["e4m3", "e5m2", "fp16", "bf16"])
 def test_casts_match_reference_rounding(name):
     g = torch.Generator().manual_seed(2)

@@ -509,3 +509,29 @@ def test_an_explicit_plain_causal_mask_is_causal_and_others_are_refused():
     assert not _plain_causal(torch.zeros(n, n).masked_fill(~window, torch.finfo(torch.float32).min)[None, None], n, n)
     assert not _plain_causal(additive.masked_fill(~allowed, -1.0)[None, None], n, n)  # a bias, not a mask
     assert not _plain_causal(torch.stack([allowed, allowed])[:, None], n, n)  # batch 2
+
+
+def test_cpu_threads_one_on_a_busy_machine(monkeypatch):
+    """A study on the CPU takes one thread when other processes keep the cores busy, every core on an
+    idle machine, FA3N_THREADS when set (a bad value is one line, exit 2), and gives the count back."""
+    import os
+
+    from fa3_numerics.studies.impact_model import cpu_threads, thread_count
+
+    monkeypatch.delenv("FA3N_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.9, 0.0, 0.0))
+    assert thread_count()[0] == 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+    assert thread_count()[0] == torch.get_num_threads()
+    monkeypatch.setenv("FA3N_THREADS", "3")
+    assert thread_count() == (3, "FA3N_THREADS")
+    before = torch.get_num_threads()
+    with cpu_threads("cpu"):
+        assert torch.get_num_threads() == 3
+    assert torch.get_num_threads() == before
+    with cpu_threads("cuda"):
+        assert torch.get_num_threads() == before  # the GPU's runs keep the caller's count
+    monkeypatch.setenv("FA3N_THREADS", "many")
+    with pytest.raises(UsageError, match="FA3N_THREADS"):
+        thread_count()

@@ -51,6 +51,34 @@ def test_calibrated_on_the_same_text_equals_dynamic(spec):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("spec", ["fa3-fp8-kernel,dscale=static",
+                                  "fa3-fp8-kernel-hadamard,smooth=k,kmean=static,dscale=static", "vllm-fp8-static-head"])
+def test_static_scales_make_the_causal_pass_its_decode(spec):
+    """What lets ``recommend`` read one causal pass as the teacher-forced decode against the FP8 KV
+    cache: with descales and the K mean calibrated on another text, row t of the causal call equals,
+    bit for bit, a one-row call against the cache of tokens 0..t (quantized with the same scales).
+    Negative control: with dynamic descales (the call's own amax) a one-row call sees other scales."""
+    n = 300  # more than two KV tiles, so tile boundaries and the reverse tile order matter
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, n, 64, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    k[..., 3] += 4.0
+    k[..., 0, :] *= 8  # a strong first key, as attention sinks make
+    cq, ck, cv = (torch.randn(1, h, 64, 64, generator=g, dtype=torch.float64) * 1.5 for h in (4, 2, 2))
+    ck[..., 3] += 4.0
+    cid = calib.register(calib.Calibration({0: (cq, ck, cv)}))
+    r = Recipe.from_str(f"{spec},calib={cid}@0")
+    full = emulate(r, q, k, v, causal=True, softmax_scale=0.125)
+    for t in range(n):
+        one = emulate(r, q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], causal=True, softmax_scale=0.125)
+        assert torch.equal(one[:, :, 0], full[:, :, t]), t
+    dynamic = Recipe.from_str("fa3-fp8-kernel")
+    full = emulate(dynamic, q, k, v, causal=True, softmax_scale=0.125)
+    rows = [t for t in (5, 150, 299) if not torch.equal(
+        emulate(dynamic, q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], causal=True, softmax_scale=0.125)[:, :, 0],
+        full[:, :, t])]
+    assert rows
+
+
 def test_static_scales_from_other_text_change_the_output():
     q, k, v = _qkv()
     q2, k2, v2 = _qkv(seed=1)
