@@ -23,7 +23,9 @@ writes on the GPU, fit the arithmetic on the CPU, check it on data not fitted on
 ``sdpa``: PyTorch SDPA's flash forward and backward (FlashAttention-2 inside torch) in BF16
     through the aten ops autograd calls: Q, K, V, dO, O, LSE, dQ, dK, dV; a second backward
     (is dQ's float32 atomicAdd order visible?), and one backward with O = 0 (D = rowsum(dO o O) = 0
-    isolates dS = P o dP). Fitting seeds and held-out seeds in separate files.
+    isolates dS = P o dP). Fitting seeds and held-out seeds in separate files; the held-out file
+    also holds a GQA case (8 query heads over 2 KV heads, K and V repeated as SDPA users do, with
+    the kernel's per-head dK and dV and autograd's sum of them; enable_gqa=True where torch runs it).
 
 Inputs are drawn in float64 on the CPU by the library (``common.paper_qkv``: torch.Generator('cpu'),
 MT19937), so the fitter regenerates the float64 reference from the seed in each case's metadata.
@@ -77,9 +79,11 @@ class Case:
     sigma: float = 10.0
     seed: int = 0
     batch: int = 1
+    kv_heads: int | None = None
 
     def qkv(self):
-        return paper_qkv(self.batch, self.heads, self.seqlen, self.head_dim, self.seed, p=self.p, sigma=self.sigma)
+        return paper_qkv(self.batch, self.heads, self.seqlen, self.head_dim, self.seed, p=self.p, sigma=self.sigma,
+                         kv_heads=self.kv_heads)
 
 
 CUDNN_CASES = [
@@ -98,6 +102,9 @@ SDPA_FIT = [Case("b_n512_d128", 512, 128, heads=4, seed=0), Case("b_n512_d64_cau
                                                                  seed=1)]
 SDPA_HOLDOUT = [Case("b_n512_d128_s10", 512, 128, heads=4, seed=10),
                 Case("b_n512_d64_causal_s11", 512, 64, heads=4, causal=True, seed=11)]
+# grouped-query attention as SDPA users run it on the flash kernel: K and V repeated per query head
+# (repeat_interleave, autograd sums the per-head gradients), and enable_gqa=True where torch takes it
+SDPA_GQA = Case("b_n512_d64_gqa", 512, 64, heads=8, kv_heads=2, seed=2)
 
 
 def u8(x: torch.Tensor) -> torch.Tensor:
@@ -425,6 +432,41 @@ def _sdpa_fwd_bwd(q, k, v, do, causal, scale, dry, o_override=None):
     return o, lse, dq, dk, dv
 
 
+def _sdpa_gqa(c: Case, dev, dry) -> tuple[dict, dict]:
+    """The GQA case: per-head gradients of the kernel on repeated K and V, what autograd's
+    repeat_interleave backward makes of them, and SDPA's enable_gqa=True path where it runs."""
+    q, k, v = c.qkv()
+    g = torch.Generator().manual_seed(c.seed * 1000003 + 29)
+    do = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    qb, kb, vb, dob = (x.to(torch.bfloat16).to(dev).contiguous() for x in (q, k, v, do))
+    scale = 1.0 / math.sqrt(c.head_dim)
+    rep = q.shape[1] // k.shape[1]
+    ke, ve = (x.repeat_interleave(rep, 1).contiguous() for x in (kb, vb))
+    o, lse, dq, dk_h, dv_h = _sdpa_fwd_bwd(qb, ke, ve, dob, c.causal, scale, dry)
+    kr, vr = kb.clone().requires_grad_(True), vb.clone().requires_grad_(True)
+    dk = torch.autograd.grad(kr.repeat_interleave(rep, 1), kr, grad_outputs=dk_h)[0]
+    dv = torch.autograd.grad(vr.repeat_interleave(rep, 1), vr, grad_outputs=dv_h)[0]
+    t = {"q": qb, "k": kb, "v": vb, "do": dob, "o": o, "lse": lse.float(), "dq": dq, "dk_heads": dk_h,
+         "dv_heads": dv_h, "dk": dk, "dv": dv}
+    row = {"case": dataclasses.asdict(c), "softmax_scale": scale, "do_seed": c.seed * 1000003 + 29,
+           "role": "fit: the GQA rounding (per-head BF16 gradients summed)"}
+    if not dry:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        try:
+            qg, kg, vg = (x.clone().requires_grad_(True) for x in (qb, kb, vb))
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                og = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=c.causal, scale=scale,
+                                                                      enable_gqa=True)
+                og.backward(dob)
+            t.update(dk_enable_gqa=kg.grad, dv_enable_gqa=vg.grad)
+            row["enable_gqa"] = {"o_equal": bool(torch.equal(og.detach(), o)), "dq_equal": bool(torch.equal(qg.grad, dq)),
+                                 "dk_equal": bool(torch.equal(kg.grad, dk)), "dv_equal": bool(torch.equal(vg.grad, dv))}
+        except Exception as exc:  # noqa: BLE001 - torch refuses enable_gqa on the flash kernel in some releases
+            row["enable_gqa"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return t, row
+
+
 def part_sdpa(out: Path, dev, dry, meta):
     info, files = {}, {}
     for fname, cases in (("sdpa_bwd_fit.safetensors", SDPA_FIT), ("sdpa_bwd_holdout.safetensors", SDPA_HOLDOUT)):
@@ -449,6 +491,11 @@ def part_sdpa(out: Path, dev, dry, meta):
             tensors.update({f"{c.name}/{k}": bits16(x) for k, x in t.items()})
             info[c.name] = row
             log(f"sdpa {c.name}: repeat {row['repeat']}")
+        if fname == "sdpa_bwd_holdout.safetensors":
+            t, row = _sdpa_gqa(SDPA_GQA, dev, dry)
+            tensors.update({f"{SDPA_GQA.name}/{k}": bits16(x) for k, x in t.items()})
+            info[SDPA_GQA.name] = row
+            log(f"sdpa {SDPA_GQA.name}: enable_gqa {row.get('enable_gqa')}")
         files[fname] = write(out, fname, tensors, {"kind": "sdpa-backward", "inputs": INPUTS,
                                                    "layout": "[B, H, S, D] BF16, lse float32 [B, H, S]"})
     meta["sdpa"] = {"cases": info, "files": files}
