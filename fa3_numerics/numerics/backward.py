@@ -88,7 +88,13 @@ class Gradients:
 
 
 def backward_tiles(recipe: Recipe, head_dim: int, causal: bool) -> tuple[int, int]:
-    """(kBlockM, kBlockN) of the backward: ``bwd.bm``/``bwd.bn``, zeros from FA3's table."""
+    """(kBlockM, kBlockN) of the backward: ``bwd.bm``/``bwd.bn``, zeros from FA3's table (FA2's under
+    ``loop=fa2``)."""
+    if recipe.loop == "fa2":
+        from .fa2_loop import fa2_bwd_tiles
+
+        m, n = fa2_bwd_tiles(head_dim)
+        return recipe.bwd_bm or m, recipe.bwd_bn or n
     d = min((k for k in _FA3_BWD_TILES if k >= head_dim), default=256)
     m, n = _FA3_BWD_TILES[d]
     if d == 128 and causal:

@@ -55,7 +55,12 @@ class _RecipeMethods:
               softcap: bool = False) -> tuple[int, int]:
         """(kBlockM, kBlockN) with zeros filled from the FA3 kernel's table (its 1-byte tiles for
         every narrow Q/K format, its 2-byte tiles otherwise); ``local``: a sliding window."""
-        m, n = fa3_tiles(head_dim, fp8=self.narrow, causal=causal, local=local, softcap=softcap)
+        if self.loop == "fa2":
+            from .fa2_loop import fa2_tiles
+
+            m, n = fa2_tiles(head_dim)
+        else:
+            m, n = fa3_tiles(head_dim, fp8=self.narrow, causal=causal, local=local, softcap=softcap)
         return (self.bm or m, self.bn or n)
 
     def get(self, key: str):

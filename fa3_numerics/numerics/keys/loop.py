@@ -10,6 +10,11 @@
   l = l alpha + rowsum with alpha = exp2(m - m_new); O = O alpha + P~ V; at the end O / l,
   rounded to the output format. Causal: tiles past a query block's diagonal are not visited,
   masked scores get -1e6 (exp2 gives 0, as -inf does).
+- ``fa2``: FlashAttention-2's forward as PyTorch SDPA's flash kernel runs it on Hopper
+  (``numerics/fa2_loop.py``): FA3's tile step on FA2's tiles (128 x 64 at head dim 128, 128 x 128
+  at 64), tiles last to first, and FA2's split-KV (its heuristic, the split kernel's tiles, the
+  float32 combine) when the call has too few query tiles to fill the GPU; the backward takes FA2's
+  backward tiles.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ from __future__ import annotations
 from . import RecipeKey, register_check, register_key
 
 register_key(RecipeKey(
-    "loop", "fa3", "online-softmax loop of the flash algorithm: fa3 (the FA3 kernel's) or triton (Triton's "
-    "tutorial loop as SageAttention 1 writes it)",
-    choices=("fa3", "triton"), backends=("sage1",), cost=lambda v: 0,
+    "loop", "fa3", "online-softmax loop of the flash algorithm: fa3 (the FA3 kernel's), triton (Triton's "
+    "tutorial loop as SageAttention 1 writes it) or fa2 (FlashAttention-2 as torch SDPA's flash kernel runs it: "
+    "its tiles, split-KV and combine)",
+    choices=("fa3", "triton", "fa2"), backends=("sage1", "sdpa-flash"), cost=lambda v: 0,
 ))
 
 
@@ -29,4 +35,6 @@ def _loop(r) -> str | None:
         return "loop=triton is a flash loop; it needs algo=flash"
     if r.loop == "triton" and r.norm != "deferred":
         return "loop=triton divides by the row sum once at the end (norm=deferred)"
+    if r.loop == "fa2" and (r.algo != "flash" or r.norm != "deferred"):
+        return "loop=fa2 is FlashAttention-2's flash loop (algo=flash, norm=deferred)"
     return None
