@@ -196,12 +196,47 @@ def score_o32(o32: torch.Tensor, case: dict, info: dict, lo, hi, ref) -> dict:
     return fid
 
 
+OLD_CUDNN = "gran=tensor,poff=8.80735,acc=fp22,out=e4m3,oscale=amax"  # the preset before the fit
+
+
+def cudnn_table(dumps: Path, specs: dict[str, str]) -> list[dict]:
+    """Per case and spec: F as ``validate`` computes it (the emulator's own O, its own amax scale,
+    against the kernel's O8 times the kernel's descale_o) and the share of O's E4M3 codes equal to
+    the kernel's at the kernel's scale_o."""
+    from fa3_numerics.numerics.emulator import emulate
+    from fa3_numerics.numerics.recipe import Recipe
+    from fa3_numerics.numerics.reference import reference_attention
+
+    rows = []
+    for c, case, info in cudnn_cases(dumps):
+        q, k, v = cudnn_ref_inputs(c, case)
+        ref = reference_attention(q, k, v, causal=c.causal)
+        kernel = f8(case["o8"][0]) * info["descale_o"]
+        row = {"case": c.name, "seed": c.seed, "rmse_kernel": None}
+        for label, spec in specs.items():
+            o = emulate(Recipe.from_str(spec), q, k, v, causal=c.causal)
+            fid = fidelity(o, kernel, ref)
+            o32 = _emulated_o32(spec, q, k, v, c.causal)
+            codes = (o32 * float(case["scale_o"][0])).clamp(-448, 448).to(E4M3).view(torch.uint8)
+            diff = int((codes != case["o8"][0]).sum())
+            row.update({f"F_{label}": fid["F"], f"codes_differing_{label}": diff, "codes": codes.numel(),
+                        "rmse_kernel": fid["rmse_kernel"]})
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def run_cudnn(a) -> int:
     from fa3_numerics.numerics.emulator import emulate
     from fa3_numerics.numerics.recipe import Recipe, get_recipe
     from fa3_numerics.numerics.reference import reference_attention
 
-    models = a.models.split(",") if a.models else ["preset"]
+    if a.table:
+        from fa3_numerics.numerics.recipe import get_recipe
+
+        cudnn_table(a.dumps, {"before": OLD_CUDNN, "after": get_recipe("cudnn-fp8-fwd").recipe.short_str()})
+        return 0
+    models = a.models.split(";") if a.models else ["preset"]
     for c, case, info in cudnn_cases(a.dumps):
         q, k, v = cudnn_ref_inputs(c, case)
         ref = reference_attention(q, k, v, causal=c.causal)
@@ -246,7 +281,7 @@ def run_torchao(a) -> int:
     for name in ("torchao_n1000.safetensors", "torchao_d64.safetensors"):
         tensors.update(groups(load(a.dumps / name)[0]))
     preset = get_recipe("torchao-fp8").recipe
-    models = a.models.split(",") if a.models else ["fa3-fp8-kernel,acc=fp22"]
+    models = a.models.split(";") if a.models else ["fa3-fp8-kernel,acc=fp22"]
     for c in TORCHAO_CASES:
         t, info = tensors[c.name], meta[c.name]
         q, k, v = c.qkv()
@@ -296,7 +331,7 @@ def run_sdpa(a) -> int:
     from fa3_numerics.numerics.recipe import Recipe
 
     meta = json.loads((a.dumps / "dump_field.json").read_text())["sdpa"]["cases"]
-    models = a.models.split(",") if a.models else [
+    models = a.models.split(";") if a.models else [
         "fa3-bf16-bwd-bf16,bm=128,bn=64,order=forward,bwd.bm=64,bwd.bn=128"]
     for fname, cases in (("sdpa_bwd_fit.safetensors", SDPA_FIT), ("sdpa_bwd_holdout.safetensors", SDPA_HOLDOUT)):
         g = groups(load(a.dumps / fname)[0])
@@ -329,6 +364,7 @@ def main(argv=None) -> int:
     ap.add_argument("part", choices=("cudnn", "torchao", "sdpa"))
     ap.add_argument("--models", default="")
     ap.add_argument("--rows", type=int, default=0)
+    ap.add_argument("--table", action="store_true", help="F before/after the fit per case (the README's table)")
     a = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     return {"cudnn": run_cudnn, "torchao": run_torchao, "sdpa": run_sdpa}[a.part](a)
