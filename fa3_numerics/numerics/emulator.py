@@ -298,6 +298,12 @@ def emulate(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         return flash_fa2(recipe, pre, q_index, causal, scale, stats)
     if recipe.algo != "flash":
         return _standard(recipe, pre, q_index, causal, scale, mk)
+    if recipe.splitkv == "fa3":
+        if mk is not None:
+            raise UsageError(f"recipe {recipe.short_str()}: splitkv=fa3 is modelled without windows, softcap or sinks")
+        from .fa3_split import flash_fa3_split
+
+        return flash_fa3_split(recipe, pre, q_index, causal, scale, k.shape[1], stats)
     out = _flash(recipe, pre, q_index, causal, scale, stats, mk)
     if stats is not None and recipe.smooth != "none":
         # Smoothing moves every score of row i by -scale Q_i . mean(K) (exact for the output, not for the

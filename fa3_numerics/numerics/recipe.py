@@ -283,7 +283,7 @@ _KERNEL_FWD = [
            "codes equal the kernel's at its scale_o (0 of 65,536-262,144 differ on three cases; 49 and 51 on two, "
            "whole rows a tie apart, as FA3's ex2.approx leaves them). Not modelled: ex2.approx, head dim 256's tile "
            "(unmeasured). Requires: sm90, cuDNN 9"),
-    Preset("torchao-fp8", Recipe(gran=PerHead(), rot="none", acc="fp22", inp="bf16", fquant="torchao"),
+    Preset("torchao-fp8", Recipe(gran=PerHead(), rot="none", acc="fp22", inp="bf16", fquant="torchao", splitkv="fa3"),
            "torchao 0.18's low-precision attention (apply_low_precision_attention, backend FP8_FA3, hadamard NONE; "
            "fp8_fa3_sdpa): the model's BF16 Q, K, V quantized by torchao's Triton kernels "
            "(prototype/attention/quantization/triton_qkv_quantization.py: amax per (batch, head), Q's per KV-head "
@@ -292,9 +292,14 @@ _KERNEL_FWD = [
            "descales, BF16 O, cast to the input dtype). Its arithmetic is the public FA3 FP8 kernel's "
            "(fa3-fp8-kernel) on BF16-rounded inputs (in=bf16), with torchao's quantizer arithmetic (fquant=torchao: "
            "x times float32(448 / amax) with Triton's division; dividing by float32(amax / 448) instead changes "
-           "0.15-0.56% of the codes on random BF16 inputs, which land on E4M3 ties, and most descales by an ulp). Not modelled: torch's num_splits=0 heuristic (split-KV, combined in "
-           "float32, on few heads with long rows), and HadamardMode.QKV (V rotated too, O rotated back). "
-           "Requires: sm90, torch >= 2.11, FA3 (flash_attn_3 ops)"),
+           "0.15-0.56% of the codes on random BF16 inputs, which land on E4M3 ties, and most descales by an ulp), "
+           "and FA3's split-KV as torch calls it with num_splits=0 (splitkv=fa3). Fitted on the H200 "
+           "(tools/device/dump_field.py, tools/fit_field.py; reports/h200/field/): torchao's bytes equal the "
+           "emulator's (0 of 1,024,000-1,048,576 codes, every descale); the kernel on them differs between "
+           "num_splits=0 and 1 at seqlen 1000 and at head dim 64 (8 heads, batch 1), and with splitkv=fa3 the "
+           "emulator reproduces 100.0% of the BF16 outputs there (F 0.0002; 0.0692 and 0.0504 without). Not "
+           "modelled: HadamardMode.QKV (V rotated too, O rotated back). Requires: sm90, torch >= 2.11, FA3 "
+           "(flash_attn_3 ops)"),
 ]
 
 # Serving engines' FP8 attention with an FP8 KV cache: the FA3 kernel's arithmetic (Hopper MMA
