@@ -325,7 +325,7 @@ def run_torchao(a) -> int:
 # ----------------------------------------------------------------------------- SDPA backward
 
 def run_sdpa(a) -> int:
-    from dump_field import SDPA_FIT, SDPA_HOLDOUT
+    from dump_field import SDPA_FIT, SDPA_GQA, SDPA_HOLDOUT
     from fa3_numerics.numerics.backward import Forward, backward_from, run_forward
     from fa3_numerics.numerics.backward_reference import reference_gradients
     from fa3_numerics.numerics.recipe import Recipe
@@ -333,14 +333,17 @@ def run_sdpa(a) -> int:
     meta = json.loads((a.dumps / "dump_field.json").read_text())["sdpa"]["cases"]
     models = a.models.split(";") if a.models else [
         "fa3-bf16-bwd-bf16,bm=128,bn=64,order=forward,bwd.bm=64,bwd.bn=128"]
-    for fname, cases in (("sdpa_bwd_fit.safetensors", SDPA_FIT), ("sdpa_bwd_holdout.safetensors", SDPA_HOLDOUT)):
+    sets = (("sdpa_bwd_fit.safetensors", SDPA_FIT), ("sdpa_bwd_holdout.safetensors", SDPA_HOLDOUT + [SDPA_GQA]))
+    if a.cases:
+        sets = tuple((f, [c for c in cs if c.name in a.cases.split(",")]) for f, cs in sets)
+    for fname, cases in sets:
         g = groups(load(a.dumps / fname)[0])
         for c in cases:
             t, info = g[c.name], meta[c.name]
             q, k, v, do = (t[x].double() for x in ("q", "k", "v", "do"))
             o_ref, dq_ref, dk_ref, dv_ref = reference_gradients(q, k, v, do, causal=c.causal)
             ref = {"o": o_ref, "dq": dq_ref, "dk": dk_ref, "dv": dv_ref}
-            print(f"{c.name} (seed {c.seed}, {fname}): repeat {info['repeat']}")
+            print(f"{c.name} (seed {c.seed}, {fname}): repeat {info.get('repeat')}")
             for m in models:
                 r = Recipe.from_str(m)
                 fwd = run_forward(r, q, k, v, causal=c.causal)
@@ -364,6 +367,7 @@ def main(argv=None) -> int:
     ap.add_argument("part", choices=("cudnn", "torchao", "sdpa"))
     ap.add_argument("--models", default="")
     ap.add_argument("--rows", type=int, default=0)
+    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--table", action="store_true", help="F before/after the fit per case (the README's table)")
     a = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -254,6 +254,26 @@ def _query_order(recipe: Recipe, n: int, bm: int, device) -> torch.Tensor | None
     return torch.cat(blocks[::-1])
 
 
+def _fa2_dot_do_o(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """D = rowsum(dO O) in FA2's preprocess order (flash_bwd_preprocess_kernel.h ``dot_do_o``): 8
+    threads per row, thread t takes columns 8t..8t+7 of every 64-column block and chains them with
+    FFMAs (block by block), then a butterfly sum over the 8 threads (xor 4, 2, 1). Float32 [.., N, 1]."""
+    n, d = do.shape[-2:]
+    blocks = -(-d // 64)
+    pad = blocks * 64 - d
+    a, b = (torch.nn.functional.pad(x.to(torch.float32), (0, pad)) if pad else x.to(torch.float32) for x in (do, o))
+    a = a.reshape(*a.shape[:-1], blocks, 8, 8)  # [.., N, block, thread, element]
+    b = b.reshape(*b.shape[:-1], blocks, 8, 8)
+    part = None
+    for blk in range(blocks):
+        for e in range(8):
+            prod = a[..., blk, :, e].double() * b[..., blk, :, e].double()
+            part = prod.to(torch.float32) if part is None else (prod + part.double()).to(torch.float32)
+    for off in (4, 2, 1):
+        part = part + part[..., torch.arange(8, device=part.device) ^ off]
+    return part[..., :1]
+
+
 def _rows(op: _Operand, s0: int, s1: int) -> _Operand:
     """Rows s0:s1 along the sequence axis of an operand."""
     sl = lambda t: None if t is None else t[:, :, s0:s1]  # noqa: E731
@@ -325,7 +345,10 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
     q_dk = op(q64, "bwd.dk", 1, rows_q)
     # D: FA3's preprocess reads dO and O as stored and sums their product in float32.
     do_d, o_d = op(do64, "bwd.ds", 0, rows_q), op(o64, "bwd.ds", 1, rows_q)
-    dsum = (do_d.value() * o_d.value()).sum(dim=-1, keepdim=True, dtype=wd)
+    if recipe.loop == "fa2" and wd == torch.float32:
+        dsum = _fa2_dot_do_o(do_d.value(), o_d.value())
+    else:
+        dsum = (do_d.value() * o_d.value()).sum(dim=-1, keepdim=True, dtype=wd)
 
     sl2 = torch.tensor(scale * LOG2E, dtype=wd)
     lse2 = (fwd.lse.to(wd) * torch.tensor(LOG2E, dtype=wd)).unsqueeze(-1)
