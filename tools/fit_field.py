@@ -324,6 +324,23 @@ def run_torchao(a) -> int:
 
 # ----------------------------------------------------------------------------- SDPA backward
 
+OLD_SDPA = "fa3-bf16-bwd-bf16,bm=128,bn=64,order=forward,bwd.bm=64,bwd.bn=128"  # reports/h200/backward's check
+
+
+def sdpa_end_to_end(t: dict, c, spec: str) -> dict:
+    """F of O, dQ, dK, dV of the recipe's own forward and backward (as backward_h200.py's check) against
+    the kernel's: {name: fidelity dict}."""
+    from fa3_numerics.numerics.backward import emulate_backward
+    from fa3_numerics.numerics.backward_reference import reference_gradients
+    from fa3_numerics.numerics.recipe import Recipe
+
+    q, k, v, do = (t[x].double() for x in ("q", "k", "v", "do"))
+    ref = dict(zip(("o", "dq", "dk", "dv"), reference_gradients(q, k, v, do, causal=c.causal)))
+    gr = emulate_backward(Recipe.from_str(spec), q, k, v, do, causal=c.causal)
+    got = {"o": gr.forward.o, "dq": gr.dq, "dk": gr.dk, "dv": gr.dv}
+    return {nm: fidelity(got[nm], t[nm], ref[nm]) for nm in got}
+
+
 def run_sdpa(a) -> int:
     from dump_field import SDPA_FIT, SDPA_GQA, SDPA_HOLDOUT
     from fa3_numerics.numerics.backward import Forward, backward_from, run_forward
@@ -336,6 +353,24 @@ def run_sdpa(a) -> int:
     sets = (("sdpa_bwd_fit.safetensors", SDPA_FIT), ("sdpa_bwd_holdout.safetensors", SDPA_HOLDOUT + [SDPA_GQA]))
     if a.cases:
         sets = tuple((f, [c for c in cs if c.name in a.cases.split(",")]) for f, cs in sets)
+    if a.table:
+        from fa3_numerics.numerics.recipe import get_recipe
+
+        specs = {"before": OLD_SDPA, "after": get_recipe("sdpa-flash-bf16").recipe.short_str()}
+        rows = []
+        for fname, cases in sets:
+            g = groups(load(a.dumps / fname)[0])
+            for c in cases:
+                row = {"case": c.name, "seed": c.seed, "file": fname}
+                for label, spec in specs.items():
+                    for nm, fid in sdpa_end_to_end(g[c.name], c, spec).items():
+                        row[f"F_{nm}_{label}"] = fid["F"]
+                        row[f"identical_{nm}_{label}"] = fid["identical"]
+                        row[f"rmse_{nm}_kernel"] = fid["rmse_kernel"]
+                        row[f"rmse_{nm}_{label}"] = fid["rmse_model"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        return 0
     for fname, cases in sets:
         g = groups(load(a.dumps / fname)[0])
         for c in cases:
@@ -361,17 +396,52 @@ def run_sdpa(a) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- test fixture
+
+FIXTURE_CUDNN = ("c_n1024_d64", "c_n256_d64_causal_gauss")
+FIXTURE_SDPA = ("b_n512_d64_causal", 2)  # the case and the heads kept (the backward is per head)
+
+
+def write_fixture(a) -> int:
+    """tests/fixtures/field_h200.safetensors: the cuDNN cases' FP8 bytes, descales and O codes at the
+    backend's scale_o, and two heads of one SDPA backward case (inputs, the kernel's O and LSE, its
+    gradients), with each case's metadata (seeds, shapes) in the header."""
+    from safetensors.torch import save_file
+
+    meta = json.loads((a.dumps / "dump_field.json").read_text())
+    t_c = groups(load(a.dumps / "cudnn_fwd.safetensors")[0])
+    out, info = {}, {"source": "tools/device/dump_field.py on an H200 (reports/h200/field/README.md)",
+                     "machine": meta["machine"]}
+    for name in FIXTURE_CUDNN:
+        c, m = t_c[name], meta["cudnn"]["cases"][name]
+        for k in ("q8", "k8", "v8"):
+            out[f"{name}/{k}"] = c[k]
+        out[f"{name}/o8"] = c["o8"][0].contiguous()
+        info[name] = {k: m[k] for k in ("case", "descale_q", "descale_k", "descale_v", "scale_s", "descale_s",
+                                          "descale_o", "attn_scale", "causal")}
+        info[name]["scale_o"] = float(c["scale_o"][0])
+    name, heads = FIXTURE_SDPA
+    t_s = groups(load(a.dumps / "sdpa_bwd_fit.safetensors")[0])[name]
+    for k in ("q", "k", "v", "do", "o", "lse", "dq", "dk", "dv"):
+        out[f"{name}/{k}"] = t_s[k][:, :heads].contiguous()
+    info[name] = {"case": meta["sdpa"]["cases"][name]["case"], "heads_kept": heads}
+    save_file(out, str(a.out), metadata={"info": json.dumps(info)})
+    print(f"wrote {a.out} ({a.out.stat().st_size / 2**20:.2f} MiB)")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dumps", type=Path)
-    ap.add_argument("part", choices=("cudnn", "torchao", "sdpa"))
+    ap.add_argument("part", choices=("cudnn", "torchao", "sdpa", "fixture"))
+    ap.add_argument("--out", type=Path, default=Path("tests/fixtures/field_h200.safetensors"))
     ap.add_argument("--models", default="")
     ap.add_argument("--rows", type=int, default=0)
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--table", action="store_true", help="F before/after the fit per case (the README's table)")
     a = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
-    return {"cudnn": run_cudnn, "torchao": run_torchao, "sdpa": run_sdpa}[a.part](a)
+    return {"cudnn": run_cudnn, "torchao": run_torchao, "sdpa": run_sdpa, "fixture": write_fixture}[a.part](a)
 
 
 if __name__ == "__main__":
