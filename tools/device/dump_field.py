@@ -144,19 +144,23 @@ def _stride(shape):
     return out[::-1]
 
 
-def _train_graph(dev, b, h, n, nk, d, causal, scale):
+# the graph's scalar inputs, one float32 (1, 1, 1, 1) tensor each (cudnn-frontend's sdpa_fp8 ports)
+SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+
+
+def _train_graph(dev, b, h, n, nk, d, causal, scale, handle):
     """sdpa_fp8 with is_inference=False: the stats (per-row log-sum-exp, float32 [B, H, N, 1])
-    beside O, in the backend's layout and data types."""
-    from fa3_numerics.kernels.cudnn import _SCALARS, _handle, load_kernel
+    beside O, in the backend's layout and data types, on the backend's cuDNN ``handle``."""
+    from fa3_numerics.kernels.cudnn import load_kernel
 
     cudnn = load_kernel()[0]
     dt = cudnn.data_type
     graph = cudnn.pygraph(io_data_type=dt.FP8_E4M3, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT,
-                          handle=_handle(dev))
+                          handle=handle)
     t = {}
     for name, shape in (("q", [b, h, n, d]), ("k", [b, h, nk, d]), ("v", [b, h, nk, d])):
         t[name] = graph.tensor(name=name, dim=shape, stride=_stride(shape), data_type=dt.FP8_E4M3)
-    for name in _SCALARS:
+    for name in SCALARS:
         t[name] = graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.FLOAT)
     o, stats, amax_s, amax_o = graph.sdpa_fp8(
         q=t["q"], k=t["k"], v=t["v"], descale_q=t["descale_q"], descale_k=t["descale_k"], descale_v=t["descale_v"],
@@ -182,7 +186,7 @@ def _train_graph(dev, b, h, n, nk, d, causal, scale):
         so = torch.tensor(float(scale_o), dtype=torch.float32, device=dev).reshape(1, 1, 1, 1)
         pack = {t[k]: ins[k] for k in ("q", "k", "v", "descale_q", "descale_k", "descale_v", "descale_s", "scale_s")}
         pack.update({t["scale_o"]: so, t["o"]: o8, t["stats"]: st, t["amax_s"]: am_s, t["amax_o"]: am_o})
-        graph.execute(pack, ws, handle=_handle(dev))
+        graph.execute(pack, ws, handle=handle)
         torch.cuda.synchronize(dev)
         return {"o": o8, "stats": st, "amax_s": float(am_s.item()), "amax_o": float(am_o.item())}
 
@@ -243,7 +247,7 @@ def cudnn_run_case(tag, q, k, v, causal, dev, dry, *, scale=None, scale_s_list=N
         run = lambda i, so: kc.run_graph(entry, i, so, "e4m3")  # noqa: E731
         info["engine"] = entry["engine"]
         try:
-            run_train = _train_graph(dev, b, h, n, nk, d, causal, scale)
+            run_train = _train_graph(dev, b, h, n, nk, d, causal, scale, entry["handle"])
         except Exception as exc:  # noqa: BLE001 - cuDNN's refusals are its own types; the rest still counts
             info["train_graph_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             run_train = None
