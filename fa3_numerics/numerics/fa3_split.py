@@ -41,6 +41,13 @@ def _row_limits(n: int, nk: int, h: int, hkv: int, bm: int, bn: int, causal: boo
     return lim.clamp(max=n_tiles, min=0)
 
 
+def _rows_of(pre, sel: torch.Tensor):
+    """The prepared inputs with only the query rows ``sel`` (indices into the rows ``pre`` holds)."""
+    r = pre.q.values.shape[2]
+    pick = lambda t: t.index_select(2, sel) if t.shape[2] == r and r > 1 else t  # noqa: E731
+    return dataclasses.replace(pre, q=dataclasses.replace(pre.q, values=pick(pre.q.values), descale=pick(pre.q.descale)))
+
+
 def flash_fa3_split(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float, kv_heads: int,
                     stats: dict | None = None) -> torch.Tensor:
     """The FA3 forward with its num_splits=0 heuristic (module docstring): [B, H, R, Dv] float64
@@ -58,10 +65,13 @@ def flash_fa3_split(recipe, pre, q_index: torch.Tensor, causal: bool, scale: flo
     out = torch.zeros((b, h, q_index.numel(), pre.v.values.shape[-1]), dtype=torch.float32,
                       device=pre.q.values.device)
     lse_out = torch.full((b, h, q_index.numel()), math.inf, dtype=torch.float32, device=out.device)
-    # Rows whose query tile visits the same KV tiles share their split ranges: one combine per limit.
+    # Rows whose query tile visits the same KV tiles share their split ranges: one combine per limit,
+    # over the rows (of any head) that have it.
     for lim in torch.unique(limits).tolist():
         if lim <= 0:
             continue  # a row that sees no key: O = 0
+        sel = (limits == lim).any(dim=0).nonzero().squeeze(1)
+        sub, sub_index = _rows_of(pre, sel), q_index.index_select(0, sel.to(q_index.device))
         per = -(-lim // splits)
         o_parts, lse_parts = [], []
         for s in range(splits):
@@ -69,10 +79,10 @@ def flash_fa3_split(recipe, pre, q_index: torch.Tensor, causal: bool, scale: flo
             if t1 <= t0:
                 continue  # an empty split writes O = 0, lse = -inf: the combine skips it
             st: dict = {}
-            o_parts.append(_flash(part, pre, q_index, causal, scale, st, tile_range=(t0, t1)).to(torch.float32))
+            o_parts.append(_flash(part, sub, sub_index, causal, scale, st, tile_range=(t0, t1)).to(torch.float32))
             lse = st["lse"]
             lse_parts.append(torch.where(torch.isfinite(lse), lse, torch.full_like(lse, -math.inf)))
-        o = combine(torch.stack(o_parts), torch.stack(lse_parts))
+        o = torch.zeros_like(out).index_copy_(2, sel, combine(torch.stack(o_parts), torch.stack(lse_parts)))
         pick = (limits == lim)[None, :, :]  # [1, H, R]
         out = torch.where(pick.unsqueeze(-1), o, out)
         if stats is not None:
@@ -82,7 +92,7 @@ def flash_fa3_split(recipe, pre, q_index: torch.Tensor, causal: bool, scale: flo
             tot = torch.exp((lse_s - m).double()).sum(dim=0)
             lse_c = torch.where(tot > 0, (torch.log(tot) + m.double()).to(torch.float32),
                                 torch.full_like(m, math.inf))
-            lse_out = torch.where(pick, lse_c, lse_out)
+            lse_out = torch.where(pick, torch.full_like(lse_out, math.inf).index_copy_(2, sel, lse_c), lse_out)
     if stats is not None:
         stats["lse"] = lse_out
     return write_out(out, recipe)
