@@ -42,6 +42,8 @@ INSTALL_HINT = ("pip install nvidia-cudnn-frontend==1.32.0 (module cudnn; needs 
 # O dtypes by the recipe's ``out``: FP8 on Hopper, BF16 where cuDNN takes it (Blackwell, cuDNN 9.13+).
 _OUT = ("e4m3", "bf16")
 _SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+#: keys per KV tile of cuDNN 9.19's FP8 forward on Hopper (fitted: reports/h200/field/)
+KERNEL_BLOCK_N = 256
 
 _KERNEL: dict = {}
 _GRAPHS: dict = {}
@@ -229,8 +231,9 @@ class CudnnFp8Backend(Backend):
             return f"out={recipe.out}: sdpa_fp8 writes O in E4M3 (Hopper) or BF16 (Blackwell); {alt}"
         if recipe.out == "bf16" and recipe.oscale != "none":
             return f"oscale={recipe.oscale} with out=bf16: a BF16 O takes no scale; drop oscale"
-        if recipe.bm or recipe.bn:
-            return f"bm/bn set: cuDNN chooses its own tiles; drop bm=/bn= or {alt}"
+        if recipe.bm or recipe.bn not in (0, KERNEL_BLOCK_N):
+            return (f"bm/bn set: cuDNN chooses its own tiles (KV tiles of {KERNEL_BLOCK_N} keys, as the cudnn-fp8-fwd "
+                    f"preset has them); drop bm=/bn= or {alt}")
         return None
 
     # -- validation hooks (read by fa3_numerics.studies.validate) ------------------------------

@@ -88,7 +88,13 @@ class Gradients:
 
 
 def backward_tiles(recipe: Recipe, head_dim: int, causal: bool) -> tuple[int, int]:
-    """(kBlockM, kBlockN) of the backward: ``bwd.bm``/``bwd.bn``, zeros from FA3's table."""
+    """(kBlockM, kBlockN) of the backward: ``bwd.bm``/``bwd.bn``, zeros from FA3's table (FA2's under
+    ``loop=fa2``)."""
+    if recipe.loop == "fa2":
+        from .fa2_loop import fa2_bwd_tiles
+
+        m, n = fa2_bwd_tiles(head_dim)
+        return recipe.bwd_bm or m, recipe.bwd_bn or n
     d = min((k for k in _FA3_BWD_TILES if k >= head_dim), default=256)
     m, n = _FA3_BWD_TILES[d]
     if d == 128 and causal:
@@ -230,6 +236,44 @@ def _expand_op(op: _Operand, h: int) -> _Operand:
     return _Operand(ex(op.x), op.fmt, ex(op.raw), ex(op.d))
 
 
+def _take_rows(op: _Operand, idx: torch.Tensor | None) -> _Operand:
+    """The operand's rows (sequence axis) in the order ``idx`` (None: as they are); a descale that
+    varies along the rows follows them."""
+    if idx is None:
+        return op
+    tk = lambda t: None if t is None else (t.index_select(2, idx) if t.shape[2] > 1 else t)  # noqa: E731
+    return _Operand(tk(op.x), op.fmt, tk(op.raw), tk(op.d))
+
+
+def _query_order(recipe: Recipe, n: int, bm: int, device) -> torch.Tensor | None:
+    """Row order of the dK/dV contraction: None (first to last) or the query tiles last to first,
+    each tile's rows in order (``bwd.order=reverse``, FA2's loop over m_block)."""
+    if recipe.bwd_order != "reverse" or n <= bm:
+        return None
+    blocks = [torch.arange(s0, min(n, s0 + bm), device=device) for s0 in range(0, n, bm)]
+    return torch.cat(blocks[::-1])
+
+
+def _fa2_dot_do_o(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """D = rowsum(dO O) in FA2's preprocess order (flash_bwd_preprocess_kernel.h ``dot_do_o``): 8
+    threads per row, thread t takes columns 8t..8t+7 of every 64-column block and chains them with
+    FFMAs (block by block), then a butterfly sum over the 8 threads (xor 4, 2, 1). Float32 [.., N, 1]."""
+    n, d = do.shape[-2:]
+    blocks = -(-d // 64)
+    pad = blocks * 64 - d
+    a, b = (torch.nn.functional.pad(x.to(torch.float32), (0, pad)) if pad else x.to(torch.float32) for x in (do, o))
+    a = a.reshape(*a.shape[:-1], blocks, 8, 8)  # [.., N, block, thread, element]
+    b = b.reshape(*b.shape[:-1], blocks, 8, 8)
+    part = None
+    for blk in range(blocks):
+        for e in range(8):
+            prod = a[..., blk, :, e].double() * b[..., blk, :, e].double()
+            part = prod.to(torch.float32) if part is None else (prod + part.double()).to(torch.float32)
+    for off in (4, 2, 1):
+        part = part + part[..., torch.arange(8, device=part.device) ^ off]
+    return part[..., :1]
+
+
 def _rows(op: _Operand, s0: int, s1: int) -> _Operand:
     """Rows s0:s1 along the sequence axis of an operand."""
     sl = lambda t: None if t is None else t[:, :, s0:s1]  # noqa: E731
@@ -301,7 +345,10 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
     q_dk = op(q64, "bwd.dk", 1, rows_q)
     # D: FA3's preprocess reads dO and O as stored and sums their product in float32.
     do_d, o_d = op(do64, "bwd.ds", 0, rows_q), op(o64, "bwd.ds", 1, rows_q)
-    dsum = (do_d.value() * o_d.value()).sum(dim=-1, keepdim=True, dtype=wd)
+    if recipe.loop == "fa2" and wd == torch.float32:
+        dsum = _fa2_dot_do_o(do_d.value(), o_d.value())
+    else:
+        dsum = (do_d.value() * o_d.value()).sum(dim=-1, keepdim=True, dtype=wd)
 
     sl2 = torch.tensor(scale * LOG2E, dtype=wd)
     lse2 = (fwd.lse.to(wd) * torch.tensor(LOG2E, dtype=wd)).unsqueeze(-1)
@@ -344,6 +391,8 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
                 kept[s0], room = (p, ds), room - size
         whole = {"p": amax["p"], "dsq": amax["ds"], "dsk": amax["ds"]}
 
+    order = _query_order(recipe, n, bm, q.device)
+    do_dv_o, q_dk_o = _take_rows(do_dv, order), _take_rows(q_dk, order)
     dq = torch.zeros((b, h, n, d), dtype=wd, device=q.device)
     dk = torch.zeros((b, h, nk, d), dtype=wd, device=q.device)
     dv = torch.zeros((b, h, nk, v.shape[-1]), dtype=wd, device=q.device)
@@ -351,15 +400,19 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
         p, ds = kept.pop(s0) if s0 in kept else p_and_ds(s0, s1)
         p_op = _cast_tile(p, p_fmt, p_fixed if p_fixed is not None else _tile_descale(p, p_fmt, gran, bm,
                                                                                       whole.get("p")), wd)
-        dv[:, :, s0:s1] = _mm(p_op, do_dv, acc, ta=True)
+        dv[:, :, s0:s1] = _mm(_take_rows(p_op, order), do_dv_o, acc, ta=True)
         dsq = _cast_tile(ds, ds_fmt_q, _tile_descale(ds, ds_fmt_q, gran, bm, whole.get("dsq")), wd)
         dsk = dsq if ds_fmt_k == ds_fmt_q else _cast_tile(ds, ds_fmt_k, _tile_descale(ds, ds_fmt_k, gran, bm,
                                                                                         whole.get("dsk")), wd)
         dq += _mm(dsq, _rows(k_dq, s0, s1), acc)  # float32 across KV tiles (FA3's dQaccum)
-        dk[:, :, s0:s1] = _mm(dsk, q_dk, acc, ta=True)
+        dk[:, :, s0:s1] = _mm(_take_rows(dsk, order), q_dk_o, acc, ta=True)
     scale_w = torch.tensor(scale, dtype=wd)
     dq = dq * scale_w
-    dk = _group_sum(dk * scale_w, hkv)
+    dk, dv = dk * scale_w, dv
+    if recipe.bwd_gqa == "expand" and h != hkv:
+        # every query head's gradient is written first; their sum is then rounded again below
+        dk, dv = (_write(g, recipe.bwd_out).to(wd) for g in (dk, dv))
+    dk = _group_sum(dk, hkv)
     dv = _group_sum(dv, hkv)
     dq, dk, dv = (_write(g, recipe.bwd_out) for g in (dq, dk, dv))
     if rot is not None:

@@ -299,8 +299,18 @@ def emulate(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         from .sage2_loop import flash_sage2
 
         return flash_sage2(recipe, pre, q_index, causal, scale)
+    if recipe.loop == "fa2" and mk is None:
+        from .fa2_loop import flash_fa2
+
+        return flash_fa2(recipe, pre, q_index, causal, scale, stats)
     if recipe.algo != "flash":
         return _standard(recipe, pre, q_index, causal, scale, mk)
+    if recipe.splitkv == "fa3":
+        if mk is not None:
+            raise UsageError(f"recipe {recipe.short_str()}: splitkv=fa3 is modelled without windows, softcap or sinks")
+        from .fa3_split import flash_fa3_split
+
+        return flash_fa3_split(recipe, pre, q_index, causal, scale, k.shape[1], stats)
     out = _flash(recipe, pre, q_index, causal, scale, stats, mk)
     if stats is not None and recipe.smooth != "none":
         # Smoothing moves every score of row i by -scale Q_i . mean(K) (exact for the output, not for the
@@ -346,7 +356,8 @@ def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | float) -> torch.T
 
 
 def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, scale: float,
-           stats: dict | None = None, mk: "_mask.Masking | None" = None) -> torch.Tensor:
+           stats: dict | None = None, mk: "_mask.Masking | None" = None,
+           tile_range: tuple[int, int] | None = None) -> torch.Tensor:
     dev = pre.q.values.device
     qv = native.to_float32(pre.q.values)
     qd = pre.q.descale
@@ -410,7 +421,8 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
     acc = torch.zeros((b, h, r, vn.shape[-1]), dtype=torch.float32, device=dev)
     step = native.softmax_step(dev) if mk is None else None  # the C step knows causal masking only
     n_tiles = -(-nk // pre.block_n)
-    tiles = range(n_tiles - 1, -1, -1) if recipe.order == "reverse" else range(n_tiles)
+    t_lo, t_hi = tile_range if tile_range is not None else (0, n_tiles)  # a split-KV pass visits its own tiles
+    tiles = range(t_hi - 1, t_lo - 1, -1) if recipe.order == "reverse" else range(t_lo, t_hi)
 
     def softmax(s, s0, s1, m_in, rs_in):
         """One tile's online softmax: (P~ cast to p_fmt, rescale, m_new, rs4_new); the C step

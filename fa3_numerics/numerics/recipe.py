@@ -55,7 +55,12 @@ class _RecipeMethods:
               softcap: bool = False) -> tuple[int, int]:
         """(kBlockM, kBlockN) with zeros filled from the FA3 kernel's table (its 1-byte tiles for
         every narrow Q/K format, its 2-byte tiles otherwise); ``local``: a sliding window."""
-        m, n = fa3_tiles(head_dim, fp8=self.narrow, causal=causal, local=local, softcap=softcap)
+        if self.loop == "fa2":
+            from .fa2_loop import fa2_tiles
+
+            m, n = fa2_tiles(head_dim)
+        else:
+            m, n = fa3_tiles(head_dim, fp8=self.narrow, causal=causal, local=local, softcap=softcap)
         return (self.bm or m, self.bn or n)
 
     def get(self, key: str):
@@ -261,6 +266,24 @@ _BACKWARD = [
                                                     **_BF16_BWD),
            "the BF16 training baseline: FA3's BF16 forward and BF16 backward (as fa3-fp8-bwd-bf16, with a BF16 "
            "forward). Requires: sm90"),
+    Preset("sdpa-flash-bf16", dataclasses.replace(_FLASH16, qk="bf16", v="bf16", p="bf16", out="bf16", loop="fa2",
+                                                  acc="fp22", **_BF16_BWD, bwd_acc="fp22", bwd_order="reverse",
+                                                  bwd_gqa="expand"),
+           "PyTorch SDPA's flash kernel in BF16, forward and backward (FlashAttention-2 inside torch, "
+           "aten/src/ATen/native/transformers/cuda/flash_attn/, mma.sync on Hopper), fitted to its outputs on an H200 "
+           "(tools/device/dump_field.py, tools/fit_field.py; reports/h200/backward/): forward loop=fa2 (FA2's sm90 "
+           "tiles 128x64 at head dim 128 and 128x128 at 64, KV tiles last to first, FA2's split-KV heuristic with the "
+           "split kernel's tiles and float32 combine: batch 1, 4 heads, seqlen 512 splits 4 and 2 ways) and the "
+           "16-bit tensor-core model (acc=fp22); O identical on 99.9-100.0% (F 0.011-0.05 against 0.54-0.81 with "
+           "FA3's loop). Backward from the saved O and LSE: FA2's tiles (64x128 at 128, 128x128 at 64), P and dS cast "
+           "to BF16, D = rowsum(dO O) in FA2's preprocess order, dK and dV chained over query tiles last to first "
+           "(bwd.order=reverse) on the 16-bit MMA model (bwd.acc=fp22), dQ per KV tile added in float32 (the "
+           "kernel's own atomicAdd order changes 1-7 of 65,536-131,072 dQ values between runs), grouped-query dK and "
+           "dV written per query head in BF16 and summed (bwd.gqa=expand: torch's repeat_interleave and "
+           "enable_gqa=True give the same bytes; summing in float32 first misses 40% of them, F 0.80-0.95). "
+           "Measured on 5 cases (2 held out): forward and backward end to end 99.7-99.98% of O, dQ, dK, dV identical "
+           "(F 0.008-0.035, against 0.34-0.95 before the fit); the backward from the kernel's O and LSE F "
+           "0.002-0.014. Not modelled: ex2.approx, __logf in the LSE, dQ's atomicAdd order. Requires: sm80+"),
     Preset("cudnn-fp8", dataclasses.replace(_CUDNN_FWD, **_FP8_BWD),
            "cuDNN's FP8 attention, forward and backward, as TransformerEngine runs it (TE #768, NVTE_FP8_DPA_BWD=1; "
            "cudnn-frontend sdpa_fp8 / sdpa_fp8_backward, docs/operations/Attention.md): Q, K, V, O, dO, S (= P) and "
@@ -299,20 +322,25 @@ BACKWARD_PRESETS = tuple(p.name for p in _BACKWARD)
 # Forward recipes of the public FP8 kernels beside FA3's own (``validate --backend cudnn-fp8`` and
 # ``--backend torchao-fp8`` check them against the kernels).
 _KERNEL_FWD = [
-    Preset("cudnn-fp8-fwd", dataclasses.replace(_CUDNN_FWD, acc="fp22", out="e4m3", oscale="amax"),
-           "cuDNN's FP8 SDPA forward as it runs on Hopper (cudnn-frontend 1.32 graph.sdpa_fp8; TransformerEngine's "
-           "FP8 DotProductAttention; the kernel is closed, the graph is public: include/cudnn_frontend/node/"
-           "scaled_dot_product_flash_attention.h, node/matmul_fp8.h). Q, K, V E4M3 with one descale per tensor "
-           "(descale_q/k/v, (1,1,1,1) float32; TE's scale = 448 / amax, here from this call's amax), S = Q K^T * "
-           "attn_scale * descale_q * descale_k, softmax in float32, P scaled by scale_s and cast to E4M3 "
-           "(scale_s = 2^poff, 448 to 6 digits: P~ fills E4M3; TE's 448 / amax_S if the kernel reports amax_S = 1, "
-           "which the device log of tests/kernels/test_kernels_cudnn.py shows), O = (P V) * descale_s * "
-           "descale_v written in E4M3 times scale_o (Hopper writes FP8 O only; a BF16 O from FP8 needs Blackwell: "
-           "vllm-project/vllm #45251), scale_o = 448 / amax_o from the kernel's Amax_O (oscale=amax). Inferred, to "
-           "be settled by validate --backend cudnn-fp8: the P V accumulator (acc=fp22, Hopper's FP8 wgmma without "
-           "promotion), FA3's tiles and KV order standing in for cuDNN's unpublished ones. Requires: sm90, cuDNN 9"),
+    Preset("cudnn-fp8-fwd", dataclasses.replace(_CUDNN_FWD, acc="fp22", out="e4m3", oscale="amax", bn=256,
+                                                order="forward"),
+           "cuDNN's FP8 SDPA forward as it runs on Hopper (cudnn-frontend 1.32 graph.sdpa_fp8, cuDNN 9.19; "
+           "TransformerEngine's FP8 DotProductAttention), fitted to the kernel's bytes on an H200 "
+           "(tools/device/dump_field.py, tools/fit_field.py; reports/h200/field/): Q, K, V E4M3 with one descale per "
+           "tensor (descale_q/k/v, TE's scale = 448 / amax); S = Q K^T on the FP8 tensor core with the Hopper MMA "
+           "model (acc=fp22: the seqlen_k = 1 probe's stats equal it to 4.7e-7 relative, float32 products miss by "
+           "1.2e-4); online softmax over KV tiles of 256 keys visited first to last (bn=256, order=forward); P~ = "
+           "exp(S - running max) in [0, 1] times scale_s cast to E4M3 (scale_s = 2^poff = 448: P~ fills E4M3; the "
+           "graph's normalised P is only what Amax_S reports: 0.1306 = max 1/l on Gaussian data, 1/512 on the Q = 0 "
+           "probe, while quantizing the normalised P matches 22-24% of O's float32 brackets); P V on the FP8 MMA "
+           "chained across tiles (acc=fp22; a fresh accumulator per tile misses 1,479-2,657 codes per case); O = "
+           "acc descale_s descale_v / l written in E4M3 times scale_o, scale_o = 448 / Amax_O (oscale=amax). On 5 "
+           "cases (n 256-1024, d 64 and 128, causal and not, Gaussian and the paper's outliers) 99.99% of O's E4M3 "
+           "codes equal the kernel's at its scale_o (0 of 65,536-262,144 differ on three cases; 49 and 51 on two, "
+           "whole rows a tie apart, as FA3's ex2.approx leaves them). Not modelled: ex2.approx, head dim 256's tile "
+           "(unmeasured). Requires: sm90, cuDNN 9"),
     Preset("cudnn-fp8-kernel", dataclasses.replace(_CUDNN_FWD, acc="fp22", out="e4m3", oscale="amax",
-                                                   **{**_FP8_BWD, "bwd_acc": "fp22", "bwd_pscale": "offset"}),
+                                                   bn=256, order="forward", **{**_FP8_BWD, "bwd_acc": "fp22", "bwd_pscale": "offset"}),
            "cuDNN's FP8 attention forward and backward as they run on Hopper (cudnn-frontend 1.32 sdpa_fp8 training "
            "forward + sdpa_fp8_backward, cuDNN 9.19 on an H200: reports/h200/backward/cudnn.md; --backend cudnn-fp8 "
            "runs it). The forward is cudnn-fp8-fwd's (E4M3 O scaled from Amax_O: Hopper writes FP8 O only). The "
@@ -327,10 +355,10 @@ _KERNEL_FWD = [
            "float32 accumulation). Matched: dK (F 0.0001-0.011) and dV (F <= 0.02 with bwd.pscale=offset). Not "
            "matched: dQ (F 0.06-0.20, 91-96% of codes equal, a discrepancy absolute rather than relative, larger "
            "on rows that see more keys; not explained by dQ's key tile (16-1024), its float32/BF16/FP16 "
-           "accumulation across tiles, dS's format for dQ, or D computed as rowsum(P dP)), and the forward (F "
-           "0.16-0.67, as cudnn-fp8-fwd). Requires: sm90 with head dim 128 only (cuDNN 9.19 declines 64: "
+           "accumulation across tiles, dS's format for dQ, or D computed as rowsum(P dP)), and the forward as measured in that run (F "
+           "0.16-0.67, before cudnn-fp8-fwd's fit: 256-key tiles first to last, which this preset now takes). Requires: sm90 with head dim 128 only (cuDNN 9.19 declines 64: "
            "'hidden_dim shoud be equal to 128'), FP8 gradients (BF16 ones need Blackwell and cuDNN >= 9.13)"),
-    Preset("torchao-fp8", Recipe(gran=PerHead(), rot="none", acc="fp22", inp="bf16", fquant="torchao"),
+    Preset("torchao-fp8", Recipe(gran=PerHead(), rot="none", acc="fp22", inp="bf16", fquant="torchao", splitkv="fa3"),
            "torchao 0.18's low-precision attention (apply_low_precision_attention, backend FP8_FA3, hadamard NONE; "
            "fp8_fa3_sdpa): the model's BF16 Q, K, V quantized by torchao's Triton kernels "
            "(prototype/attention/quantization/triton_qkv_quantization.py: amax per (batch, head), Q's per KV-head "
@@ -339,9 +367,14 @@ _KERNEL_FWD = [
            "descales, BF16 O, cast to the input dtype). Its arithmetic is the public FA3 FP8 kernel's "
            "(fa3-fp8-kernel) on BF16-rounded inputs (in=bf16), with torchao's quantizer arithmetic (fquant=torchao: "
            "x times float32(448 / amax) with Triton's division; dividing by float32(amax / 448) instead changes "
-           "0.15-0.56% of the codes on random BF16 inputs, which land on E4M3 ties, and most descales by an ulp). Not modelled: torch's num_splits=0 heuristic (split-KV, combined in "
-           "float32, on few heads with long rows), and HadamardMode.QKV (V rotated too, O rotated back). "
-           "Requires: sm90, torch >= 2.11, FA3 (flash_attn_3 ops)"),
+           "0.15-0.56% of the codes on random BF16 inputs, which land on E4M3 ties, and most descales by an ulp), "
+           "and FA3's split-KV as torch calls it with num_splits=0 (splitkv=fa3). Fitted on the H200 "
+           "(tools/device/dump_field.py, tools/fit_field.py; reports/h200/field/): torchao's bytes equal the "
+           "emulator's (0 of 1,024,000-1,048,576 codes, every descale); the kernel on them differs between "
+           "num_splits=0 and 1 at seqlen 1000 and at head dim 64 (8 heads, batch 1), and with splitkv=fa3 the "
+           "emulator reproduces 100.0% of the BF16 outputs there (F 0.0002; 0.0692 and 0.0504 without). Not "
+           "modelled: HadamardMode.QKV (V rotated too, O rotated back). Requires: sm90, torch >= 2.11, FA3 "
+           "(flash_attn_3 ops)"),
 ]
 
 # Serving engines' FP8 attention with an FP8 KV cache: the FA3 kernel's arithmetic (Hopper MMA

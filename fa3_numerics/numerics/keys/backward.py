@@ -26,6 +26,10 @@ dO in FP16 for dP and INT8 for dV), as a kernel that casts it twice does.
 model of ``numerics.mma`` for FP8 and BF16/FP16 operands, chained where FA3's backward chains:
 dK and dV across query tiles in registers, dQ per KV tile into a float32 accumulator; ``fp64``:
 every step in float64, which with fp64 operands is the exact algorithm the tests hold to autograd);
+``bwd.order`` the order of the query tiles while dK and dV accumulate (FA2: last to first; it
+changes the MMA model's chaining, and float32 rounding); ``bwd.gqa`` where grouped-query dK and dV
+are rounded (FA3: summed in float32, written once; FA2 and SDPA on repeated K, V: each query
+head's written, then summed and written again);
 ``bwd.out`` the format dQ, dK, dV are written in (FP8 with a per-tensor scale, as cuDNN's
 outputs); ``bwd.rot`` a random Hadamard along head_dim on Q, K, V and dO before they are
 quantized (a what-if: no public backward rotates), the gradients rotated back in float64.
@@ -109,6 +113,15 @@ register_key(RecipeKey("bwd.bm", 0, "backward query tile kBlockM (0 = FA3's back
                        field="bwd_bm", parse=parse_int, normalize=_tile))
 register_key(RecipeKey("bwd.bn", 0, "backward key tile kBlockN (0 = FA3's backward tile for this head dim)",
                        field="bwd_bn", parse=parse_int, normalize=_tile))
+register_key(RecipeKey("bwd.order", "forward", "order the backward visits query tiles in while it accumulates dK and dV "
+                       "(forward: first to last; reverse: last to first, FlashAttention-2's "
+                       "for (; m_block >= m_block_min; --m_block))", field="bwd_order",
+                       choices=("forward", "reverse")))
+register_key(RecipeKey("bwd.gqa", "accum", "grouped-query dK, dV: accum (the query heads of a KV head summed in "
+                       "float32, written once: FA3's dKaccum/dVaccum) or expand (each query head's dK, dV written in "
+                       "bwd.out, then summed in float32 and written again: FlashAttention-2's dk_expanded with "
+                       "at::sum, and K, V repeated per query head before SDPA)", field="bwd_gqa",
+                       choices=("accum", "expand")))
 
 
 def backward_pairs(r) -> dict[str, tuple[str, str]]:

@@ -16,6 +16,11 @@
   kernel's thread order, P V from a zero accumulator per 128-key tile then O = fma(O, alpha, P V),
   at the end O times rcp(l) times V's per-channel descale. Causal needs seqlen_q = seqlen_k (the
   kernel's mask is top-left aligned).
+- ``fa2``: FlashAttention-2's forward as PyTorch SDPA's flash kernel runs it on Hopper
+  (``numerics/fa2_loop.py``): FA3's tile step on FA2's tiles (128 x 64 at head dim 128, 128 x 128
+  at 64), tiles last to first, and FA2's split-KV (its heuristic, the split kernel's tiles, the
+  float32 combine) when the call has too few query tiles to fill the GPU; the backward takes FA2's
+  backward tiles.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from . import RecipeKey, register_check, register_key
 
 register_key(RecipeKey(
     "loop", "fa3", "online-softmax loop of the flash algorithm: fa3 (the FA3 kernel's), triton (Triton's "
-    "tutorial loop as SageAttention 1 writes it) or sage2 (SageAttention2's Hopper CUDA kernel)",
-    choices=("fa3", "triton", "sage2"), backends=("sage1", "sage2"), cost=lambda v: 0,
+    "tutorial loop as SageAttention 1 writes it), sage2 (SageAttention2's Hopper CUDA kernel) or fa2 "
+    "(FlashAttention-2 as torch SDPA's flash kernel runs it: its tiles, split-KV and combine)",
+    choices=("fa3", "triton", "sage2", "fa2"), backends=("sage1", "sage2", "sdpa-flash"), cost=lambda v: 0,
 ))
 
 

@@ -1,0 +1,586 @@
+"""Dump three of the field's kernels, inputs and outputs, for fitting their arithmetic offline (CPU).
+
+The model is ``dump_fa3.py`` (FA3's MMA was fitted that way): capture what a kernel reads and
+writes on the GPU, fit the arithmetic on the CPU, check it on data not fitted on. Three parts:
+
+``cudnn``: cuDNN's FP8 SDPA forward (cudnn-frontend ``sdpa_fp8``) exactly as ``--backend cudnn-fp8``
+    calls it: Q, K, V E4M3 bytes and float32 descales from the ``cudnn-fp8-fwd`` preset's
+    ``prepare`` (``kernels/cudnn.kernel_inputs``), the backend's own graph (``build_graph``,
+    ``is_inference=True``). O is FP8, so each case runs at several scale_o (448 / amax_o times
+    2^(-j/8)): the roundings of one O at offsets of an eighth of an octave bracket its float32
+    value to about a sixteenth of an E4M3 ulp. A second graph with ``is_inference=False`` gives
+    the softmax stats (cuDNN's per-row log-sum-exp) and its own O at the first scale_o. One case
+    also runs at scale_s 256 and 1 (P's scale into E4M3). Probes: ``q0`` (Q = 0: every score 0,
+    P~ = 1 times scale_s, O = the P V accumulation alone), ``onehot`` (Q row i = a_i e_i, K = V =
+    identity: one key per row scores a_i * attn_scale, the rest 0, so O[i, c] is the E4M3 P of
+    exp(-s_i) over l: P's quantization and the scale folding, no accumulation), ``sk1`` (one key:
+    the stats are S itself, in float32).
+``torchao``: torchao 0.18's ``triton_fp8_sdpa_quantize`` on BF16 Q, K, V of the two shapes where
+    ``torchao-fp8`` does not match (n=1000, d=128; n=2048, d=64; 8 heads) and a control that
+    matches (n=333): its FP8 bytes and descales, the FA3 kernel's O on torch's BSHD views of them
+    (what torchao's FA3 path passes) and on contiguous BSHD copies (what ``--backend fa3`` passes),
+    and the quantizer's output with ``num_chunks=1`` (its S-chunking of the amax).
+``sdpa``: PyTorch SDPA's flash forward and backward (FlashAttention-2 inside torch) in BF16
+    through the aten ops autograd calls: Q, K, V, dO, O, LSE, dQ, dK, dV; a second backward
+    (is dQ's float32 atomicAdd order visible?), and one backward with O = 0 (D = rowsum(dO o O) = 0
+    isolates dS = P o dP). Fitting seeds and held-out seeds in separate files; the held-out file
+    also holds a GQA case (8 query heads over 2 KV heads, K and V repeated as SDPA users do, with
+    the kernel's per-head dK and dV and autograd's sum of them; enable_gqa=True where torch runs it).
+
+Inputs are drawn in float64 on the CPU by the library (``common.paper_qkv``: torch.Generator('cpu'),
+MT19937), so the fitter regenerates the float64 reference from the seed in each case's metadata.
+Every file is written whole (a temporary, then renamed) after its part; ``dump_field.json`` holds
+the versions (torch, CUDA, cuDNN, driver, the wheels), each case's configuration, the timings and
+any part's error. At most 7 files, each under 14 MB.
+
+Device (after the wheels in ``.whl/``; the lead's call, carry [".whl"], about 2 minutes)::
+
+    source tools/device/setup_device.sh && TRITON_CACHE_DIR=/tmp/tcache python3 tools/device/dump_field.py --out $OUT
+
+``--dry`` (any machine, no GPU): builds every input and writes every file with float32 stand-ins for
+the kernels (marked ``kernel=dry`` in the metadata: never fitting data); ``--parts cudnn,torchao``
+runs a subset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, log, paper_qkv, versions  # noqa: E402
+
+PARTS = ("cudnn", "torchao", "sdpa")
+FP8_MAX = 448.0
+MAX_FILE = 14 * 2 ** 20
+#: eighths of an octave below the backend's scale_o (j = 0 is what ``--backend cudnn-fp8`` runs)
+SCALE_O_STEPS = 6
+INPUTS = "tools/device/common.paper_qkv (fa3_numerics.data.distributions outliers, torch.Generator('cpu'))"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    seqlen: int
+    head_dim: int
+    heads: int = 2
+    causal: bool = False
+    p: float = 0.001
+    sigma: float = 10.0
+    seed: int = 0
+    batch: int = 1
+    kv_heads: int | None = None
+
+    def qkv(self):
+        return paper_qkv(self.batch, self.heads, self.seqlen, self.head_dim, self.seed, p=self.p, sigma=self.sigma,
+                         kv_heads=self.kv_heads)
+
+
+CUDNN_CASES = [
+    Case("c_n256_d128_gauss", 256, 128, p=0.0, seed=0),
+    Case("c_n1024_d128_causal", 1024, 128, causal=True, seed=1),
+    Case("c_n1024_d64", 1024, 64, seed=2),
+    Case("c_n256_d64_causal_gauss", 256, 64, causal=True, p=0.0, seed=3),
+    Case("c_n1000_d128", 1000, 128, seed=4),
+]
+TORCHAO_CASES = [
+    Case("t_n1000_d128_h8", 1000, 128, heads=8, seed=0),
+    Case("t_n2048_d64_h8", 2048, 64, heads=8, seed=0),
+    Case("t_n333_d128_h8", 333, 128, heads=8, seed=0),  # a shape torchao-fp8 matches: the control
+]
+SDPA_FIT = [Case("b_n512_d128", 512, 128, heads=4, seed=0), Case("b_n512_d64_causal", 512, 64, heads=4, causal=True,
+                                                                 seed=1)]
+SDPA_HOLDOUT = [Case("b_n512_d128_s10", 512, 128, heads=4, seed=10),
+                Case("b_n512_d64_causal_s11", 512, 64, heads=4, causal=True, seed=11)]
+# grouped-query attention as SDPA users run it on the flash kernel: K and V repeated per query head
+# (repeat_interleave, autograd sums the per-head gradients), and enable_gqa=True where torch takes it
+SDPA_GQA = Case("b_n512_d64_gqa", 512, 64, heads=8, kv_heads=2, seed=2)
+
+
+def u8(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().contiguous().cpu().view(torch.uint8)
+
+
+def bits16(x: torch.Tensor) -> torch.Tensor:
+    """A BF16 tensor as it is (safetensors keeps bfloat16)."""
+    return x.detach().contiguous().cpu()
+
+
+def write(out: Path, name: str, tensors: dict, meta: dict) -> dict:
+    """One safetensors file, written whole; returns its listing for the JSON."""
+    from safetensors.torch import save_file
+
+    path = out / name
+    tmp = out / f".{name}.tmp"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+              metadata={k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()})
+    size = tmp.stat().st_size
+    if size > MAX_FILE:
+        tmp.unlink()
+        raise RuntimeError(f"{name} would be {size / 2**20:.1f} MiB, over the 14 MiB a file may have")
+    os.replace(tmp, path)
+    log(f"wrote {path} ({size / 2**20:.2f} MiB, {len(tensors)} tensors)")
+    return {"bytes": size, "tensors": {k: [str(v.dtype), list(v.shape)] for k, v in tensors.items()}}
+
+
+# ----------------------------------------------------------------------------- cuDNN
+
+
+def _stride(shape):
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return out[::-1]
+
+
+# the graph's scalar inputs, one float32 (1, 1, 1, 1) tensor each (cudnn-frontend's sdpa_fp8 ports)
+SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+
+
+def _train_graph(dev, b, h, n, nk, d, causal, scale, handle):
+    """sdpa_fp8 with is_inference=False: the stats (per-row log-sum-exp, float32 [B, H, N, 1])
+    beside O, in the backend's layout and data types, on the backend's cuDNN ``handle``."""
+    from fa3_numerics.kernels.cudnn import load_kernel
+
+    cudnn = load_kernel()[0]
+    dt = cudnn.data_type
+    graph = cudnn.pygraph(io_data_type=dt.FP8_E4M3, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT,
+                          handle=handle)
+    t = {}
+    for name, shape in (("q", [b, h, n, d]), ("k", [b, h, nk, d]), ("v", [b, h, nk, d])):
+        t[name] = graph.tensor(name=name, dim=shape, stride=_stride(shape), data_type=dt.FP8_E4M3)
+    for name in SCALARS:
+        t[name] = graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.FLOAT)
+    o, stats, amax_s, amax_o = graph.sdpa_fp8(
+        q=t["q"], k=t["k"], v=t["v"], descale_q=t["descale_q"], descale_k=t["descale_k"], descale_v=t["descale_v"],
+        descale_s=t["descale_s"], scale_s=t["scale_s"], scale_o=t["scale_o"], is_inference=False,
+        attn_scale=float(scale), use_causal_mask=bool(causal), name="sdpa_fp8_train")
+    o.set_output(True).set_dim([b, h, n, d]).set_stride(_stride([b, h, n, d])).set_data_type(dt.FP8_E4M3)
+    stats.set_output(True).set_dim([b, h, n, 1]).set_stride(_stride([b, h, n, 1])).set_data_type(dt.FLOAT)
+    for a in (amax_s, amax_o):
+        a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(dt.FLOAT)
+    t.update(o=o, stats=stats, amax_s=amax_s, amax_o=amax_o)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    ws = torch.empty(max(1, int(graph.get_workspace_size())), dtype=torch.uint8, device=dev)
+
+    def run(ins, scale_o):
+        o8 = torch.empty((b, h, n, d), dtype=torch.float8_e4m3fn, device=dev)
+        st = torch.empty((b, h, n, 1), dtype=torch.float32, device=dev)
+        am_s = torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=dev)
+        am_o = torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=dev)
+        so = torch.tensor(float(scale_o), dtype=torch.float32, device=dev).reshape(1, 1, 1, 1)
+        pack = {t[k]: ins[k] for k in ("q", "k", "v", "descale_q", "descale_k", "descale_v", "descale_s", "scale_s")}
+        pack.update({t["scale_o"]: so, t["o"]: o8, t["stats"]: st, t["amax_s"]: am_s, t["amax_o"]: am_o})
+        graph.execute(pack, ws, handle=handle)
+        torch.cuda.synchronize(dev)
+        return {"o": o8, "stats": st, "amax_s": float(am_s.item()), "amax_o": float(am_o.item())}
+
+    return run
+
+
+def _dry_cudnn(ins, scale_o, causal, scale):
+    """A float32 stand-in with run_graph's result (and stats): plumbing only."""
+    f = lambda name: ins[name].to(torch.float32) * ins[f"descale_{name}"]  # noqa: E731
+    q, k, v = f("q"), f("k"), f("v")
+    s = q @ k.transpose(-1, -2) * scale
+    if causal:
+        n, nk = s.shape[-2:]
+        s = s.masked_fill(~torch.ones(n, nk, dtype=torch.bool).tril(), float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - m)
+    l = p.sum(-1, keepdim=True)
+    p8 = (p * ins["scale_s"]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    o = (p8 @ v) * ins["descale_s"] / l
+    o8 = (o * scale_o).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return {"o": o8, "stats": m + torch.log(l), "amax_s": float(p.amax()), "amax_o": float(o.abs().amax())}
+
+
+def cudnn_inputs(q, k, v, causal, dev):
+    """The backend's FP8 inputs: the cudnn-fp8-fwd preset's prepare, then kernel_inputs."""
+    from fa3_numerics.kernels.cudnn import kernel_inputs
+    from fa3_numerics.numerics.emulator import prepare
+    from fa3_numerics.numerics.recipe import get_recipe
+
+    recipe = get_recipe("cudnn-fp8-fwd").recipe
+    n = q.shape[2]
+    pre = prepare(recipe, q.to(dev), k.to(dev), v.to(dev), q_index=torch.arange(n, device=dev), causal=causal,
+                  cache={})
+    return recipe, kernel_inputs(pre, recipe, k.shape[1])
+
+
+def cudnn_run_case(tag, q, k, v, causal, dev, dry, *, scale=None, scale_s_list=None, out_tensors, meta):
+    """Run one input set through the backend's graph at several scale_o (and scale_s), and the
+    training graph once; results into out_tensors[tag/...] and meta[tag]."""
+    from fa3_numerics.kernels import cudnn as kc
+
+    recipe, ins = cudnn_inputs(q, k, v, causal, dev)
+    b, h, n, d = q.shape
+    nk = k.shape[2]
+    scale = float(scale if scale is not None else 1.0 / math.sqrt(d))
+    info = {"shape": [b, h, n, nk, d], "causal": causal, "attn_scale": scale, "recipe": recipe.short_str()}
+    for name in ("q", "k", "v"):
+        out_tensors[f"{tag}/{name}8"] = u8(ins[name])
+    for name in ("descale_q", "descale_k", "descale_v", "scale_s", "descale_s"):
+        info[name] = float(ins[name].reshape(-1)[0])
+        out_tensors[f"{tag}/{name}"] = ins[name].reshape(1).cpu()
+    if dry:
+        run = lambda i, so: _dry_cudnn(i, so, causal, scale)  # noqa: E731
+        run_train = run
+        info["engine"] = "dry stand-in"
+    else:
+        entry = kc.build_graph(dev, b, h, h, n, nk, d, d, causal, scale, "e4m3")
+        run = lambda i, so: kc.run_graph(entry, i, so, "e4m3")  # noqa: E731
+        info["engine"] = entry["engine"]
+        try:
+            run_train = _train_graph(dev, b, h, n, nk, d, causal, scale, entry["handle"])
+        except Exception as exc:  # noqa: BLE001 - cuDNN's refusals are its own types; the rest still counts
+            info["train_graph_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            run_train = None
+    first = run(ins, 1.0)
+    info["amax_s_first"], info["amax_o_first"] = first["amax_s"], first["amax_o"]
+    out_tensors[f"{tag}/o8_scale1"] = u8(first["o"])
+    descale_o = kc.out_descale(first["amax_o"], recipe)
+    base = float(torch.tensor(1.0 / descale_o, dtype=torch.float32))
+    scales = [float(torch.tensor(base * 2.0 ** (-j / 8), dtype=torch.float32)) for j in range(SCALE_O_STEPS)]
+    o8s, amax = [], []
+    for so in scales:
+        r = run(ins, so)
+        o8s.append(u8(r["o"]))
+        amax.append([r["amax_s"], r["amax_o"]])
+    out_tensors[f"{tag}/o8"] = torch.stack(o8s)
+    out_tensors[f"{tag}/scale_o"] = torch.tensor(scales, dtype=torch.float32)
+    info.update(descale_o=descale_o, scale_o=scales, amax_s_o=amax)
+    # repeat: is the kernel deterministic?
+    again = run(ins, scales[0])
+    info["repeat_identical"] = bool(torch.equal(u8(again["o"]), o8s[0]))
+    if run_train is not None:
+        tr = run_train(ins, scales[0])
+        out_tensors[f"{tag}/stats"] = tr["stats"].reshape(b, h, n).float().cpu()
+        out_tensors[f"{tag}/o8_train"] = u8(tr["o"])
+        info["train_amax_s_o"] = [tr["amax_s"], tr["amax_o"]]
+        info["train_o_equals_inference_o"] = bool(torch.equal(u8(tr["o"]), o8s[0]))
+    for ss in scale_s_list or ():
+        alt = dict(ins)
+        dev_ = ins["q"].device
+        alt["scale_s"] = torch.tensor(float(ss), dtype=torch.float32, device=dev_).reshape(1, 1, 1, 1)
+        alt["descale_s"] = torch.tensor(1.0 / float(ss), dtype=torch.float32, device=dev_).reshape(1, 1, 1, 1)
+        r1 = run(alt, 1.0)
+        d_o = kc.out_descale(r1["amax_o"], recipe)
+        so = float(torch.tensor(1.0 / d_o, dtype=torch.float32))
+        r = run(alt, so)
+        out_tensors[f"{tag}/o8_scale_s{ss:g}"] = u8(r["o"])
+        info[f"scale_s{ss:g}"] = {"scale_o": so, "amax_s_o": [r["amax_s"], r["amax_o"]], "amax_o_first": r1["amax_o"]}
+    meta[tag] = info
+    log(f"cudnn {tag}: amax_s {info['amax_s_first']:.6g}, amax_o {info['amax_o_first']:.6g}, "
+        f"repeat identical {info['repeat_identical']}, train O = inference O {info.get('train_o_equals_inference_o')}")
+
+
+def cudnn_probes():
+    """(tag, q, k, v, causal, attn_scale or None): inputs where one stage shows (module docstring)."""
+    g = torch.Generator().manual_seed(1234)
+    d = 128
+    out = []
+    # q0: Q = 0 -> every S = 0, P~ = 1; V signed N(0, 1) (half the heads |N|), K random.
+    n = 512
+    v = torch.randn(1, 2, n, d, generator=g, dtype=torch.float64)
+    v[:, 1] = v[:, 1].abs()
+    out.append(("q0", torch.zeros(1, 2, n, d, dtype=torch.float64),
+                torch.randn(1, 2, n, d, generator=g, dtype=torch.float64), v, False, None))
+    # onehot: 128 queries, 128 keys; Q row i = a_i e_i with a_i from 0 to 160, K = V = I: S_ii = a_i * attn_scale
+    # (0 to ~14), S_ij = 0 elsewhere; head 1 causal-free copy with a_i negative (S_ii < 0: the max is 0).
+    a = torch.linspace(0.0, 160.0, d, dtype=torch.float64)
+    eye = torch.eye(d, dtype=torch.float64)
+    q = torch.stack([eye * a[:, None], -eye * a[:, None]])[None]
+    kv = torch.stack([eye, eye])[None]
+    out.append(("onehot", q, kv.clone(), kv.clone(), False, None))
+    # sk1: one key -> the stats row is S itself; 256 queries of the paper's distribution.
+    q1, k1, _ = paper_qkv(1, 2, 256, d, 7)
+    out.append(("sk1", q1, k1[:, :, :1].contiguous(), k1[:, :, 1:2].contiguous(), False, None))
+    return out
+
+
+def part_cudnn(out: Path, dev, dry, meta):
+    tensors, info = {}, {}
+    for c in CUDNN_CASES:
+        q, k, v = c.qkv()
+        cudnn_run_case(c.name, q, k, v, c.causal, dev, dry, out_tensors=tensors, meta=info,
+                       scale_s_list=(256.0, 1.0) if c.name == "c_n256_d128_gauss" else None)
+        info[c.name]["case"] = dataclasses.asdict(c)
+    files = {"cudnn_fwd.safetensors": write(out, "cudnn_fwd.safetensors", tensors, {"kind": "cudnn", "inputs": INPUTS})}
+    tensors = {}
+    for tag, q, k, v, causal, scale in cudnn_probes():
+        try:
+            cudnn_run_case(tag, q, k, v, causal, dev, dry, scale=scale, out_tensors=tensors, meta=info)
+        except Exception as exc:  # noqa: BLE001 - a probe cuDNN declines (sk1) must not lose the others
+            log(f"cudnn probe {tag} FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+            info[tag] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+            tensors = {k: v for k, v in tensors.items() if not k.startswith(f"{tag}/")}
+    files["cudnn_probes.safetensors"] = write(out, "cudnn_probes.safetensors", tensors,
+                                              {"kind": "cudnn-probes", "inputs": "constructed in cudnn_probes()"})
+    meta["cudnn"] = {"cases": info, "files": files}
+
+
+# ----------------------------------------------------------------------------- torchao
+
+
+def _dry_quantize(q, k, v, num_chunks=None):
+    from fa3_numerics.kernels.torchao import reference_descales
+
+    outs, ds = [], []
+    for x in (q, k, v):
+        scale, descale = reference_descales(x, k.shape[1])
+        s = scale.repeat_interleave(x.shape[1] // k.shape[1], 1)[:, :, None, None]
+        outs.append((x.float() * s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
+        ds.append(descale)
+    return (*outs, *ds)
+
+
+def _dry_fa3(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, **_):
+    h, hk = q.shape[2], k.shape[2]
+    f = lambda x, ds: x.float() * ds.repeat_interleave(x.shape[2] // ds.shape[1], 1)[:, None, :, None]  # noqa: E731
+    qf, kf, vf = f(q, q_descale), f(k, k_descale), f(v, v_descale)
+    kf, vf = kf.repeat_interleave(h // hk, 2), vf.repeat_interleave(h // hk, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * softmax_scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vf).to(torch.bfloat16), torch.logsumexp(s, -1)
+
+
+def part_torchao(out: Path, dev, dry, meta):
+    from fa3_numerics.kernels.torchao import kernel_inputs
+    from fa3_numerics.numerics.recipe import get_recipe
+
+    recipe = get_recipe("torchao-fp8").recipe
+    if dry:
+        quantize, fa3, kmod = _dry_quantize, _dry_fa3, "dry stand-in"
+    else:
+        from fa3_numerics.kernels.fa3 import load_kernel
+        from fa3_numerics.kernels.torchao import load_quantizer
+
+        quantize, (fa3, kmod, _) = load_quantizer()[0], load_kernel()
+    info, files = {}, {}
+    groups = {"torchao_n1000.safetensors": [TORCHAO_CASES[0], TORCHAO_CASES[2]],
+              "torchao_d64.safetensors": [TORCHAO_CASES[1]]}
+    for fname, cases in groups.items():
+        tensors = {}
+        for c in cases:
+            q, k, v = c.qkv()
+            qb, kb, vb = (x.to(dev) for x in kernel_inputs(recipe, q, k, v))
+            q8, k8, v8, dq, dk, dv = quantize(qb, kb, vb)
+            scale = 1.0 / math.sqrt(c.head_dim)
+            lay = lambda x: x.transpose(1, 2)  # noqa: E731
+            kw = dict(softmax_scale=scale, causal=c.causal, q_descale=dq, k_descale=dk, v_descale=dv)
+            views = fa3(lay(q8), lay(k8), lay(v8), num_splits=0, pack_gqa=None, **kw)
+            contig = fa3(*(lay(x).contiguous() for x in (q8, k8, v8)), **kw)
+            one_split = fa3(lay(q8), lay(k8), lay(v8), num_splits=1, pack_gqa=None, **kw)
+            first = lambda r: r[0] if isinstance(r, (tuple, list)) else r  # noqa: E731
+            o_views, o_contig, o_one = (first(r).transpose(1, 2) for r in (views, contig, one_split))
+            q81, k81, v81, dq1, dk1, dv1 = quantize(qb, kb, vb, num_chunks=1)
+            t = {"q8": u8(q8), "k8": u8(k8), "v8": u8(v8), "q_descale": dq.cpu(), "k_descale": dk.cpu(),
+                 "v_descale": dv.cpu(), "o_views": bits16(o_views), "o_contig": bits16(o_contig)}
+            if isinstance(views, (tuple, list)) and len(views) > 1 and torch.is_tensor(views[1]):
+                t["lse_views"] = views[1].float().cpu().contiguous()
+            tensors.update({f"{c.name}/{k}": x for k, x in t.items()})
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count if not dry else 132
+            info[c.name] = {
+                "case": dataclasses.asdict(c), "softmax_scale": scale, "kernel": kmod, "sm_count": sms,
+                "views_equal_contiguous": bool(torch.equal(o_views, o_contig)),
+                "views_equal_num_splits_1": bool(torch.equal(o_views, o_one)),
+                "num_chunks_1": {"q8_diff": int((u8(q81) != u8(q8)).sum()), "k8_diff": int((u8(k81) != u8(k8)).sum()),
+                                 "v8_diff": int((u8(v81) != u8(v8)).sum()),
+                                 "descales_equal": [bool(torch.equal(a, b)) for a, b in
+                                                    ((dq, dq1), (dk, dk1), (dv, dv1))]},
+                "bf16_inputs_sum": [float(x.double().sum()) for x in (qb, kb, vb)],
+            }
+            log(f"torchao {c.name}: views == contiguous {info[c.name]['views_equal_contiguous']}, "
+                f"num_chunks=1 diffs {info[c.name]['num_chunks_1']}")
+        files[fname] = write(out, fname, tensors, {"kind": "torchao", "inputs": INPUTS,
+                                                   "layout": "codes [B, H, S, D] as torchao returns them; O [B, H, S, D]"})
+    meta["torchao"] = {"cases": info, "files": files}
+
+
+# ----------------------------------------------------------------------------- SDPA backward
+
+
+def _sdpa_fwd_bwd(q, k, v, do, causal, scale, dry, o_override=None):
+    """(o, lse, dq, dk, dv) from the aten flash ops autograd calls (a float32 math stand-in when dry)."""
+    if dry:
+        qq, kk, vv = (x.float().requires_grad_(True) for x in (q, k, v))
+        s = qq @ kk.transpose(-1, -2) * scale
+        if causal:
+            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+        o = torch.softmax(s, -1) @ vv
+        o.backward(do.float())
+        return (o.detach().to(q.dtype), torch.logsumexp(s, -1).detach(), qq.grad.to(q.dtype), kk.grad.to(q.dtype),
+                vv.grad.to(q.dtype))
+    fwd = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    o, lse, cq, ck, mq, mk, seed, off = fwd[:8]
+    o_b = o if o_override is None else o_override
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        do, q, k, v, o_b, lse, cq, ck, mq, mk, 0.0, causal, seed, off, scale=scale)
+    return o, lse, dq, dk, dv
+
+
+def _sdpa_gqa(c: Case, dev, dry) -> tuple[dict, dict]:
+    """The GQA case: per-head gradients of the kernel on repeated K and V, what autograd's
+    repeat_interleave backward makes of them, and SDPA's enable_gqa=True path where it runs."""
+    q, k, v = c.qkv()
+    g = torch.Generator().manual_seed(c.seed * 1000003 + 29)
+    do = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    qb, kb, vb, dob = (x.to(torch.bfloat16).to(dev).contiguous() for x in (q, k, v, do))
+    scale = 1.0 / math.sqrt(c.head_dim)
+    rep = q.shape[1] // k.shape[1]
+    ke, ve = (x.repeat_interleave(rep, 1).contiguous() for x in (kb, vb))
+    o, lse, dq, dk_h, dv_h = _sdpa_fwd_bwd(qb, ke, ve, dob, c.causal, scale, dry)
+    kr, vr = kb.clone().requires_grad_(True), vb.clone().requires_grad_(True)
+    dk = torch.autograd.grad(kr.repeat_interleave(rep, 1), kr, grad_outputs=dk_h)[0]
+    dv = torch.autograd.grad(vr.repeat_interleave(rep, 1), vr, grad_outputs=dv_h)[0]
+    t = {"q": qb, "k": kb, "v": vb, "do": dob, "o": o, "lse": lse.float(), "dq": dq, "dk_heads": dk_h,
+         "dv_heads": dv_h, "dk": dk, "dv": dv}
+    row = {"case": dataclasses.asdict(c), "softmax_scale": scale, "do_seed": c.seed * 1000003 + 29,
+           "role": "fit: the GQA rounding (per-head BF16 gradients summed)"}
+    if not dry:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        try:
+            qg, kg, vg = (x.clone().requires_grad_(True) for x in (qb, kb, vb))
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                og = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=c.causal, scale=scale,
+                                                                      enable_gqa=True)
+                og.backward(dob)
+            t.update(dk_enable_gqa=kg.grad, dv_enable_gqa=vg.grad)
+            row["enable_gqa"] = {"o_equal": bool(torch.equal(og.detach(), o)), "dq_equal": bool(torch.equal(qg.grad, dq)),
+                                 "dk_equal": bool(torch.equal(kg.grad, dk)), "dv_equal": bool(torch.equal(vg.grad, dv))}
+        except Exception as exc:  # noqa: BLE001 - torch refuses enable_gqa on the flash kernel in some releases
+            row["enable_gqa"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return t, row
+
+
+def part_sdpa(out: Path, dev, dry, meta):
+    info, files = {}, {}
+    for fname, cases in (("sdpa_bwd_fit.safetensors", SDPA_FIT), ("sdpa_bwd_holdout.safetensors", SDPA_HOLDOUT)):
+        tensors = {}
+        for c in cases:
+            q, k, v = c.qkv()
+            g = torch.Generator().manual_seed(c.seed * 1000003 + 29)
+            do = torch.randn(q.shape, generator=g, dtype=torch.float64)
+            qb, kb, vb, dob = (x.to(torch.bfloat16).to(dev).contiguous() for x in (q, k, v, do))
+            scale = 1.0 / math.sqrt(c.head_dim)
+            o, lse, dq, dk, dv = _sdpa_fwd_bwd(qb, kb, vb, dob, c.causal, scale, dry)
+            _, _, dq2, dk2, dv2 = _sdpa_fwd_bwd(qb, kb, vb, dob, c.causal, scale, dry)
+            t = {"q": qb, "k": kb, "v": vb, "do": dob, "o": o, "lse": lse.float(), "dq": dq, "dk": dk, "dv": dv}
+            row = {"case": dataclasses.asdict(c), "softmax_scale": scale, "do_seed": c.seed * 1000003 + 29,
+                   "repeat": {"dq_values_differing": int((dq2 != dq).sum()), "dk_values_differing": int((dk2 != dk).sum()),
+                              "dv_values_differing": int((dv2 != dv).sum())}}
+            if fname == "sdpa_bwd_fit.safetensors":
+                _, _, dq0, dk0, dv0 = _sdpa_fwd_bwd(qb, kb, vb, dob, c.causal, scale, dry,
+                                                    o_override=torch.zeros_like(o))
+                t.update(dq_o0=dq0, dk_o0=dk0, dv_o0=dv0)
+                row["o0_dv_equal"] = bool(torch.equal(dv0, dv))  # dV does not read D: a check on the probe
+            tensors.update({f"{c.name}/{k}": bits16(x) for k, x in t.items()})
+            info[c.name] = row
+            log(f"sdpa {c.name}: repeat {row['repeat']}")
+        if fname == "sdpa_bwd_holdout.safetensors":
+            t, row = _sdpa_gqa(SDPA_GQA, dev, dry)
+            tensors.update({f"{SDPA_GQA.name}/{k}": bits16(x) for k, x in t.items()})
+            info[SDPA_GQA.name] = row
+            log(f"sdpa {SDPA_GQA.name}: enable_gqa {row.get('enable_gqa')}")
+        files[fname] = write(out, fname, tensors, {"kind": "sdpa-backward", "inputs": INPUTS,
+                                                   "layout": "[B, H, S, D] BF16, lse float32 [B, H, S]"})
+    meta["sdpa"] = {"cases": info, "files": files}
+
+
+# ----------------------------------------------------------------------------- provenance
+
+
+def machine(dry: bool) -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "cudnn_torch": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+           "packages": versions(("nvidia-cudnn-frontend", "torchao", "triton", "fa3-fwd", "safetensors",
+                                 "nvidia-cudnn-cu12", "nvidia-cudnn-cu13"))}
+    if not dry:
+        out["device"] = torch.cuda.get_device_name()
+        out["sm_count"] = torch.cuda.get_device_properties(0).multi_processor_count
+        try:
+            out["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError) as exc:
+            out["driver"] = f"unknown ({exc})"
+        try:
+            from fa3_numerics.kernels.cudnn import load_kernel
+
+            out["cudnn_frontend"] = load_kernel()[1]
+        except Exception as exc:  # noqa: BLE001 - provenance only
+            out["cudnn_frontend"] = f"not loaded: {exc}"
+    try:
+        out["git"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    timeout=10).stdout.strip() or "no git"
+    except (OSError, subprocess.SubprocessError):
+        out["git"] = "no git"
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    ap.add_argument("--dry", action="store_true", help="no GPU: float32 stand-ins for the kernels (plumbing only)")
+    a = ap.parse_args(argv)
+    parts = [p for p in a.parts.split(",") if p]
+    if not a.out:
+        print("error: no output folder: pass --out DIR (or set $OUT)", file=sys.stderr)
+        return 2
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        print(f"error: unknown part(s) {', '.join(bad)}; choose from {', '.join(PARTS)}", file=sys.stderr)
+        return 2
+    if not a.dry and not torch.cuda.is_available():
+        print("error: no CUDA device; run this on the H200 (device tool) or pass --dry", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dev = torch.device("cpu" if a.dry else "cuda")
+    meta = {"kernel": "dry" if a.dry else "device", "machine": machine(a.dry), "timings": {}, "errors": {},
+            "command": " ".join(sys.argv)}
+    fns = {"cudnn": part_cudnn, "torchao": part_torchao, "sdpa": part_sdpa}
+
+    def save_meta():
+        from fa3_numerics.files import atomic_write
+
+        atomic_write(out / "dump_field.json", json.dumps(meta, indent=1, default=str))
+
+    for p in parts:
+        t0 = time.perf_counter()
+        log(f"part {p}")
+        try:
+            fns[p](out, dev, a.dry, meta)
+        except Exception as exc:  # noqa: BLE001 - a part that fails must leave the others' files
+            import traceback
+
+            log(f"part {p} FAILED: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            meta["errors"][p] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+        meta["timings"][p] = round(time.perf_counter() - t0, 2)
+        save_meta()
+    log(f"done; errors: {sorted(meta['errors']) or 'none'}")
+    return 3 if meta["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,448 @@
+"""Fit the arithmetic of the field's kernels from the dumps of ``tools/device/dump_field.py`` (CPU).
+
+    python tools/fit_field.py DUMPS cudnn|torchao|sdpa [--rows N] [--models a,b]
+
+For each dumped case it prints F = RMSE(model, kernel) / RMSE(kernel, float64) and the share of
+bit-identical outputs for each candidate model; for cuDNN also the share of outputs whose float32
+value (bracketed by the several scale_o roundings of the same O) contains the model's.
+The float64 reference comes from the case's seed (``dump_field.Case.qkv``: the library's CPU draw);
+the regenerated inputs must give the dump's FP8 bytes, else the file is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "device"))
+
+E4M3 = torch.float8_e4m3fn
+
+
+def load(path: Path) -> tuple[dict, dict]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    return load_file(str(path)), meta
+
+
+def groups(t: dict) -> dict[str, dict]:
+    out: dict = {}
+    for k, v in t.items():
+        tag, name = k.split("/", 1)
+        out.setdefault(tag, {})[name] = v
+    return out
+
+
+def f8(x: torch.Tensor) -> torch.Tensor:
+    return x.view(E4M3).to(torch.float64)
+
+
+def fidelity(model: torch.Tensor, kernel: torch.Tensor, ref: torch.Tensor) -> dict:
+    d = (model.double() - kernel.double()).pow(2).mean().sqrt().item()
+    r = (kernel.double() - ref.double()).pow(2).mean().sqrt().item()
+    return {"F": d / r if r else math.nan, "identical": (model.double() == kernel.double()).double().mean().item(),
+            "rmse_kernel": r, "rmse_model": (model.double() - ref.double()).pow(2).mean().sqrt().item()}
+
+
+# ----------------------------------------------------------------------------- E4M3 rounding cells
+
+def _e4m3_values() -> torch.Tensor:
+    codes = torch.arange(256, dtype=torch.uint8).view(E4M3).to(torch.float64)
+    return torch.unique(codes[torch.isfinite(codes)])
+
+
+_VALS = _e4m3_values()
+
+
+def rounding_cell(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[lo, hi] of the reals that round (nearest) to each E4M3 value in v (float64); the largest
+    finite value's cell is open above (the kernel saturates)."""
+    i = torch.searchsorted(_VALS, v.contiguous())
+    lo = torch.where(i > 0, (_VALS[(i - 1).clamp_min(0)] + v) / 2, torch.full_like(v, -math.inf))
+    hi = torch.where(i < len(_VALS) - 1, (_VALS[(i + 1).clamp_max(len(_VALS) - 1)] + v) / 2,
+                     torch.full_like(v, math.inf))
+    return lo, hi
+
+
+def bracket(o8s: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The interval of O that every (code, scale_o) pair allows: O * scale_o rounds to the code."""
+    lo_all, hi_all = None, None
+    for j in range(o8s.shape[0]):
+        lo, hi = rounding_cell(f8(o8s[j]))
+        s = float(scales[j])
+        lo, hi = lo / s, hi / s
+        lo_all = lo if lo_all is None else torch.maximum(lo_all, lo)
+        hi_all = hi if hi_all is None else torch.minimum(hi_all, hi)
+    return lo_all, hi_all
+
+
+# ----------------------------------------------------------------------------- cuDNN
+
+def cudnn_cases(dumps: Path):
+    from dump_field import CUDNN_CASES
+
+    t, _ = load(dumps / "cudnn_fwd.safetensors")
+    meta = json.loads((dumps / "dump_field.json").read_text())
+    info = meta["cudnn"]["cases"]
+    g = groups(t)
+    for c in CUDNN_CASES:
+        yield c, g[c.name], info[c.name]
+
+
+def cudnn_ref_inputs(c, case: dict):
+    """float64 Q, K, V of the case, checked against the dump's FP8 bytes (the backend's prepare)."""
+    from dump_field import cudnn_inputs
+
+    q, k, v = c.qkv()
+    _, ins = cudnn_inputs(q, k, v, c.causal, torch.device("cpu"))
+    for name in "qkv":
+        if not torch.equal(ins[name].view(torch.uint8), case[f"{name}8"]):
+            raise SystemExit(f"error: case {c.name}: the regenerated inputs do not give the dump's {name}8 bytes")
+    return q, k, v
+
+
+def _scores(case: dict, info: dict, causal: bool) -> torch.Tensor:
+    """S as the graph defines it: (Q8 K8^T) in float32, times attn_scale, descale_q, descale_k (one
+    float32 multiply each, in the graph's order), -inf above the diagonal when causal."""
+    q8, k8 = f8(case["q8"]).float(), f8(case["k8"]).float()
+    s = torch.matmul(q8, k8.transpose(-1, -2))
+    for name in ("attn_scale", "descale_q", "descale_k"):
+        s = s * torch.tensor(info[name], dtype=torch.float32)
+    if causal:
+        n, nk = s.shape[-2:]
+        s = s.masked_fill(~torch.ones(n, nk, dtype=torch.bool).tril(), -math.inf)
+    return s
+
+
+def _pv(p8: torch.Tensor, v8: torch.Tensor, acc: str) -> torch.Tensor:
+    if acc == "fp32":
+        return torch.matmul(p8, v8)
+    from fa3_numerics.numerics.formats import get_format
+    from fa3_numerics.numerics.mma import hopper_mma
+
+    e4 = get_format("e4m3")
+    return hopper_mma(p8.contiguous(), v8.contiguous(), a_fmt=e4, b_fmt=e4)
+
+
+def two_pass(case: dict, info: dict, causal: bool, *, acc: str = "fp32", div: str = "div") -> torch.Tensor:
+    """The graph taken literally: P = softmax(S) normalised in float32, P8 = e4m3(P scale_s),
+    O = (P8 V8) descale_s descale_v: float32 O before its E4M3 cast."""
+    s = _scores(case, info, causal)
+    m = s.amax(-1, keepdim=True)
+    e = torch.exp(s - m)
+    l = e.sum(-1, keepdim=True)
+    p = e / l if div == "div" else e * (1.0 / l)
+    p8 = (p * torch.tensor(info["scale_s"], dtype=torch.float32)).clamp(-448, 448).to(E4M3).float()
+    o = _pv(p8, f8(case["v8"]).float(), acc)
+    return o * torch.tensor(info["descale_s"], dtype=torch.float32) * torch.tensor(info["descale_v"],
+                                                                                  dtype=torch.float32)
+
+
+def one_pass(case: dict, info: dict, causal: bool, *, acc: str = "fp32", l_from: str = "p") -> torch.Tensor:
+    """P~ = exp(S - rowmax) (the row's final max, as a flash loop whose max never moves), P8 =
+    e4m3(P~ scale_s), O = (P8 V8) descale_s descale_v / l, l the sum of P~ (``l_from="p"``) or of
+    the cast P8 / scale_s (``"p8"``)."""
+    s = _scores(case, info, causal)
+    m = s.amax(-1, keepdim=True)
+    e = torch.exp(s - m)
+    p8 = (e * torch.tensor(info["scale_s"], dtype=torch.float32)).clamp(-448, 448).to(E4M3).float()
+    l = e.sum(-1, keepdim=True) if l_from == "p" else p8.sum(-1, keepdim=True) * torch.tensor(
+        info["descale_s"], dtype=torch.float32)
+    o = _pv(p8, f8(case["v8"]).float(), acc)
+    return o * torch.tensor(info["descale_s"], dtype=torch.float32) * torch.tensor(info["descale_v"],
+                                                                                  dtype=torch.float32) / l
+
+
+CANDIDATES = {
+    "one-pass": lambda case, info, c: one_pass(case, info, c),
+    "one-pass-l8": lambda case, info, c: one_pass(case, info, c, l_from="p8"),
+    "two-pass": lambda case, info, c: two_pass(case, info, c),
+    "two-pass-rcp": lambda case, info, c: two_pass(case, info, c, div="rcp"),
+    "two-pass-fp22": lambda case, info, c: two_pass(case, info, c, acc="fp22"),
+}
+
+
+def _emulated_o32(recipe_text: str, q, k, v, causal):
+    """The emulator's float32 O before the output cast (the recipe with out=fp32, oscale=none)."""
+    from fa3_numerics.numerics.emulator import emulate
+    from fa3_numerics.numerics.recipe import Recipe, get_recipe
+
+    import dataclasses
+
+    r = get_recipe("cudnn-fp8-fwd").recipe if recipe_text == "preset" else Recipe.from_str(recipe_text)
+    r = dataclasses.replace(r, out="fp32", oscale="none")
+    return emulate(r, q, k, v, causal=causal).float()
+
+
+def score_o32(o32: torch.Tensor, case: dict, info: dict, lo, hi, ref) -> dict:
+    """A model's float32 O against the kernel: inside the bracket, codes at the backend's scale_o."""
+    so = float(case["scale_o"][0])
+    codes = (o32 * so).clamp(-448, 448).to(E4M3)
+    kernel = f8(case["o8"][0]) * info["descale_o"]
+    model = codes.to(torch.float64) * info["descale_o"]
+    fid = fidelity(model, kernel, ref)
+    o = o32.double()
+    fid["inside"] = ((o >= lo) & (o <= hi)).double().mean().item()
+    fid["codes"] = (codes.view(torch.uint8) == case["o8"][0]).double().mean().item()
+    fid["rel_to_mid"] = (((o - (lo + hi) / 2).abs()) / (hi - lo).clamp_min(1e-30)).median().item()
+    return fid
+
+
+OLD_CUDNN = "gran=tensor,poff=8.80735,acc=fp22,out=e4m3,oscale=amax"  # the preset before the fit
+
+
+def cudnn_table(dumps: Path, specs: dict[str, str]) -> list[dict]:
+    """Per case and spec: F as ``validate`` computes it (the emulator's own O, its own amax scale,
+    against the kernel's O8 times the kernel's descale_o) and the share of O's E4M3 codes equal to
+    the kernel's at the kernel's scale_o."""
+    from fa3_numerics.numerics.emulator import emulate
+    from fa3_numerics.numerics.recipe import Recipe
+    from fa3_numerics.numerics.reference import reference_attention
+
+    rows = []
+    for c, case, info in cudnn_cases(dumps):
+        q, k, v = cudnn_ref_inputs(c, case)
+        ref = reference_attention(q, k, v, causal=c.causal)
+        kernel = f8(case["o8"][0]) * info["descale_o"]
+        row = {"case": c.name, "seed": c.seed, "rmse_kernel": None}
+        for label, spec in specs.items():
+            o = emulate(Recipe.from_str(spec), q, k, v, causal=c.causal)
+            fid = fidelity(o, kernel, ref)
+            o32 = _emulated_o32(spec, q, k, v, c.causal)
+            codes = (o32 * float(case["scale_o"][0])).clamp(-448, 448).to(E4M3).view(torch.uint8)
+            diff = int((codes != case["o8"][0]).sum())
+            row.update({f"F_{label}": fid["F"], f"codes_differing_{label}": diff, "codes": codes.numel(),
+                        "rmse_kernel": fid["rmse_kernel"]})
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def run_cudnn(a) -> int:
+    from fa3_numerics.numerics.emulator import emulate
+    from fa3_numerics.numerics.recipe import Recipe, get_recipe
+    from fa3_numerics.numerics.reference import reference_attention
+
+    if a.table:
+        from fa3_numerics.numerics.recipe import get_recipe
+
+        cudnn_table(a.dumps, {"before": OLD_CUDNN, "after": get_recipe("cudnn-fp8-fwd").recipe.short_str()})
+        return 0
+    models = a.models.split(";") if a.models else ["preset"]
+    for c, case, info in cudnn_cases(a.dumps):
+        q, k, v = cudnn_ref_inputs(c, case)
+        ref = reference_attention(q, k, v, causal=c.causal)
+        o8s, scales = case["o8"], case["scale_o"]
+        kernel = f8(o8s[0]) * info["descale_o"]
+        lo, hi = bracket(o8s, scales)
+        print(f"{c.name} (seed {c.seed}): amax_s {info['amax_s_first']:.6g} amax_o {info['amax_o_first']:.6g}; "
+              f"bracket width / |O| median {((hi - lo) / kernel.abs().clamp_min(1e-30)).median():.3g}")
+        info = dict(info, attn_scale=info["attn_scale"])
+        for m in models:
+            if m in CANDIDATES:
+                o32 = CANDIDATES[m](case, info, c.causal)
+            else:
+                o32 = _emulated_o32(m, q, k, v, c.causal)
+            fid = score_o32(o32, case, info, lo, hi, ref)
+            print(f"  {m:40s} F {fid['F']:.4f} codes {fid['codes']:.1%} inside {fid['inside']:.1%} "
+                  f"|o-mid|/width {fid['rel_to_mid']:.2f} rmse kernel {fid['rmse_kernel']:.3e} model {fid['rmse_model']:.3e}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- torchao
+
+def _from_codes(codes: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """float64 inputs that the emulator's per-(batch, kv-head) quantizer turns back into exactly
+    ``codes`` ([B, H, S, D] uint8) and ``descale`` ([B, Hkv])."""
+    x = f8(codes)
+    g = x.shape[1] // descale.shape[1]
+    return x * descale.double().repeat_interleave(g, dim=1)[:, :, None, None]
+
+
+def run_torchao(a) -> int:
+    import dataclasses
+
+    from dump_field import TORCHAO_CASES
+    from fa3_numerics.kernels.torchao import kernel_inputs
+    from fa3_numerics.numerics.emulator import emulate, prepare
+    from fa3_numerics.numerics.recipe import Recipe, get_recipe
+    from fa3_numerics.numerics.reference import reference_attention
+
+    meta = json.loads((a.dumps / "dump_field.json").read_text())["torchao"]["cases"]
+    tensors = {}
+    for name in ("torchao_n1000.safetensors", "torchao_d64.safetensors"):
+        tensors.update(groups(load(a.dumps / name)[0]))
+    preset = get_recipe("torchao-fp8").recipe
+    models = a.models.split(";") if a.models else ["fa3-fp8-kernel,acc=fp22"]
+    for c in TORCHAO_CASES:
+        t, info = tensors[c.name], meta[c.name]
+        q, k, v = c.qkv()
+        qb, kb, vb = (x.double() for x in kernel_inputs(preset, q, k, v))
+        n = q.shape[2]
+        rows = torch.arange(n) if not a.rows else torch.randperm(n, generator=torch.Generator().manual_seed(c.seed))[
+            :a.rows].sort().values
+        ref = reference_attention(q, k, v, causal=c.causal, q_index=rows)
+        o_views = t["o_views"].double()[:, :, rows]
+        o_contig = t["o_contig"].double()[:, :, rows]
+        pre = prepare(preset, q, k, v, q_index=torch.arange(n), causal=c.causal, cache={})
+        print(f"{c.name} (seed {c.seed}): views == contiguous {info['views_equal_contiguous']}, "
+              f"views == num_splits 1 {info['views_equal_num_splits_1']}, num_chunks=1 {info['num_chunks_1']}")
+        for nm, codes, ds in (("q", t["q8"], t["q_descale"]), ("k", t["k8"], t["k_descale"]),
+                              ("v", t["v8"], t["v_descale"])):
+            emu = getattr(pre, nm)
+            emu_codes = emu.values.to(E4M3).view(torch.uint8)
+            g = emu.values.shape[1] // ds.shape[1]
+            emu_ds = emu.descale.reshape(emu.descale.shape[0], -1)[:, ::g] if emu.descale.numel() > 1 else emu.descale
+            diff = (emu_codes != codes)
+            where = diff.nonzero()
+            print(f"  {nm}: codes differing {int(diff.sum())} of {diff.numel()}"
+                  + (f" (first at {where[0].tolist()}: emulator {f8(emu_codes[tuple(where[0])]).item()} "
+                     f"torchao {f8(codes[tuple(where[0])]).item()})" if len(where) else "")
+                  + f"; descales equal {torch.equal(emu_ds.float().reshape(-1), ds.float().reshape(-1))}"
+                  + f" (torchao {ds.reshape(-1)[:2].tolist()} emulator {emu_ds.reshape(-1)[:2].tolist()})")
+        # the FA3 model fed torchao's own bytes, against the kernel on them
+        q8, k8, v8 = (_from_codes(t[f"{nm}8"], t[f"{nm}_descale"]) for nm in "qkv")
+        for m in models:
+            r = Recipe.from_str(m)
+            o = emulate(r, q8, k8, v8, causal=c.causal, q_index=rows)
+            for label, ker in (("views", o_views), ("contig", o_contig)):
+                fid = fidelity(o, ker, ref)
+                print(f"  {m} on torchao's bytes vs kernel {label}: F {fid['F']:.4f} identical {fid['identical']:.1%}")
+        o = emulate(preset, q, k, v, causal=c.causal, q_index=rows)
+        fid = fidelity(o, o_views, ref)
+        print(f"  torchao-fp8 preset on the inputs vs kernel views: F {fid['F']:.4f} identical {fid['identical']:.1%}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- SDPA backward
+
+OLD_SDPA = "fa3-bf16-bwd-bf16,bm=128,bn=64,order=forward,bwd.bm=64,bwd.bn=128"  # reports/h200/backward's check
+
+
+def sdpa_end_to_end(t: dict, c, spec: str) -> dict:
+    """F of O, dQ, dK, dV of the recipe's own forward and backward (as backward_h200.py's check) against
+    the kernel's: {name: fidelity dict}."""
+    from fa3_numerics.numerics.backward import emulate_backward
+    from fa3_numerics.numerics.backward_reference import reference_gradients
+    from fa3_numerics.numerics.recipe import Recipe
+
+    q, k, v, do = (t[x].double() for x in ("q", "k", "v", "do"))
+    ref = dict(zip(("o", "dq", "dk", "dv"), reference_gradients(q, k, v, do, causal=c.causal)))
+    gr = emulate_backward(Recipe.from_str(spec), q, k, v, do, causal=c.causal)
+    got = {"o": gr.forward.o, "dq": gr.dq, "dk": gr.dk, "dv": gr.dv}
+    return {nm: fidelity(got[nm], t[nm], ref[nm]) for nm in got}
+
+
+def run_sdpa(a) -> int:
+    from dump_field import SDPA_FIT, SDPA_GQA, SDPA_HOLDOUT
+    from fa3_numerics.numerics.backward import Forward, backward_from, run_forward
+    from fa3_numerics.numerics.backward_reference import reference_gradients
+    from fa3_numerics.numerics.recipe import Recipe
+
+    meta = json.loads((a.dumps / "dump_field.json").read_text())["sdpa"]["cases"]
+    models = a.models.split(";") if a.models else [
+        "fa3-bf16-bwd-bf16,bm=128,bn=64,order=forward,bwd.bm=64,bwd.bn=128"]
+    sets = (("sdpa_bwd_fit.safetensors", SDPA_FIT), ("sdpa_bwd_holdout.safetensors", SDPA_HOLDOUT + [SDPA_GQA]))
+    if a.cases:
+        sets = tuple((f, [c for c in cs if c.name in a.cases.split(",")]) for f, cs in sets)
+    if a.table:
+        from fa3_numerics.numerics.recipe import get_recipe
+
+        specs = {"before": OLD_SDPA, "after": get_recipe("sdpa-flash-bf16").recipe.short_str()}
+        rows = []
+        for fname, cases in sets:
+            g = groups(load(a.dumps / fname)[0])
+            for c in cases:
+                row = {"case": c.name, "seed": c.seed, "file": fname}
+                for label, spec in specs.items():
+                    for nm, fid in sdpa_end_to_end(g[c.name], c, spec).items():
+                        row[f"F_{nm}_{label}"] = fid["F"]
+                        row[f"identical_{nm}_{label}"] = fid["identical"]
+                        row[f"rmse_{nm}_kernel"] = fid["rmse_kernel"]
+                        row[f"rmse_{nm}_{label}"] = fid["rmse_model"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        return 0
+    for fname, cases in sets:
+        g = groups(load(a.dumps / fname)[0])
+        for c in cases:
+            t, info = g[c.name], meta[c.name]
+            q, k, v, do = (t[x].double() for x in ("q", "k", "v", "do"))
+            o_ref, dq_ref, dk_ref, dv_ref = reference_gradients(q, k, v, do, causal=c.causal)
+            ref = {"o": o_ref, "dq": dq_ref, "dk": dk_ref, "dv": dv_ref}
+            print(f"{c.name} (seed {c.seed}, {fname}): repeat {info.get('repeat')}")
+            for m in models:
+                r = Recipe.from_str(m)
+                fwd = run_forward(r, q, k, v, causal=c.causal)
+                f_o = fidelity(fwd.o, t["o"], o_ref)
+                f_lse = (fwd.lse.double() - t["lse"].double()).abs().max().item()
+                # the backward from the kernel's own O and LSE: the backward alone
+                kf = Forward(t["o"].double(), t["lse"].float())
+                gr = backward_from(r, q, k, v, kf, do, causal=c.causal)
+                parts = [f"O F {f_o['F']:.4f} ident {f_o['identical']:.1%} (max |dLSE| {f_lse:.2e})"]
+                for nm, x in (("dq", gr.dq), ("dk", gr.dk), ("dv", gr.dv)):
+                    fid = fidelity(x, t[nm], ref[nm])
+                    parts.append(f"{nm} F {fid['F']:.4f} ident {fid['identical']:.1%} "
+                                 f"(err kernel {fid['rmse_kernel']:.3e} model {fid['rmse_model']:.3e})")
+                print(f"  {m}:\n    " + "\n    ".join(parts))
+    return 0
+
+
+# ----------------------------------------------------------------------------- test fixture
+
+FIXTURE_CUDNN = ("c_n1024_d64", "c_n256_d64_causal_gauss")
+FIXTURE_SDPA = ("b_n512_d64_causal", 2)  # the case and the heads kept (the backward is per head)
+
+
+def write_fixture(a) -> int:
+    """tests/fixtures/field_h200.safetensors: the cuDNN cases' FP8 bytes, descales and O codes at the
+    backend's scale_o, and two heads of one SDPA backward case (inputs, the kernel's O and LSE, its
+    gradients), with each case's metadata (seeds, shapes) in the header."""
+    from safetensors.torch import save_file
+
+    meta = json.loads((a.dumps / "dump_field.json").read_text())
+    t_c = groups(load(a.dumps / "cudnn_fwd.safetensors")[0])
+    out, info = {}, {"source": "tools/device/dump_field.py on an H200 (reports/h200/field/README.md)",
+                     "machine": meta["machine"]}
+    for name in FIXTURE_CUDNN:
+        c, m = t_c[name], meta["cudnn"]["cases"][name]
+        for k in ("q8", "k8", "v8"):
+            out[f"{name}/{k}"] = c[k]
+        out[f"{name}/o8"] = c["o8"][0].contiguous()
+        info[name] = {k: m[k] for k in ("case", "descale_q", "descale_k", "descale_v", "scale_s", "descale_s",
+                                          "descale_o", "attn_scale", "causal")}
+        info[name]["scale_o"] = float(c["scale_o"][0])
+    name, heads = FIXTURE_SDPA
+    t_s = groups(load(a.dumps / "sdpa_bwd_fit.safetensors")[0])[name]
+    for k in ("q", "k", "v", "do", "o", "lse", "dq", "dk", "dv"):
+        out[f"{name}/{k}"] = t_s[k][:, :heads].contiguous()
+    info[name] = {"case": meta["sdpa"]["cases"][name]["case"], "heads_kept": heads}
+    save_file(out, str(a.out), metadata={"info": json.dumps(info)})
+    print(f"wrote {a.out} ({a.out.stat().st_size / 2**20:.2f} MiB)")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dumps", type=Path)
+    ap.add_argument("part", choices=("cudnn", "torchao", "sdpa", "fixture"))
+    ap.add_argument("--out", type=Path, default=Path("tests/fixtures/field_h200.safetensors"))
+    ap.add_argument("--models", default="")
+    ap.add_argument("--rows", type=int, default=0)
+    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--table", action="store_true", help="F before/after the fit per case (the README's table)")
+    a = ap.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return {"cudnn": run_cudnn, "torchao": run_torchao, "sdpa": run_sdpa, "fixture": write_fixture}[a.part](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
