@@ -5,9 +5,8 @@ Exposed: ``LOG2E_SAGE``, ``RCP_TABLE``, ``input_round``, ``smooth_k_in``, ``reci
 - ``input_round``: the caller's tensors in the input format (recipe key ``in``).
 - ``smooth_k_in``: ``km = k.mean(dim=seq, keepdim=True); k -= km`` in the input format: the mean
   rounded to it, the difference rounded again (``sageattention/core.py``). On an H200 the
-  kernel's means matched a float64 mean rounded once in 1023 of 1024 channels and all 2,097,152
-  smoothed K values (reports/h200/sage1/); on a GPU the mean is torch's own op in the input dtype,
-  as the kernel's caller computes it.
+  kernel's means matched this model (float64 mean, one rounding) in 1023 of 1024 channels and
+  all 2,097,152 smoothed K values (reports/h200/sage1/).
 - ``triton_quantize_int``: ``quant_per_block_int8_kernel`` (``sageattention/quant_per_block.py``)
   in float32, as its PTX does it (Triton 3.6 on sm_90a: ``mul.f32``, ``div.full.f32``,
   ``add.f32``, ``cvt.rzi.s16.f32``):
@@ -47,25 +46,10 @@ def input_round(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return x if fmt == "none" else quantize_dequantize(x.to(torch.float64), fmt, torch.float64)
 
 
-_TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
 def smooth_k_in(k: torch.Tensor, fmt: str) -> torch.Tensor:
     """K minus its token mean with the mean and the difference each rounded to ``fmt``: k
-    [B, Hkv, N, D] float64 holding ``fmt`` values -> the same shape, float64.
-
-    On a GPU the mean is the very op ``sageattn``'s caller runs, ``k.mean(dim=2)`` in the input
-    dtype on the contiguous [B, H, N, D] tensor: torch's CUDA reduction sums in float32 in its
-    own order, and where that sum lies near a rounding boundary its FP16 result is the other
-    neighbour of the float64 mean's (one channel in 1024 in the H200 quantizer dump; on an MQA
-    case with sigma-30 outliers it moved every head's output, F 0.091). The CPU cannot reproduce
-    that order, so there the float64 mean rounded once stands in (the two agree but for such
-    channels)."""
-    dtype = _TORCH_DTYPES.get(fmt)
-    if k.is_cuda and dtype is not None:
-        km = k.to(dtype).contiguous().mean(dim=2, keepdim=True).to(torch.float64)
-    else:
-        km = input_round(k.mean(dim=2, keepdim=True), fmt)
+    [B, Hkv, N, D] float64 holding ``fmt`` values -> the same shape, float64."""
+    km = input_round(k.mean(dim=2, keepdim=True), fmt)
     return input_round(k - km, fmt)
 
 
