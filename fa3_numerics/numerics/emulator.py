@@ -285,9 +285,10 @@ def emulate(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                                 rotation_seed=rotation_seed, cache=cache, stats=stats)
     pre = prepare(recipe, q, k, v, q_index=q_index, rotation_seed=rotation_seed, causal=causal, cache=cache,
                   softmax_scale=scale, mk=mk)
-    if stats is not None and (recipe.algo != "flash" or recipe.norm != "deferred" or recipe.loop != "fa3"):
+    if stats is not None and (recipe.algo != "flash" or recipe.norm != "deferred"
+                              or recipe.loop in ("triton", "sage2")):
         raise UsageError(f"recipe {recipe.short_str()}: only the flash algorithm with deferred normalisation saves the "
-                         "log-sum-exp a backward reads (algo=flash, norm=deferred, loop=fa3)")
+                         "log-sum-exp a backward reads (algo=flash, norm=deferred, loop=fa3 or fa2)")
     if mk is not None and (recipe.loop != "fa3" or (mk.sinks is not None and recipe.norm == "tile")):
         raise UsageError(f"recipe {recipe.short_str()}: {mk.describe()} is modelled for FA3's loop (loop=fa3) with "
                          f"deferred normalisation, and for algo=standard; drop loop={recipe.loop} / norm=tile")

@@ -38,11 +38,11 @@ def timed(fn, reps: int = 3) -> float:
     return best
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seqlen", type=int, default=8192)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a check of the script itself
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

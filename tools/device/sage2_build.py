@@ -32,6 +32,8 @@ import tarfile
 import time
 from pathlib import Path
 
+from common import log
+
 # setup.py's CXX_FLAGS and NVCC_FLAGS (SageAttention 2.2.0), less "-g"; the ABI define is added by
 # torch.utils.cpp_extension itself.
 CXX_FLAGS = ["-O3", "-fopenmp", "-lgomp", "-std=c++17", "-DENABLE_BF16"]
@@ -88,10 +90,6 @@ PACKAGE_FILES = ["__init__.py", "core.py", "quant.py", "sm80_compile.py", "sm89_
                  "sm90_compile.py", "fa3_wrapper.py"]
 TARBALL = "sage2-sm90.tar.gz"
 MAX_RETURN_BYTES = 16 * 1024 * 1024
-
-
-def log(msg: str) -> None:
-    print(f"[sage2_build {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def stage_sources(src: Path, dst: Path, full: bool) -> Path:
