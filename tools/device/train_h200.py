@@ -6,7 +6,8 @@ One device call (``train_h200.sh``), inside a 9-minute budget:
 1. where the time goes: one attention call at SmolLM2's shape (batch x 9 heads / 3 KV heads x
    ``--tokens`` x 64) per recipe, the emulated forward and backward timed apart, beside torch's
    SDPA forward + backward;
-2. a 3-step run into the run folder (step 0 is a probe step: gradient cosine on the baseline's
+2. (unless the run folder already holds steps of an earlier call: then those are timed and the
+   run goes on from them) a 3-step run into the run folder (step 0 is a probe step: gradient cosine on the baseline's
    weights and per-call error against float64), its step times read from its dataset;
 3. the number of steps that fits what is left of the budget (at most ``--steps``, a multiple of
    10), printed with the arithmetic; then the run itself, which resumes from the 3-step run's
@@ -102,22 +103,28 @@ def main(argv: list[str] | None = None) -> int:
         log("$ " + " ".join(cmd[2:]))
         return subprocess.call(cmd)
 
-    t = time.perf_counter()
-    code = train(3, 3, a.budget - (time.perf_counter() - T0))
-    probe_wall = time.perf_counter() - t
     import xarray as xr
 
+    # A run folder from an earlier call already holds steps: time them from its dataset and go on
+    # from there (a 3-step probe would only read them back from the checkpoint).
+    have = int(xr.load_dataset(a.run / "train.nc", engine="h5netcdf").sizes["step"]) \
+        if (a.run / "train.nc").is_file() else 0
+    t = time.perf_counter()
+    code = 0 if have >= 3 else train(3, 3, a.budget - (time.perf_counter() - T0))
+    probe_wall = time.perf_counter() - t
     ds = xr.load_dataset(a.run / "train.nc", engine="h5netcdf")
     sec = ds["step_seconds"].values
-    fixed = probe_wall - float(sec[:3].sum())  # process start, model load, checkpoint, dataset and report
+    # process start, model load, checkpoint, dataset and report (about 25 s when measured on the H200)
+    fixed = probe_wall - float(sec[:3].sum()) if have < 3 else 25.0
+    have = max(have, 3)
     plain = float(sec[1:3].mean())
     probe = float(sec[0])  # a probe step (includes the first call's CUDA warm-up: an overestimate)
     per = plain + max(0.0, probe - plain) / a.probe_every
     ckpt_s = 15.0  # measured on the CPU machine for SmolLM2's 3.2 GB of weights and AdamW state (two runs)
     left = a.budget - (time.perf_counter() - T0) - fixed - 20.0
-    fit = int(3 + (left - ckpt_s * math.ceil(a.steps / a.checkpoint_every)) / per)
+    fit = int(have + (left - ckpt_s * math.ceil((a.steps - have) / a.checkpoint_every)) / per)
     steps = max(3, min(a.steps, fit // 10 * 10))
-    log(f"3-step run: exit {code}, {probe_wall:.1f} s ({fixed:.1f} s fixed); step {plain:.2f} s, probe step "
+    log(f"{have} steps done (3-step probe: exit {code}, {probe_wall:.1f} s, {fixed:.1f} s fixed); step {plain:.2f} s, probe step "
         f"{probe:.2f} s -> {per:.2f} s per step on average; {left:.0f} s left -> {steps} steps "
         f"({'the full ' + str(a.steps) if steps >= a.steps else 'fewer than ' + str(a.steps) + ': what fits'})")
     code = train(steps, a.checkpoint_every, a.budget - (time.perf_counter() - T0) - 5)
