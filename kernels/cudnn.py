@@ -132,6 +132,35 @@ def _stride(shape) -> list[int]:
     return out[::-1]
 
 
+def _forward_graph(cudnn, handle, b: int, h: int, hkv: int, n: int, nk: int, d: int, dv: int, causal: bool,
+                   scale: float, out: str, *, inference: bool):
+    """(graph, t): the sdpa_fp8 forward graph, not yet planned; ``t`` names its tensors (q, k, v, the
+    scalars, o, amax_s, amax_o and, for training, stats [B, H, N, 1] float32: what the backward reads)."""
+    dt = cudnn.data_type
+    graph = cudnn.pygraph(io_data_type=dt.FP8_E4M3, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT,
+                          handle=handle)
+    t = {}
+    for name, shape in (("q", [b, h, n, d]), ("k", [b, hkv, nk, d]), ("v", [b, hkv, nk, dv])):
+        t[name] = graph.tensor(name=name, dim=shape, stride=_stride(shape), data_type=dt.FP8_E4M3)
+    for name in _SCALARS:
+        t[name] = graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.FLOAT)
+    o, stats, amax_s, amax_o = graph.sdpa_fp8(
+        q=t["q"], k=t["k"], v=t["v"], descale_q=t["descale_q"], descale_k=t["descale_k"], descale_v=t["descale_v"],
+        descale_s=t["descale_s"], scale_s=t["scale_s"], scale_o=t["scale_o"], is_inference=inference,
+        attn_scale=float(scale), use_causal_mask=bool(causal), name="sdpa_fp8" if inference else "sdpa_fp8_train")
+    o_shape = [b, h, n, dv]
+    o.set_output(True).set_dim(o_shape).set_stride(_stride(o_shape)).set_data_type(
+        dt.FP8_E4M3 if out == "e4m3" else dt.BFLOAT16)
+    if not inference:
+        stats.set_output(True).set_dim([b, h, n, 1]).set_stride(_stride([b, h, n, 1])).set_data_type(dt.FLOAT)
+        t["stats"] = stats
+    for name, a in (("amax_s", amax_s), ("amax_o", amax_o)):
+        a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(dt.FLOAT)
+        t[name] = a
+    t["o"] = o
+    return graph, t
+
+
 def build_graph(dev, b: int, h: int, hkv: int, n: int, nk: int, d: int, dv: int, causal: bool, scale: float,
                 out: str) -> dict:
     """The planned sdpa_fp8 graph for one shape (cached): {"graph", "t" (name -> graph tensor),
@@ -140,31 +169,9 @@ def build_graph(dev, b: int, h: int, hkv: int, n: int, nk: int, d: int, dv: int,
     if key in _GRAPHS:
         return _GRAPHS[key]
     cudnn = load_kernel()[0]
-    dt = cudnn.data_type
     handle = _handle(dev)
-    graph = cudnn.pygraph(io_data_type=dt.FP8_E4M3, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT,
-                          handle=handle)
-    t = {}
-    for name, shape in (("q", [b, h, n, d]), ("k", [b, hkv, nk, d]), ("v", [b, hkv, nk, dv])):
-        t[name] = graph.tensor(name=name, dim=shape, stride=_stride(shape), data_type=dt.FP8_E4M3)
-    for name in _SCALARS:
-        t[name] = graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.FLOAT)
-    o, _, amax_s, amax_o = graph.sdpa_fp8(
-        q=t["q"], k=t["k"], v=t["v"], descale_q=t["descale_q"], descale_k=t["descale_k"], descale_v=t["descale_v"],
-        descale_s=t["descale_s"], scale_s=t["scale_s"], scale_o=t["scale_o"], is_inference=True,
-        attn_scale=float(scale), use_causal_mask=bool(causal), name="sdpa_fp8")
-    o_shape = [b, h, n, dv]
-    o.set_output(True).set_dim(o_shape).set_stride(_stride(o_shape)).set_data_type(
-        dt.FP8_E4M3 if out == "e4m3" else dt.BFLOAT16)
-    for name, a in (("amax_s", amax_s), ("amax_o", amax_o)):
-        a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(dt.FLOAT)
-        t[name] = a
-    t["o"] = o
-    graph.validate()
-    graph.build_operation_graph()
-    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    graph.check_support()
-    graph.build_plans()
+    graph, t = _forward_graph(cudnn, handle, b, h, hkv, n, nk, d, dv, causal, scale, out, inference=True)
+    _plan(cudnn, graph)
     ws = torch.empty(max(1, int(graph.get_workspace_size())), dtype=torch.uint8, device=dev)
     try:  # provenance: cudnn-frontend's own Python engines (none for FP8 on sm90) or the cuDNN library
         engine = graph.selected_engine
@@ -421,24 +428,7 @@ def build_train_forward(dev, b: int, h: int, hkv: int, n: int, d: int, causal: b
     if key in _FWD_TRAIN:
         return _FWD_TRAIN[key]
     cudnn = load_kernel()[0]
-    dt = cudnn.data_type
-    graph = cudnn.pygraph(io_data_type=dt.FP8_E4M3, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT,
-                          handle=_handle(dev))
-    t = {}
-    for name, shape in (("q", [b, h, n, d]), ("k", [b, hkv, n, d]), ("v", [b, hkv, n, d])):
-        t[name] = graph.tensor(name=name, dim=shape, stride=_stride(shape), data_type=dt.FP8_E4M3)
-    for name in _SCALARS:
-        t[name] = graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.FLOAT)
-    o, stats, amax_s, amax_o = graph.sdpa_fp8(
-        q=t["q"], k=t["k"], v=t["v"], descale_q=t["descale_q"], descale_k=t["descale_k"], descale_v=t["descale_v"],
-        descale_s=t["descale_s"], scale_s=t["scale_s"], scale_o=t["scale_o"], is_inference=False,
-        attn_scale=float(scale), use_causal_mask=bool(causal), name="sdpa_fp8_train")
-    o.set_output(True).set_dim([b, h, n, d]).set_stride(_stride([b, h, n, d])).set_data_type(dt.FP8_E4M3)
-    stats.set_output(True).set_dim([b, h, n, 1]).set_stride(_stride([b, h, n, 1])).set_data_type(dt.FLOAT)
-    for name, a in (("amax_s", amax_s), ("amax_o", amax_o)):
-        a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(dt.FLOAT)
-        t[name] = a
-    t["o"], t["stats"] = o, stats
+    graph, t = _forward_graph(cudnn, _handle(dev), b, h, hkv, n, n, d, d, causal, scale, "e4m3", inference=False)
     _plan(cudnn, graph)
     ws = torch.empty(max(1, int(graph.get_workspace_size())), dtype=torch.uint8, device=dev)
     _FWD_TRAIN[key] = entry = {"graph": graph, "t": t, "workspace": ws}

@@ -378,3 +378,28 @@ def test_backward_graph_takes_cudnns_documented_operands(monkeypatch):
     pack = g.executed[-1]
     assert set(map(id, pack)) == set(map(id, entry["t"].values()))
     assert out["dq"].dtype == torch.bfloat16 and out["dk"].shape == (1, 2, 64, 64)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_forward_graphs_take_cudnns_documented_operands(monkeypatch, train):
+    # The inference and the training forward are one graph builder: the same operands, the
+    # training one also writing Stats (the log-sum-exp the backward reads), O in E4M3 on Hopper.
+    monkeypatch.setattr(kc, "_KERNEL", {"mod": _FakeCudnn, "version": "fake"})
+    monkeypatch.setattr(kc, "_handle", lambda dev: None)
+    monkeypatch.setattr(kc, "_GRAPHS", {})
+    monkeypatch.setattr(kc, "_FWD_TRAIN", {})
+    dev = torch.device("cpu")
+    if train:
+        entry = kc.build_train_forward(dev, 1, 4, 2, 64, 128, False, 0.125)
+    else:
+        entry = kc.build_graph(dev, 1, 4, 2, 64, 96, 128, 128, False, 0.125, "e4m3")
+    kw = _FakeCudnn.graphs[-1].calls["sdpa_fp8"]
+    assert set(kw) == {"q", "k", "v", "descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o",
+                       "is_inference", "attn_scale", "use_causal_mask", "name"}
+    assert kw["is_inference"] is (not train) and kw["attn_scale"] == 0.125 and kw["use_causal_mask"] is False
+    assert kw["k"].attrs["dim"] == [1, 2, 64 if train else 96, 128]
+    t = entry["t"]
+    assert ("stats" in t) is train
+    assert t["o"].attrs["data_type"] == "e4m3" and t["o"].attrs["dim"] == [1, 4, 64, 128]
+    if train:
+        assert t["stats"].attrs["dim"] == [1, 4, 64, 1] and t["stats"].attrs["data_type"] == "f32"
