@@ -282,7 +282,11 @@ class LongContextStudy(Study):
         # tenths of a nat) and leaves what the accumulation did.
         ds["acc_share"] = (ds["mass"] / ds["mass"].sel(recipe="fp32")).assign_attrs(
             long_name="needle mass relative to the fp32-accumulator recipe on the same FP8 inputs")
+        from ..engine.provenance import provenance
+
+        ds.attrs.update(provenance(self.device))  # versions (torch, fa3-numerics), host, commit, command, time
         ds.attrs.update({
+            "backend": "emulate" if self.kernel == "none" else f"emulate + {self.kernel}",
             "title": "long-context needle retrieval under FP8 attention", "dist": "needle",
             "rows": self.rows, "head_dim": self.head_dim, "spread": self.spread, "vmean": self.vmean,
             "decoys": self.decoys, "decoy_ratio": 0.5, "sink_v": 0.25, "qcorr": 0.9, "device": self.device,

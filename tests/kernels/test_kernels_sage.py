@@ -302,3 +302,22 @@ def test_kernel_refuses_head_dim_256_as_the_backend_says():
     x = torch.zeros(1, 1, 64, 256, dtype=torch.float16, device="cuda")
     with pytest.raises(AssertionError, match="headdim"):
         sageattn(x, x.clone(), x)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_kernel_inputs_are_the_emulators_once_rounded_values(fmt):
+    # The kernel must be handed exactly the values the emulator quantizes: one rounding of the float64
+    # input (torch's float64 -> FP16 cast rounds twice, through float32: a negative control).
+    import dataclasses
+
+    from fa3_numerics.kernels.sage import kernel_inputs
+    from fa3_numerics.numerics.recipe import get_recipe
+    from fa3_numerics.numerics.sage_quant import input_round
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 4096, 64, generator=g, dtype=torch.float64) * 30 for _ in range(3))
+    r = dataclasses.replace(get_recipe("sage1").recipe, inp=fmt, out=fmt)
+    for x, got in zip((q, k, v), kernel_inputs(r, q, k, v, 0)):
+        assert torch.equal(got.to(torch.float64), input_round(x, fmt))
+    dtype = torch.float16 if fmt == "fp16" else torch.bfloat16
+    assert not torch.equal(q.to(dtype).to(torch.float64), input_round(q, fmt))  # the double rounding it avoids
