@@ -899,8 +899,10 @@ def test_ctrl_c_with_workers_is_one_message_and_resumes(tmp_path, cli):
 
     pytest.importorskip("distributed")
     out = tmp_path / "o"
-    args = ["run", "outliers", "--seqlen", "1024", "--heads", "2", "--batch", "1", "--rows", "128",
-            "--variants", "fa3-fp8,fa3-fp16", "--seeds", ",".join(map(str, range(16))), "--out", str(out)]
+    # Enough cells that the run is still going when the first one lands (16 small cells once
+    # finished 0.7 s after the first, before the signal arrived).
+    args = ["run", "outliers", "--seqlen", "2048", "--heads", "2", "--batch", "1", "--rows", "128",
+            "--variants", "fa3-fp8,fa3-fp16", "--seeds", ",".join(map(str, range(64))), "--out", str(out)]
     cmd = [sys.executable, "-c", "from fa3_numerics.cli import main; main()", *args]
     # Its own process group, as a terminal's foreground job: Ctrl-C reaches the driver and every worker.
     proc = subprocess.Popen([*cmd, "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
