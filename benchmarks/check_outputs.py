@@ -26,7 +26,7 @@ import numpy as np
 # The code's hash changes with any edit of a source that can decide a number (the cache key's
 # code part), whether or not the numbers change: what the check is for is whether they did.
 PROVENANCE = ("python", "platform", "hostname", "git_commit", "command", "created_utc", "history", "wall_seconds",
-              "cells_reused", "source", "device_name", "code_version")
+              "cells_reused", "source", "device_name", "code_version", "torch_threads")
 
 
 def _bits(a: np.ndarray) -> np.ndarray:

@@ -57,4 +57,6 @@ def provenance(device: str = "cpu") -> dict[str, str]:
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "tf32": "off",
     })
+    if device == "cpu":  # float32 GEMMs sum in another order on another thread count
+        attrs["torch_threads"] = torch.get_num_threads()
     return attrs

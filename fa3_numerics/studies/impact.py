@@ -258,6 +258,7 @@ class ImpactStudy(StoredFindings, Study):
 
         context = {"model_sha256": cap.model_sha256(src), "token_ids_sha256": cap.token_ids_sha256(input_ids),
                    "backend": backend, "device": device.split(":")[0], "seed": seed,
+                   "torch_threads": torch.get_num_threads() if device == "cpu" else None,
                    "torch": torch.__version__, "transformers": __import__("transformers").__version__}
         store = study_cells(ctx.out if ctx is not None else None, context, STUDY_MODULES, warn=progress,
                             backend=backend, device=device, inputs=[self.text] if self.text is not None else [])

@@ -93,29 +93,20 @@ def causal_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask, 
 
 
 def thread_count() -> tuple[int, str]:
-    """(torch intra-op threads for a study on the CPU, why). ``FA3N_THREADS`` sets them; otherwise
-    torch's default (every core) on an idle machine and one when other processes already keep the
-    cores busy (1-minute load average >= cores - 0.5). A model pass is many small tensor
-    operations, each an OpenMP region whose threads wait for one another at its end: when another
-    process holds a core, every region waits for a descheduled thread (measured on the 2-core
-    container at load 2-5: a float64 reference pass of SmolLM2 took 5-15 s with 2 threads and
-    1.1-2.6 s with 1, in 3-6x the CPU time). The results do not depend on the count (recommend
-    runs with 1 and with 2 threads wrote bit-identical datasets)."""
-    import os
-
+    """(torch intra-op threads for a study on the CPU, why): ``FA3N_THREADS`` when set, else torch's
+    default (every core). Never chosen from the machine's load: the model's float32 GEMMs sum in
+    another order on another thread count (an ``impact`` run on 1 thread and on 2 differ in the
+    last bits of every logit), so a count that followed the load would make one command give other
+    numbers on a busy machine. The count is recorded in the dataset (``torch_threads``) and in the
+    cells' cache key. On a machine other processes keep busy, ``FA3N_THREADS=1`` is several times
+    faster (each small op's OpenMP region waits for a descheduled thread: a float64 reference pass
+    of SmolLM2 took 5-15 s with 2 threads and 1.1-2.6 s with 1 at load 2-5 on 2 cores)."""
     from ..env import env_number
 
-    cores = os.cpu_count() or 1
     asked = env_number("FA3N_THREADS", 0, integer=True)
     if asked:
         return int(asked), "FA3N_THREADS"
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        return torch.get_num_threads(), "torch's default"
-    if cores > 1 and load >= cores - 0.5:
-        return 1, f"load average {load:.1f} on {cores} cores; FA3N_THREADS sets them"
-    return torch.get_num_threads(), f"load average {load:.1f} on {cores} cores"
+    return torch.get_num_threads(), "torch's default; FA3N_THREADS=1 is faster on a busy machine"
 
 
 @contextmanager
