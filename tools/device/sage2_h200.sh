@@ -9,7 +9,7 @@
 # Device tool, one call:  run(command="SAGE2_BUILD=1 bash tools/device/sage2_h200.sh",
 #                             carry=[".whl", ".sage2src"], timeout_s=600)
 # .whl/ as for every device call (setup_device.sh: h5netcdf for the .nc files). Env: SAGE2_GRIDS
-# (default "small stress"), SAGE2_VAL_TIMEOUT (s per grid, default 85), SAGE2_TESTS=1 also runs
+# (default "small stress"; "captured" reads .capture/smollm2.safetensors, carried), SAGE2_VAL_TIMEOUT (s per grid, default 85), SAGE2_TESTS=1 also runs
 # tests/kernels/test_kernels_sage2.py on the GPU.
 set -o pipefail
 OUT=${OUT:-/tmp/sage2-out}
@@ -27,7 +27,8 @@ export FA3N_SAGE2_PATH="$PKG" TRITON_CACHE_DIR=/tmp/tcache
 fa3-numerics backends --device cuda 2>&1 | grep -i -E "sage2|name"
 for g in ${SAGE2_GRIDS:-small stress}; do
   t=$(date +%s)
-  timeout -k 5 "${SAGE2_VAL_TIMEOUT:-85}" fa3-numerics validate --backend sage2 --device cuda --grid "$g" \
+  if [ "$g" = captured ]; then args=(--dist "captured:.capture/smollm2.safetensors"); else args=(--grid "$g"); fi
+  timeout -k 5 "${SAGE2_VAL_TIMEOUT:-85}" fa3-numerics validate --backend sage2 --device cuda "${args[@]}" \
     --out "/tmp/val-$g" 2>&1 | tail -n 40
   echo "== validate $g rc=${PIPESTATUS[0]} in $(( $(date +%s) - t ))s (elapsed $(( $(date +%s) - T0 ))s)"
   mkdir -p "$OUT/$g" && cp /tmp/val-$g/validation.nc /tmp/val-$g/validation.md "$OUT/$g/" 2>/dev/null

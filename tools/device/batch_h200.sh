@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Several device measurements in one call, their files packed into one archive ($OUT/batch.tar.gz),
+# since at most 8 files come back from a call. Parts run in the order given in PARTS, each under
+# its own time limit, so one that hangs or fails leaves the others' results:
+#   sage1      validate --backend sage1 on the small and stress grids (tools/device/sage_h200.sh)
+#   sage1cap   the same on the captured grid (.capture/smollm2.safetensors)
+#   sage2      validate --backend sage2, small and stress (sage2_h200.sh; the package in .sage2build/)
+#   sage2cap   the same on the captured grid
+#   sagedump   dump_sage.py for the cases in SAGE1_DUMP / SAGE2_DUMP ("grid=CASE:HEAD ...")
+#   holdout    field_holdout.sh (cudnn-fp8, torchao-fp8, SDPA backward on unseen data)
+#   gpus       benchmarks/bench_gpus.py --gpus 1 (the one pinned dask worker path; .whl/dask/)
+# Device tool, from the checkout's root, e.g.
+#   run(command="PARTS='sage1 sage2 sagedump' bash tools/device/batch_h200.sh", carry=[".whl", ".sage2build"])
+# A warm machine keeps what earlier calls carried and installed, so a later call may carry other paths.
+set -o pipefail
+OUT=${OUT:-/tmp/batch-out}
+W=/tmp/batch
+rm -rf "$W" && mkdir -p "$W" "$OUT"
+exec > >(tee "$W/batch.log") 2>&1
+T0=$(date +%s)
+step() { echo; echo "== [batch +$(( $(date +%s) - T0 ))s] $*"; }
+step "set-up"
+source tools/device/setup_device.sh || exit 3
+export TRITON_CACHE_DIR=/tmp/tcache
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+python3 -c "import torch; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version())"
+git log -1 --format='commit %H %s' 2>/dev/null || true
+SAGE2_PKG=/tmp/sage2/pkg
+sage2_ready() {
+  [ -d "$SAGE2_PKG" ] || timeout 60 python3 tools/device/sage2_build.py unpack \
+    --tar "${SAGE2_TAR:-.sage2build/sage2-sm90.tar.gz}" --pkg "$SAGE2_PKG"
+}
+dump() {  # backend, "grid=CASE:HEAD ..."
+  local b=$1; shift
+  for g in $(for x in $*; do echo "${x%%=*}"; done | sort -u); do
+    # shellcheck disable=SC2046
+    timeout 120 python3 tools/device/dump_sage.py --backend "$b" --grid "$g" --out "$W/dumps" \
+      $(for x in $*; do [ "${x%%=*}" = "$g" ] && echo "${x#*=}"; done)
+    echo "[batch] dump $b $g exit $?"
+  done
+}
+for part in ${PARTS:-sage1 sage2}; do
+  t=$(date +%s)
+  step "part $part"
+  case $part in
+    sage1) SAGE_GRIDS="small stress" SAGE_KEEP=1 SAGE_TIMEOUT=150 OUT="$W/sage1" bash tools/device/sage_h200.sh ;;
+    sage1cap) SAGE_GRIDS=captured SAGE_KEEP=1 SAGE_TIMEOUT=200 OUT="$W/sage1" bash tools/device/sage_h200.sh ;;
+    sage2) sage2_ready && SAGE2_VAL_TIMEOUT=120 OUT="$W/sage2" bash tools/device/sage2_h200.sh ;;
+    sage2cap) sage2_ready && SAGE2_GRIDS=captured SAGE2_VAL_TIMEOUT=200 OUT="$W/sage2" bash tools/device/sage2_h200.sh ;;
+    sagedump)
+      [ -n "${SAGE1_DUMP:-}" ] && dump sage1 $SAGE1_DUMP
+      [ -n "${SAGE2_DUMP:-}" ] && sage2_ready && FA3N_SAGE2_PATH=$SAGE2_PKG dump sage2 $SAGE2_DUMP ;;
+    holdout) OUT="$W/holdout" bash tools/device/field_holdout.sh ;;
+    gpus)
+      if ! python3 -c "import distributed" 2>/dev/null; then
+        # only the wheels whose module the image lacks, so the image's own packages are not shadowed
+        python3 - <<'EOF' > /tmp/dask-wheels.txt
+import glob, importlib.util, os
+mods = {"pyyaml": "yaml", "importlib_metadata": "importlib_metadata", "lazy_importer": "lazy_importer"}
+for w in sorted(glob.glob(".whl/dask/*.whl")):
+    dist = os.path.basename(w).split("-")[0].lower()
+    if importlib.util.find_spec(mods.get(dist, dist)) is None:
+        print(w)
+EOF
+        echo "[batch] dask wheels to install: $(wc -l < /tmp/dask-wheels.txt)"
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(cat /tmp/dask-wheels.txt) || true
+      fi
+      timeout "${GPUS_S:-240}" python3 benchmarks/bench_gpus.py --gpus 1 --out "$W/gpus" ${GPUS_ARGS:-} ;;
+    *) echo "[batch] unknown part $part" ;;
+  esac
+  echo "[batch] part $part rc=$? in $(( $(date +%s) - t ))s"
+done
+step "pack"
+ls -lR "$W" | head -80
+tar -C "$W" -czf "$OUT/batch.tar.gz" . && ls -la "$OUT"
