@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Several device measurements in one call, their files packed into one archive ($OUT/batch.tar.gz),
+# Several device measurements in one call, their files packed into one archive ($OUT/batch.tgz.aa, .ab, ... in 15 MiB pieces),
 # since at most 8 files come back from a call. Parts run in the order given in PARTS, each under
 # its own time limit, so one that hangs or fails leaves the others' results:
 #   sage1      validate --backend sage1 on the small and stress grids (tools/device/sage_h200.sh)
@@ -72,4 +72,5 @@ EOF
 done
 step "pack"
 ls -lR "$W" | head -80
-tar -C "$W" -czf "$OUT/batch.tar.gz" . && ls -la "$OUT"
+# split: a file over 16 MiB does not come back (cat batch.tgz.* | tar -xz)
+tar -C "$W" -cz . | split -b 15m - "$OUT/batch.tgz." && ls -la "$OUT"
