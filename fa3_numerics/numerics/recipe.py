@@ -179,8 +179,10 @@ _FIELD = [
            "per 16 keys the 16-bit MMA step (terms truncated at 2^(emax-25), sum to 23 bits) rounded to FP16, nearest "
            "even, inf past 65504 (acc=fp16-hopper; probes: 131,064 of 131,072 tile products exact; one float32 sum "
            "rounded once per tile: 67%), float32 across tiles. (7) O / l (div.full), written in the input dtype. Not "
-           "modelled: the float32 reduction order of the kernel's K mean (one channel in 1024 rounds the other way; "
-           "the likely cause of the MQA case, whose heads share one K head). Requires: sm80+ (INT8 mma); sageattn "
+           "modelled: the float32 reduction order of the kernel's K mean (one channel in 1024 rounds the other way). "
+           "Validated on an H200 (reports/h200/sage1, 2026-12-02): max F 0.0022 small, 0.0001 stress, 0.0027 "
+           "captured; the kernel must get the once-rounded FP16 inputs (torch's float64->FP16 cast rounds twice, "
+           "and one ulp on 1e-4 of an MQA case's inputs gave F 0.09). Requires: sm80+ (INT8 mma); sageattn "
            "takes head dims 64, 96, 128"),
     Preset("sage2-int8", _SAGE2,
            "SageAttention2 (arXiv 2411.10958, sec. 3-4) on Hopper (qk_int_sv_f8_cuda_sm90.cu): INT8 Q/K per thread "

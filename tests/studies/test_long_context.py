@@ -77,3 +77,44 @@ def test_flash_attn_passes_num_splits_only_when_set():
     flash_attn(x, x, x, softmax_scale=1.0, causal=True, fn=fn)
     flash_attn(x, x, x, softmax_scale=1.0, causal=True, fn=fn, num_splits=57)
     assert "num_splits" not in seen[0] and seen[1]["num_splits"] == 57
+
+
+def _merge_tool():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "merge_long_context.py"
+    spec = importlib.util.spec_from_file_location("merge_long_context", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_lengths_measured_apart_join_into_the_dataset_of_one_run(tmp_path):
+    # The 256K stage runs in a device call of its own; the joined dataset must be what one run of
+    # both lengths gives, findings included.
+    tool = _merge_tool()
+    a = _run(tmp_path / "a", [], lengths=[640]).dataset
+    b = _run(tmp_path / "b", [], lengths=[960]).dataset
+    both = _run(tmp_path / "both", [], lengths=[640, 960]).dataset
+    assert tool.main([str(tmp_path / "b" / "long_context.nc"), str(tmp_path / "a" / "long_context.nc"),
+                      "--out", str(tmp_path / "joined.nc")]) == 0
+    import xarray as xr
+
+    joined = xr.open_dataset(tmp_path / "joined.nc").load()
+    assert list(joined["length"].values) == [640, 960]
+    for v in both.data_vars:
+        assert joined[v].equals(both[v]), v
+    assert json.loads(joined.attrs["findings"]) == json.loads(both.attrs["findings"])
+    assert a.sizes["length"] == b.sizes["length"] == 1
+
+
+def test_join_refuses_parts_of_other_measurements(tmp_path, capsys):
+    tool = _merge_tool()
+    _run(tmp_path / "a", [], lengths=[640])
+    _run(tmp_path / "b", [], lengths=[960], head_dim=128)
+    assert tool.main([str(tmp_path / "a" / "long_context.nc"), str(tmp_path / "b" / "long_context.nc"),
+                      "--out", str(tmp_path / "joined.nc")]) == 2
+    assert "head_dim" in capsys.readouterr().err and not (tmp_path / "joined.nc").exists()
+    assert tool.main([str(tmp_path / "a" / "long_context.nc"), str(tmp_path / "a" / "long_context.nc"),
+                      "--out", str(tmp_path / "joined.nc")]) == 2  # a length given twice
