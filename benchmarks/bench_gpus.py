@@ -3,7 +3,8 @@
 GPU, ``fa3_numerics.engine.distributed``), each from an empty cache.
 
 Prints each run's wall time, the speed-up and the scaling efficiency T1 / (N * TN), and whether
-the two datasets are bit-identical (they should be: each cell is computed by the same kernels on
+the two datasets are bit-identical (with ``--gpus 1 --check-in-process``, the one pinned worker
+against the same cells computed in this process, the check one GPU allows) (they should be: each cell is computed by the same kernels on
 the same kind of GPU, whichever worker runs it; a difference means the CUDA path is not
 deterministic per cell). Writes OUT/bench.json when --out is given.
 
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1,2,3", help="comma-separated seeds: the sweep's tasks scale with them")
     ap.add_argument("--out", default=None, help="folder for bench.json")
     ap.add_argument("--strict", action="store_true", help="exit 1 when the 1- and N-GPU datasets differ")
+    ap.add_argument("--check-in-process", action="store_true",
+                    help="with --gpus 1: also run the cells in this process (no dask) and compare the datasets")
     args = ap.parse_args(argv)
 
     import torch
@@ -87,6 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     t1, ds1 = _sweep(ab, 1)
     print(f"  1 GPU : {t1:8.1f} s", flush=True)
     rec = {"experiment": ab.name, "device_name": torch.cuda.get_device_name(0), "gpus": n, "wall_1_s": round(t1, 2)}
+    if n == 1 and args.check_in_process:
+        # One GPU: the same cells in this process (no dask) must give the pinned worker's dataset.
+        t0_, ds0 = _sweep(ab, 0)
+        diff = _differences(ds1, ds0)
+        print(f"  in-process (no dask): {t0_:8.1f} s", flush=True)
+        print("  datasets 1 pinned worker vs in-process: " + ("bit-identical" if not diff else
+                                                              f"DIFFER in {', '.join(diff)}"), flush=True)
+        rec |= {"wall_in_process_s": round(t0_, 2), "identical": not diff, "differences": diff}
     if n > 1:
         tn, dsn = _sweep(ab, n)
         diff = _differences(ds1, dsn)
