@@ -8,7 +8,8 @@
 #   sage2cap   the same on the captured grid
 #   sagedump   dump_sage.py for the cases in SAGE1_DUMP / SAGE2_DUMP ("grid=CASE:HEAD ...")
 #   holdout    field_holdout.sh (cudnn-fp8, torchao-fp8, SDPA backward on unseen data)
-#   gpus       benchmarks/bench_gpus.py --gpus 1 (the one pinned dask worker path; .whl/dask/)
+#   gpus       benchmarks/bench_gpus.py --gpus 1 (the one pinned dask worker path; .whl/dask/), GPUS_ARGS added
+#   dumpfield  tools/device/dump_field.py --parts $DUMP_PARTS (default cudnn-more)
 # Device tool, from the checkout's root, e.g.
 #   run(command="PARTS='sage1 sage2 sagedump' bash tools/device/batch_h200.sh", carry=[".whl", ".sage2build"])
 # A warm machine keeps what earlier calls carried and installed, so a later call may carry other paths.
@@ -66,6 +67,7 @@ EOF
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(cat /tmp/dask-wheels.txt) || true
       fi
       timeout "${GPUS_S:-240}" python3 benchmarks/bench_gpus.py --gpus 1 --out "$W/gpus" ${GPUS_ARGS:-} ;;
+    dumpfield) timeout 200 python3 tools/device/dump_field.py --parts "${DUMP_PARTS:-cudnn-more}" --out "$W/field" ;;
     *) echo "[batch] unknown part $part" ;;
   esac
   echo "[batch] part $part rc=$? in $(( $(date +%s) - t ))s"
