@@ -87,14 +87,23 @@ def bracket(o8s: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torc
 # ----------------------------------------------------------------------------- cuDNN
 
 def cudnn_cases(dumps: Path):
-    from dump_field import CUDNN_CASES
+    """The cuDNN forward cases of a dump folder: part ``cudnn`` (one file) and part ``cudnn-more``
+    (one file per case), whichever the folder holds."""
+    from dump_field import CUDNN_CASES, CUDNN_MORE
 
-    t, _ = load(dumps / "cudnn_fwd.safetensors")
     meta = json.loads((dumps / "dump_field.json").read_text())
-    info = meta["cudnn"]["cases"]
-    g = groups(t)
-    for c in CUDNN_CASES:
-        yield c, g[c.name], info[c.name]
+    if "cudnn" in meta:
+        t, _ = load(dumps / "cudnn_fwd.safetensors")
+        info, g = meta["cudnn"]["cases"], groups(t)
+        for c in CUDNN_CASES:
+            yield c, g[c.name], info[c.name]
+    if "cudnn-more" in meta:
+        info = meta["cudnn-more"]["cases"]
+        for c in CUDNN_MORE:
+            t, _ = load(dumps / f"cudnn_{c.name}.safetensors")
+            yield c, groups(t)[c.name], info[c.name]
+    if "cudnn" not in meta and "cudnn-more" not in meta:
+        raise SystemExit(f"error: {dumps} holds no cuDNN forward dump (parts cudnn or cudnn-more of dump_field.py)")
 
 
 def cudnn_ref_inputs(c, case: dict):
@@ -238,6 +247,8 @@ def run_cudnn(a) -> int:
         return 0
     models = a.models.split(";") if a.models else ["preset"]
     for c, case, info in cudnn_cases(a.dumps):
+        if a.cases and c.name not in a.cases.split(","):
+            continue
         q, k, v = cudnn_ref_inputs(c, case)
         ref = reference_attention(q, k, v, causal=c.causal)
         o8s, scales = case["o8"], case["scale_o"]

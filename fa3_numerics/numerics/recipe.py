@@ -25,7 +25,7 @@ from . import keys as _keys
 from .families import family, is_narrow
 from .formats import get_format
 from .granularity import PerBlock, PerHead, PerTensor, parse_granularity
-from .tiles import fa3_tiles
+from .tiles import cudnn_tiles, fa3_tiles
 
 
 class _RecipeMethods:
@@ -59,6 +59,8 @@ class _RecipeMethods:
             from .fa2_loop import fa2_tiles
 
             m, n = fa2_tiles(head_dim)
+        elif self.tile_table == "cudnn":
+            m, n = cudnn_tiles(head_dim)
         else:
             m, n = fa3_tiles(head_dim, fp8=self.narrow, causal=causal, local=local, softcap=softcap)
         return (self.bm or m, self.bn or n)
@@ -324,14 +326,15 @@ BACKWARD_PRESETS = tuple(p.name for p in _BACKWARD)
 # Forward recipes of the public FP8 kernels beside FA3's own (``validate --backend cudnn-fp8`` and
 # ``--backend torchao-fp8`` check them against the kernels).
 _KERNEL_FWD = [
-    Preset("cudnn-fp8-fwd", dataclasses.replace(_CUDNN_FWD, acc="fp22", out="e4m3", oscale="amax", bn=256,
+    Preset("cudnn-fp8-fwd", dataclasses.replace(_CUDNN_FWD, acc="fp22", out="e4m3", oscale="amax", tile_table="cudnn",
                                                 order="forward"),
            "cuDNN's FP8 SDPA forward as it runs on Hopper (cudnn-frontend 1.32 graph.sdpa_fp8, cuDNN 9.19; "
            "TransformerEngine's FP8 DotProductAttention), fitted to the kernel's bytes on an H200 "
            "(tools/device/dump_field.py, tools/fit_field.py; reports/h200/field/): Q, K, V E4M3 with one descale per "
            "tensor (descale_q/k/v, TE's scale = 448 / amax); S = Q K^T on the FP8 tensor core with the Hopper MMA "
            "model (acc=fp22: the seqlen_k = 1 probe's stats equal it to 4.7e-7 relative, float32 products miss by "
-           "1.2e-4); online softmax over KV tiles of 256 keys visited first to last (bn=256, order=forward); P~ = "
+           "1.2e-4); online softmax over KV tiles visited first to last (order=forward) of 256 keys up to head dim 128 and "
+           "128 keys at 256 (tiles=cudnn; at d 256 a 256-key tile leaves 16% of codes different, 128 none); P~ = "
            "exp(S - running max) in [0, 1] times scale_s cast to E4M3 (scale_s = 2^poff = 448: P~ fills E4M3; the "
            "graph's normalised P is only what Amax_S reports: 0.1306 = max 1/l on Gaussian data, 1/512 on the Q = 0 "
            "probe, while quantizing the normalised P matches 22-24% of O's float32 brackets); P V on the FP8 MMA "
@@ -339,8 +342,10 @@ _KERNEL_FWD = [
            "acc descale_s descale_v / l written in E4M3 times scale_o, scale_o = 448 / Amax_O (oscale=amax). On 5 "
            "cases (n 256-1024, d 64 and 128, causal and not, Gaussian and the paper's outliers) 99.99% of O's E4M3 "
            "codes equal the kernel's at its scale_o (0 of 65,536-262,144 differ on three cases; 49 and 51 on two, "
-           "whole rows a tie apart, as FA3's ex2.approx leaves them). Not modelled: ex2.approx, head dim 256's tile "
-           "(unmeasured). Requires: sm90, cuDNN 9"),
+           "whole rows a tie apart, as FA3's ex2.approx leaves them); on 3 more (d 256, causal n 2048, sigma 3) 2, 47 "
+           "and 1 of 262,144-524,288 (the 47 in 17 rows whose P is one key: the kernel rounds O's exact ties down). "
+           "Not modelled: ex2.approx, those tie rows, head dims 96 and 192's tiles (not measured: their neighbours'). "
+           "Requires: sm90, cuDNN 9"),
     Preset("cudnn-fp8-kernel", dataclasses.replace(_CUDNN_FWD, acc="fp22", out="e4m3", oscale="amax",
                                                    bn=256, order="forward", **{**_FP8_BWD, "bwd_acc": "fp22", "bwd_pscale": "offset"}),
            "cuDNN's FP8 attention forward and backward as they run on Hopper (cudnn-frontend 1.32 sdpa_fp8 training "

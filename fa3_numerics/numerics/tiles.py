@@ -1,6 +1,6 @@
 """Tile sizes (kBlockM x kBlockN) of the FA3 Hopper forward kernel, per head dim and dtype.
 
-Exposed: ``SUPPORTED_HEAD_DIMS``, ``fa3_tiles``.
+Exposed: ``SUPPORTED_HEAD_DIMS``, ``fa3_tiles``, ``cudnn_tiles``.
 
 Facts from Dao-AILab/flash-attention hopper/tile_size.h (``tile_size_fwd_sm90``), for the
 plain case (no paged KV, no local window, no softcap, two MMA warpgroups). The tile size
@@ -45,3 +45,17 @@ def fa3_tiles(head_dim: int, *, fp8: bool, causal: bool = False, local: bool = F
     if local:
         return m, _FP16_LOCAL[head_dim]
     return m, (n_causal if causal else n)
+
+
+# cuDNN 9.19's FP8 SDPA forward on Hopper (sdpa_fp8), KV tile per head dim, fitted to the kernel's
+# O codes on an H200 (reports/h200/field/): 256 keys at head dims 64 and 128 (0-51 of 65,536-262,144
+# codes differ), 128 at 256 (0.0% differ, against 16% with 256). 96 and 192 were not dumped: they
+# take their neighbour's tile (the tile shrinks past 128 as the K/V tile's bytes double), a guess.
+# The query tile does not change an output with per-tensor scales; 128 stands in for it.
+_CUDNN_FP8_BN = {64: 256, 96: 256, 128: 256, 192: 128, 256: 128}
+CUDNN_MEASURED_HEAD_DIMS = (64, 128, 256)
+
+
+def cudnn_tiles(head_dim: int) -> tuple[int, int]:
+    check_head_dim(head_dim)
+    return 128, _CUDNN_FP8_BN[head_dim]

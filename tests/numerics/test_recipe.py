@@ -106,3 +106,15 @@ def test_parse_recipes_mixes_presets_and_specs():
     assert [l for l, _ in got] == ["fa3-fp8", "baseline-fp8", "fa3-fp8,acc=fp22"]
     with pytest.raises(UsageError, match="repeat"):
         parse_recipes("fa3-fp8,fa3-fp8")
+
+
+def test_cudnn_tile_table_is_the_measured_one():
+    # Measured on cuDNN 9.19 (reports/h200/field/): 256 keys up to head dim 128, 128 at 256. A spec
+    # with tiles=cudnn takes them where bn is 0; an explicit bn still wins; FA3's table is the default.
+    from fa3_numerics.numerics.recipe import Recipe, get_recipe
+
+    r = get_recipe("cudnn-fp8-fwd").recipe
+    assert [r.tiles(d)[1] for d in (64, 128, 256)] == [256, 256, 128]
+    assert Recipe.from_str("tiles=cudnn,bn=64").tiles(256) == (128, 64)
+    assert Recipe.from_str("fa3-fp8").tiles(256) == (128, 128) and Recipe.from_str("fa3-fp8").tiles(128) == (128, 224)
+    assert "tiles=cudnn" in r.short_str() and Recipe.from_str(r.short_str()) == r

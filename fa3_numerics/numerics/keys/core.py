@@ -103,6 +103,9 @@ _core("bm", 0, "query tile kBlockM (0 = the FA3 kernel's for this head dim)", pa
       tensors=("q",))
 _core("bn", 0, "key tile kBlockN (0 = the FA3 kernel's)", parse=parse_int, normalize=_tile, tensors=("k", "v"))
 _core("order", "reverse", "order the KV tiles are visited in (FA3: last to first)", choices=("reverse", "forward"))
+_core("tiles", "fa3", "whose tile table fills bm=0 / bn=0: fa3 (FA3's tile_size.h) or cudnn (cuDNN's FP8 SDPA "
+      "forward on Hopper, measured per head dim: numerics/tiles.py)", field="tile_table", choices=("fa3", "cudnn"),
+      tensors=("q", "k", "v"))
 
 # Ablation factors: levels over the public kernel's recipe (fa3-fp8-kernel at acc=fp32).
 register_factor(Factor("gran", "head", "scale granularity: tensor, head, block (kernel tiles), blockN, token"))
