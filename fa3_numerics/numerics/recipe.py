@@ -225,7 +225,8 @@ _FIELD = [
            "(the FP22 accumulation spans one tile), then O = fma(O, alpha, RO_temp) in float32 after every tile "
            "(cu:328-356; the 'inst_buf' flush is every iteration on sm90, not every few: acc=two-level). (9) "
            "O * rcp.approx(d) * v_scale, cvt.rn to FP16/BF16 (cu:490-549). Not modelled: ex2.approx and "
-           "rcp.approx to the ulp (the emulator's FA3 models of the same instructions), the float32 reduction "
+           "rcp.approx to the ulp (the emulator's FA3 models of the same instructions; visible where a P~ lands "
+           "exactly on an E4M3 midpoint, ~1e-6 of P~, the rest of F in low-signal cases), the float32 reduction "
            "order of the K mean, and an all-zero V channel, which the kernel turns into NaN in that output "
            "channel (448/0 * 0; the emulator writes 0). Requires: sm90 (wgmma FP8/INT8); head dims <= 128 (64 "
            "and 128 native, others zero-padded: core.py:928-937)"),
