@@ -109,7 +109,8 @@ def main(argv=None) -> int:
                 n_q, n_k = qi.shape[2], ki.shape[2]
                 sq = qs[..., _scale_index(n_q, True).to(qs.device)].float()
                 sk = ks[..., _scale_index(n_k, False).to(ks.device)].float()
-                wrong = (int((eq.descale[..., 0].to(sq.device) != sq).sum()), int((ek.descale[..., 0].to(sk.device) != sk).sum()),
+                wrong = (int((eq.descale[..., 0].to(sq.device) != sq).sum()),
+                         int((ek.descale[..., 0].to(sk.device) != sk).sum()),
                          int((eq.values.to(q8.device).to(torch.int8) != q8).sum()),
                          int((ek.values.to(k8.device).to(torch.int8) != k8).sum()))
                 line.append(f"{label}: Q/K scales wrong {wrong[0]}/{sq.numel()}, {wrong[1]}/{sk.numel()} "
