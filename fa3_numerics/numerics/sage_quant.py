@@ -1,6 +1,7 @@
 """SageAttention 1's steps before its attention kernel, as ``sageattn`` computes them.
 
-Exposed: ``LOG2E_SAGE``, ``RCP_TABLE``, ``input_round``, ``smooth_k_in``, ``recip32``, ``triton_quantize_int``.
+Exposed: ``LOG2E_SAGE``, ``RCP_TABLE``, ``input_round``, ``smooth_k_in``, ``recip32``, ``fma32``,
+``triton_quantize_int``.
 
 - ``input_round``: the caller's tensors in the input format (recipe key ``in``).
 - ``smooth_k_in``: ``km = k.mean(dim=seq, keepdim=True); k -= km`` in the input format: the mean
@@ -93,14 +94,35 @@ def recip32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, (r.contiguous().view(torch.int32) + fix).view(torch.float32), r)
 
 
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 ``a * b + c`` rounded once to nearest-even, as an FFMA: float32 tensors in, float32
+    out. The float64 product of two float32 values is exact; the float64 sum is made round-to-odd
+    from its exact error (two-sum), so the float32 cast after it is a single rounding even where
+    a plain float64 sum would round twice."""
+    p = a.to(torch.float64) * b.to(torch.float64)
+    c64 = c.to(torch.float64)
+    s = p + c64
+    bp = s - c64
+    err = (p - bp) + (c64 - (s - bp))  # p + c == s + err exactly
+    bits = s.view(torch.int64)
+    step = torch.where((err > 0) == (s > 0), 1, -1).to(torch.int64)  # toward the exact sum
+    odd = torch.where((err != 0) & ((bits & 1) == 0) & torch.isfinite(s), bits + step, bits)
+    return odd.view(torch.float64).to(torch.float32)
+
+
 def triton_quantize_int(x: torch.Tensor, fmt: str, gran: Granularity, *, block_rows: int, scale: float,
                         rows: torch.Tensor | None = None, eps: float = 0.0) -> Quantized:
     """``quant_per_block_int8_kernel`` on ``x`` (float64 [B, H, N, D] holding input-format
     values), with ``scale`` multiplied in first (Q: sm_scale * 1.44269504; K: 1.0).
 
-    ``eps`` is added to each scale in float32 after the division: SageAttention2's per-thread
-    quantizer (``sageattention/triton/quant_per_thread.py``) writes ``max|x| / 127. + 0.0000001``
-    and folds no softmax scale into Q (``scale=1.0``).
+    ``eps`` is added to each scale: SageAttention2's per-thread quantizer
+    (``sageattention/triton/quant_per_thread.py``) writes ``max|x| / 127. + 0.0000001`` and folds
+    no softmax scale into Q (``scale=1.0``). The H200 rounds that once, as
+    ``fma(max|x|, recip32(127), 1e-7)``: the division's multiply by the reciprocal and the add
+    fused into one FFMA (``fma32``). Rounding the quotient first and adding 1e-7 after (two
+    roundings) leaves most scales in [2, 4) unmoved (1e-7 is under half their ulp) where the
+    fused form lifts some by one ulp; a K value at x/scale = 63.5 then codes 64 instead of the
+    kernel's 63 (reports/h200/sage2/, "After the input-rounding fix").
 
     Returns int8 codes and the float32 per-block descale (``scale`` included), rows ``rows``
     only (scales from every row). A block of zeros gets descale 0 (``eps``: eps) and codes 0, as
@@ -108,9 +130,11 @@ def triton_quantize_int(x: torch.Tensor, fmt: str, gran: Granularity, *, block_r
     f = get_int_format(fmt)
     x32 = x.to(torch.float32) * torch.tensor(scale, dtype=torch.float32)
     a = amax(x32.to(torch.float64), gran, block_rows=block_rows).to(torch.float32)
-    d = (a * recip32(torch.tensor(float(f.qmax)))).to(torch.float32)
+    r = recip32(torch.tensor(float(f.qmax)))
     if eps:
-        d = (d + torch.tensor(eps, dtype=torch.float32)).to(torch.float32)
+        d = fma32(a, r, torch.tensor(eps, dtype=torch.float32))
+    else:
+        d = (a * r).to(torch.float32)
     if rows is not None:
         x32 = x32.index_select(2, rows)
         d = d.index_select(2, rows) if d.shape[2] > 1 else d
@@ -120,4 +144,4 @@ def triton_quantize_int(x: torch.Tensor, fmt: str, gran: Granularity, *, block_r
     return Quantized(codes.to(f.dtype), d, f)
 
 
-__all__ = ["LOG2E_SAGE", "RCP_TABLE", "input_round", "smooth_k_in", "recip32", "triton_quantize_int"]
+__all__ = ["LOG2E_SAGE", "RCP_TABLE", "input_round", "smooth_k_in", "recip32", "fma32", "triton_quantize_int"]

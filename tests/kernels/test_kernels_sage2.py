@@ -143,10 +143,23 @@ def test_attention_refuses_what_the_kernel_cannot_do():
 
 # -- independent NumPy models ---------------------------------------------------------------
 
+def _rn32(x):
+    """The float32 nearest to the rational ``x``, ties to even."""
+    from fractions import Fraction
+
+    y = f32(float(x))
+    cands = [np.nextafter(y, f32(-np.inf)), y, np.nextafter(y, f32(np.inf))]
+    dist = [abs(Fraction(float(c)) - x) for c in cands]
+    near = [c for c, e in zip(cands, dist) if e == min(dist)]
+    return near[0] if len(near) == 1 else next(c for c in near if int(np.array(c).view(np.int32)) % 2 == 0)
+
+
 def _np_thread_quant(x32, block, width):
     """quant_per_thread.py in float32: within each run of ``block`` tokens, the tokens whose index
-    mod 8 has the same // width share scale = max|x| * f32(1/127) + f32(1e-7); code =
-    trunc(x * f32(1/scale) + 0.5 sign). Returns codes and the per-token scale [.., N, 1]."""
+    mod 8 has the same // width share scale = fma(max|x|, f32(1/127), f32(1e-7)), one rounding
+    (exact in rationals, then float32); code = trunc(x * f32(1/scale) + 0.5 sign). Returns codes
+    and the per-token scale [.., N, 1]."""
+    from fractions import Fraction
     n = x32.shape[-2]
     codes = np.zeros(x32.shape, np.int8)
     scale = np.zeros(x32.shape[:-1] + (1,), f32)
@@ -157,8 +170,9 @@ def _np_thread_quant(x32, block, width):
             if not toks:
                 continue
             xb = x32[..., toks, :]
-            sc = (np.abs(xb).max(axis=(-2, -1), keepdims=True) * inv127).astype(f32)
-            sc = (sc + f32(1e-7)).astype(f32)
+            am = np.abs(xb).max(axis=(-2, -1), keepdims=True)
+            exact = [Fraction(float(a)) * Fraction(float(inv127)) + Fraction(float(f32(1e-7))) for a in am.ravel()]
+            sc = np.array([_rn32(e) for e in exact], f32).reshape(am.shape)
             y = (xb * (1.0 / sc.astype(f64)).astype(f32)).astype(f32)
             y = (y + np.where(y >= 0, f32(0.5), f32(-0.5))).astype(f32)
             codes[..., toks, :] = np.clip(np.trunc(y), -127, 127).astype(np.int8)

@@ -10,7 +10,8 @@
 #                             carry=[".whl", ".sage2src"], timeout_s=600)
 # .whl/ as for every device call (setup_device.sh: h5netcdf for the .nc files). Env: SAGE2_GRIDS
 # (default "small stress"; "captured" reads .capture/smollm2.safetensors, carried), SAGE2_VAL_TIMEOUT (s per grid, default 85), SAGE2_TESTS=1 also runs
-# tests/kernels/test_kernels_sage2.py on the GPU.
+# tests/kernels/test_kernels_sage2.py on the GPU. First, tools/device/sage2_scales.py checks the Triton
+# quantizer's scales and codes against the emulator's (a few seconds; SAGE2_SCALES=0 skips it).
 set -o pipefail
 OUT=${OUT:-/tmp/sage2-out}
 mkdir -p "$OUT"
@@ -25,6 +26,10 @@ echo "== package ready at +$(( $(date +%s) - T0 ))s"
 source tools/device/setup_device.sh
 export FA3N_SAGE2_PATH="$PKG" TRITON_CACHE_DIR=/tmp/tcache
 fa3-numerics backends --device cuda 2>&1 | grep -i -E "sage2|name"
+if [ "${SAGE2_SCALES:-1}" != 0 ]; then
+  timeout 90 python3 tools/device/sage2_scales.py 2>&1 | tee "$OUT/scales.txt" | tail -n 8
+  echo "== scales rc=${PIPESTATUS[0]} (elapsed $(( $(date +%s) - T0 ))s)"
+fi
 for g in ${SAGE2_GRIDS:-small stress}; do
   t=$(date +%s)
   if [ "$g" = captured ]; then args=(--dist "captured:.capture/smollm2.safetensors"); else args=(--grid "$g"); fi
