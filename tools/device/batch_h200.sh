@@ -9,6 +9,7 @@
 #   sagedump   dump_sage.py for the cases in SAGE1_DUMP / SAGE2_DUMP ("grid=CASE:HEAD ...")
 #   holdout    field_holdout.sh (cudnn-fp8, torchao-fp8, SDPA backward on unseen data)
 #   gpus       benchmarks/bench_gpus.py --gpus 1 (the one pinned dask worker path; .whl/dask/), GPUS_ARGS added
+#   cudnnval   validate --backend cudnn-fp8 --grid small
 #   dumpfield  tools/device/dump_field.py --parts $DUMP_PARTS (default cudnn-more)
 # Device tool, from the checkout's root, e.g.
 #   run(command="PARTS='sage1 sage2 sagedump' bash tools/device/batch_h200.sh", carry=[".whl", ".sage2build"])
@@ -67,6 +68,8 @@ EOF
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(cat /tmp/dask-wheels.txt) || true
       fi
       timeout "${GPUS_S:-240}" python3 benchmarks/bench_gpus.py --gpus 1 --out "$W/gpus" ${GPUS_ARGS:-} ;;
+    cudnnval) timeout 120 fa3-numerics validate --backend cudnn-fp8 --device cuda --grid small --out "$W/cudnn-val" \
+        2>&1 | tail -n 30 ;;
     dumpfield) timeout 200 python3 tools/device/dump_field.py --parts "${DUMP_PARTS:-cudnn-more}" --out "$W/field" ;;
     *) echo "[batch] unknown part $part" ;;
   esac

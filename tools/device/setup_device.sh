@@ -5,9 +5,11 @@
 # pyproject's package-dir mapping exactly as on a user's machine.
 # A warm machine keeps /tmp between back-to-back calls: the wheels are installed once per set of
 # wheels (the stamp lists their names and sizes), which saves ~30 s of each later call.
-stamp=$(ls -l .whl/*.whl 2>/dev/null | awk '{print $5, $NF}' | md5sum | cut -c1-16)
+# FA3N_WHEELS names another folder of wheels (a subset, when a call must carry less than .whl/).
+WHEELS=${FA3N_WHEELS:-.whl}
+stamp=$(ls -l "$WHEELS"/*.whl 2>/dev/null | awk '{print $5, $NF}' | md5sum | cut -c1-16)
 if [ "$(cat /tmp/site/.fa3n-wheels 2>/dev/null)" != "$stamp" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl || exit 3
   echo "$stamp" > /tmp/site/.fa3n-wheels
 fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
