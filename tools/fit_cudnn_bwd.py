@@ -19,7 +19,6 @@ The defaults compare dQ's dS cast directly (as dK's) with the FP16 step cuDNN ta
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys

@@ -398,8 +398,9 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
                 kept[s0], room = (p, ds), room - size
         whole = {"p": amax["p"], "dsq": amax["ds"], "dsk": amax["ds"]}
 
-    # bwd.dqcast=fp16: dQ's dS is rounded to FP16 before its cast (cuDNN's Hopper kernel); dK's is cast directly
-    via_q = torch.float16 if recipe.bwd_dqcast == "fp16" else None
+    # bwd.dqcast=fp16: dQ's FP8 dS is rounded to FP16 before its cast (cuDNN's Hopper kernel); dK's is cast
+    # directly. Other dS formats have no such step (the key then changes nothing)
+    via_q = torch.float16 if recipe.bwd_dqcast == "fp16" and ds_fmt_q in ("e4m3", "e5m2") else None
     order = _query_order(recipe, n, bm, q.device)
     do_dv_o, q_dk_o = _take_rows(do_dv, order), _take_rows(q_dk, order)
     dq = torch.zeros((b, h, n, d), dtype=wd, device=q.device)

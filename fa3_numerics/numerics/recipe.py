@@ -355,9 +355,10 @@ _KERNEL_FWD = [
            "k-bias case whose largest P is 0.10, all of it explained: the emulator with either scale differs by the kernel's own discrepancy, 0.00258 RMSE; on the saved cases dV codes 100% equal), every product on Hopper's FP8 "
            "wgmma model (bwd.acc=fp22: dK and dV codes 99.8-100% equal to the kernel's, against 51-94% with "
            "float32 accumulation), and dS for dQ rounded to FP16 before its FP8 cast while dK's dS is cast directly "
-           "(bwd.dqcast=fp16: dQ's FP8 codes from 91.5-96.3% to 99.97-99.99% equal to the kernel's, F_q of dQ from "
-           "0.11-0.26 to 0.0012-0.0045, dK and dV unchanged; the flipped dS codes lay within 0.4% of a code step of "
-           "a rounding boundary, FP16's half-ulp). Matched: dQ, dK (F 0.0001-0.011) and dV (F <= 0.02 with "
+           "(bwd.dqcast=fp16, fitted offline on the saved cases' bytes: dQ's FP8 codes from 91.5-96.3% to "
+           "99.97-100.00% equal to the kernel's, F of dQ from 0.065-0.112 to 0.0007-0.0025, dK and dV unchanged; "
+           "the dS codes the kernel rounds otherwise lie within FP16's half-ulp of an FP8 rounding boundary, "
+           "tools/explain_cudnn_dq.py). Matched: dQ, dK (F 0.0001-0.011) and dV (F <= 0.02 with "
            "bwd.pscale=offset). Not matched: the forward as measured in that run (F "
            "0.16-0.67, before cudnn-fp8-fwd's fit: 256-key tiles first to last, which this preset now takes). Requires: sm90 with head dim 128 only (cuDNN 9.19 declines 64: "
            "'hidden_dim shoud be equal to 128'), FP8 gradients (BF16 ones need Blackwell and cuDNN >= 9.13)"),

@@ -31,7 +31,8 @@ changes the MMA model's chaining, and float32 rounding); ``bwd.gqa`` where group
 are rounded (FA3: summed in float32, written once; FA2 and SDPA on repeated K, V: each query
 head's written, then summed and written again);
 ``bwd.dqcast`` how dS reaches its FP8 format for dQ (``direct``: one cast of the float32 value, as
-for dK; ``fp16``: rounded to FP16 first, two roundings, as cuDNN's Hopper kernel does for dQ only);
+for dK; ``fp16``: rounded to FP16 first, two roundings, as cuDNN's Hopper kernel does for dQ only; a dS
+that is not FP8 is cast as it is, so per-product attribution can set bwd.dq's formats freely);
 ``bwd.out`` the format dQ, dK, dV are written in (FP8 with a per-tensor scale, as cuDNN's
 outputs); ``bwd.rot`` a random Hadamard along head_dim on Q, K, V and dO before they are
 quantized (a what-if: no public backward rotates), the gradients rotated back in float64.
@@ -150,18 +151,9 @@ register_key(RecipeKey("bwd.pscale", "amax", "scale of P in dV = P^T dO: amax (P
 
 register_key(RecipeKey("bwd.dqcast", "direct", "how dS reaches its format for dQ = dS K: direct (the float32 dS, "
                        "scaled, cast once, as for dK) or fp16 (rounded to FP16 first, then cast: two roundings; "
-                       "cuDNN's Hopper FP8 backward, whose dK reads the direct cast)", field="bwd_dqcast",
+                       "cuDNN's Hopper FP8 backward, whose dK reads the direct cast); only an FP8 dS takes the "
+                       "FP16 step, other formats are cast as they are", field="bwd_dqcast",
                        choices=("direct", "fp16")))
 
-
-@register_check
-def _dqcast_fp8(r) -> str | None:
-    # the FP16 step models a cast to FP8 (cvt through f16x2); wider or integer dS formats have no such path
-    if r.bwd_dqcast != "direct":
-        ds = backward_pairs(r)["bwd.dq"][0]
-        if ds not in ("e4m3", "e5m2"):
-            return (f"bwd.dqcast={r.bwd_dqcast} rounds dS to FP16 before its FP8 cast, but bwd.dq's dS is {ds}: "
-                    "set bwd.dq's dS to e4m3 or e5m2, or bwd.dqcast=direct")
-    return None
 
 __all__ = ["PRODUCTS", "operand_pair", "backward_pairs"]
