@@ -294,7 +294,8 @@ _BACKWARD = [
            "(TE's delayed scaling uses earlier steps'), P in the forward as P~ filling E4M3 (poff=log2 448), the "
            "forward's O in BF16 (the backward reads it as per-tensor E4M3), FA3's tiles standing in for cuDNN's "
            "unpublished ones; float32 accumulation for CPU speed. The kernel as measured on an H200 is "
-           "cudnn-fp8-kernel (FP8 O, Hopper MMA model, P at the forward's fixed scale). Requires: sm90 (cuDNN 9)"),
+           "cudnn-fp8-kernel (FP8 O, Hopper MMA model, P at the forward's fixed scale, dQ's dS through FP16). "
+           "Requires: sm90 (cuDNN 9)"),
     Preset("sagebwd", dataclasses.replace(Recipe(
                qk="int8", gran=PerBlock(), bm=128, bn=64, smooth="k", ties="away", p="fp16", p_offset=0.0, v="fp16",
                acc="fp32", order="forward", out="bf16"),
