@@ -337,6 +337,9 @@ class CudnnFp8Backend(Backend):
         if recipe.bwd_pscale != "offset":
             return (f"bwd.pscale={recipe.bwd_pscale}: cuDNN casts P in the backward with the forward's fixed scale_s "
                     "= 2^poff; set bwd.pscale=offset (the cudnn-fp8-kernel preset)")
+        if recipe.bwd_dqcast != "fp16":
+            return (f"bwd.dqcast={recipe.bwd_dqcast}: cuDNN's Hopper backward rounds dQ's dS to FP16 before its FP8 "
+                    "cast; set bwd.dqcast=fp16 (the cudnn-fp8-kernel preset)")
         do_fmt = backward_pairs(recipe)["bwd.dp"][0]
         if do_fmt not in FMT_MAX or recipe.bwd_out not in _TORCH_DT:
             return (f"dO in {do_fmt}, gradients in {recipe.bwd_out}: sdpa_fp8_backward takes dO in e4m3 or e5m2 "

@@ -236,8 +236,24 @@ def test_fit_script_reads_the_saved_cases_and_scores_the_stand_in(tmp_path, caps
         (name, arm, d), = list(fit.cases(str(tmp_path / "cudnn_bwd_cases.npz")))
         good = fit.score(d, "bwd.acc=fp32")
         assert min(good[g]["codes_equal"] for g in ("dq", "dk", "dv")) > 0.99
-        assert max(good[g]["F"] for g in ("dq", "dk", "dv")) < 0.01
+        assert max(good[g]["F_q"] for g in ("dq", "dk", "dv")) < 0.01
         assert fit.main([str(tmp_path / "missing.npz")]) == 2
     finally:
         sys.path.remove(str(REPO / "tools"))
+        sys.modules.pop("fit_cudnn_bwd", None)
+
+
+def test_explain_cudnn_dq_refuses_a_missing_file_and_an_arm_the_file_lacks(tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        explain = importlib.import_module("explain_cudnn_dq")
+        assert explain.main([str(tmp_path / "missing.npz")]) == 2
+        mod = _load("cudnn_bwd_h200")
+        assert mod.main(["--dry", "--out", str(tmp_path), "--cases", "1", "--arms", "e4m3:e4m3", "--variants",
+                         "kfwd/fp32"]) == 0
+        assert explain.main([str(tmp_path / "cudnn_bwd_cases.npz"), "--arm", "1"]) == 2
+        assert "arms 0-0" in capsys.readouterr().err
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+        sys.modules.pop("explain_cudnn_dq", None)
         sys.modules.pop("fit_cudnn_bwd", None)

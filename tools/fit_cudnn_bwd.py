@@ -4,18 +4,21 @@ dQ, dK, dV bytes and every scale).
 
 For each saved case and arm it rebuilds the emulator's inputs from the very bytes the kernel read,
 runs the backward from the kernel's own O and Stats (``numerics.backward.backward_from``) under each
-candidate recipe (``--candidates``: recipe keys added to the arm's ``cudnn-fp8`` recipe) and prints,
-per gradient, F = RMSE(emulator, kernel) / RMSE(kernel, fp64 on the FP8 inputs) and the share of
-output codes that are equal (the kernel writes code = x * scale_dX, the emulator x / descale: equal
-codes, not bit-equal values, is the match).
+candidate recipe (``--candidates``: recipe keys that replace the arm's ``cudnn-fp8-kernel`` recipe's) and
+prints, per gradient, F_q = RMSE(emulator, kernel) / RMSE(kernel, fp64 on the FP8 inputs), F = the same
+against fp64 on the original inputs (the device run's F: the case's family inputs and dO are drawn again
+on the CPU, as ``cudnn_bwd_h200.case_inputs`` drew them) and the share of output codes that are equal
+(the kernel writes code = x * scale_dX, the emulator x / descale: equal codes, not bit-equal values, is
+the match).
 
     python tools/fit_cudnn_bwd.py /path/to/cudnn_bwd_cases.npz --candidates 'bwd.acc=fp22' 'bwd.acc=fp22,bwd.bn=64'
+
+The defaults compare dQ's dS cast directly (as dK's) with the FP16 step cuDNN takes (``bwd.dqcast``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -59,7 +62,20 @@ def cases(path: str):
                               "scalars": sc, "do_fmt": do_fmt, "grad_fmt": grad_fmt}
 
 
-def score(d: dict, extra: str) -> dict:
+def original_reference(d: dict) -> dict:
+    """fp64 gradients of exact attention on the case's original (unquantized) inputs: the device run's
+    reference, drawn again from the case's family and seed (``cudnn_bwd_h200.case_inputs``)."""
+    from fa3_numerics.numerics.backward_reference import reference_gradients
+    from cudnn_bwd_h200 import Case, case_inputs
+
+    c = d["case"]
+    case = Case(c["family"], c["seqlen"], c["head_dim"], c["causal"], c["heads"], c["kv_heads"], c["seed"])
+    q, k, v, do = case_inputs(case)
+    return dict(zip(("o", "dq", "dk", "dv"), reference_gradients(q, k, v, do, causal=c["causal"],
+                                                                 softmax_scale=1.0 / math.sqrt(c["head_dim"]))))
+
+
+def score(d: dict, extra: str, ref0: dict | None = None) -> dict:
     from fa3_numerics.kernels.cudnn import decode
     from fa3_numerics.numerics.backward import Forward, backward_from
     from fa3_numerics.numerics.backward_reference import reference_gradients
@@ -86,26 +102,35 @@ def score(d: dict, extra: str) -> dict:
         ker = decode(d["raw"][g], s)
         codes = cast(emu * s, d["grad_fmt"])
         same = float((codes.view(torch.uint8) == d["raw"][g].view(torch.uint8)).double().mean())
-        out[g] = {"F": fidelity(emu, ker, ref[g])["F"], "codes_equal": same}
+        out[g] = {"F_q": fidelity(emu, ker, ref[g])["F"], "codes_equal": same}
+        if ref0 is not None:
+            out[g]["F"] = fidelity(emu, ker, ref0[g])["F"]
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("npz")
-    ap.add_argument("--candidates", nargs="+", default=["bwd.acc=fp32", "bwd.acc=fp22"])
+    ap.add_argument("--candidates", nargs="+", default=["bwd.acc=fp22,bwd.dqcast=direct",
+                                                        "bwd.acc=fp22,bwd.dqcast=fp16"])
+    ap.add_argument("--no-original", action="store_true",
+                    help="skip F against the original inputs (F_q only: no family inputs drawn again)")
     a = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     if not Path(a.npz).is_file():
         print(f"error: {a.npz} not found; it is written by tools/device/cudnn_bwd_h200.py", file=sys.stderr)
         return 2
     rows = []
+    ref0, ref0_of = None, None
     for name, arm, d in cases(a.npz):
+        if not a.no_original and ref0_of != name:
+            ref0, ref0_of = original_reference(d), name
         for cand in a.candidates:
-            res = score(d, cand)
+            res = score(d, cand, ref0)
             rows.append({"case": name, "arm": arm, "candidate": cand, **res})
-            print(f"{name:32} {arm:10} {cand:40} " + "  ".join(
-                f"{g} F {res[g]['F']:.4f} codes {100 * res[g]['codes_equal']:5.1f}%" for g in ("dq", "dk", "dv")),
+            print(f"{name:32} {arm:10} {cand:48} " + "  ".join(
+                f"{g}" + (f" F {res[g]['F']:.4f}" if "F" in res[g] else "") +
+                f" F_q {res[g]['F_q']:.4f} codes {100 * res[g]['codes_equal']:6.2f}%" for g in ("dq", "dk", "dv")),
                 flush=True)
     return 0
 

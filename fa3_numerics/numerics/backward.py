@@ -13,7 +13,8 @@ forward's LSE, and forms D from the FP8 forward's O. It follows FA3's backward
 - per KV tile of ``bn`` keys: S = Q K^T (``bwd.s``), P = exp2(S scale log2e - LSE log2e) as one
   fused multiply-add in float32, 0 where masked (bottom-right causal, as the forward);
   dP = dO V^T (``bwd.dp``); dS = P (dP - D) in float32; dV += P^T dO (``bwd.dv``, P cast
-  to its format); dQ += dS K (``bwd.dq``, dS cast); dK += dS^T Q (``bwd.dk``);
+  to its format); dQ += dS K (``bwd.dq``, dS cast; under ``bwd.dqcast=fp16`` through FP16 first, as
+  cuDNN's Hopper kernel); dK += dS^T Q (``bwd.dk``);
 - dQ accumulates across KV tiles in float32 (FA3's dQaccum, atomics in float32) and is multiplied
   by the softmax scale at the end (its postprocess kernel); dK is multiplied by the scale, dV not;
 - grouped-query attention: dK and dV of every query head of a KV head are summed in float32 (FA3's
@@ -159,17 +160,23 @@ def _quantize(x: torch.Tensor, fmt: str, gran, rows: int, wd: torch.dtype) -> _O
     return _Operand((vals * qt.descale).to(wd), fmt)
 
 
-def _cast_tile(x: torch.Tensor, fmt: str, descale: torch.Tensor | None, wd: torch.dtype) -> _Operand:
+def _cast_tile(x: torch.Tensor, fmt: str, descale: torch.Tensor | None, wd: torch.dtype,
+               via: torch.dtype | None = None) -> _Operand:
     """P or dS of one KV tile ([B, H, N, bn] float32) cast to ``fmt``; ``descale`` broadcasts
-    against it (None: the format is used unscaled)."""
+    against it (None: the format is used unscaled). ``via``: the scaled value is first rounded to
+    that dtype (float16 under ``bwd.dqcast=fp16``), then cast: two roundings."""
     if descale is None:
-        vals = cast(x, fmt).to(wd)
+        vals = cast(x if via is None else x.to(via).to(x.dtype), fmt).to(wd)
         return _Operand(vals, fmt, vals, None)
     if family(fmt) == "int":
         codes = round_to_int(x / descale.to(x.dtype), get_int_format(fmt), "even")
         return _Operand((codes * descale).to(wd), fmt)
     # the kernel scales the float32 tile in float32 and casts it (cvt.rn.satfinite): one rounding each
-    vals = quantize_dequantize(x / descale.to(x.dtype), fmt, wd)
+    scaled = x / descale.to(x.dtype)
+    if via is not None:
+        # beyond FP16's range the value becomes inf, which the saturating cast takes to the format's max
+        scaled = scaled.to(via).to(x.dtype)
+    vals = quantize_dequantize(scaled, fmt, wd)
     if descale.shape[2] == 1 and descale.shape[3] == 1:
         return _Operand(None, fmt, vals, descale)
     return _Operand((vals * descale).to(wd), fmt)
@@ -391,6 +398,9 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
                 kept[s0], room = (p, ds), room - size
         whole = {"p": amax["p"], "dsq": amax["ds"], "dsk": amax["ds"]}
 
+    # bwd.dqcast=fp16: dQ's FP8 dS is rounded to FP16 before its cast (cuDNN's Hopper kernel); dK's is cast
+    # directly. Other dS formats have no such step (the key then changes nothing)
+    via_q = torch.float16 if recipe.bwd_dqcast == "fp16" and ds_fmt_q in ("e4m3", "e5m2") else None
     order = _query_order(recipe, n, bm, q.device)
     do_dv_o, q_dk_o = _take_rows(do_dv, order), _take_rows(q_dk, order)
     dq = torch.zeros((b, h, n, d), dtype=wd, device=q.device)
@@ -401,9 +411,9 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
         p_op = _cast_tile(p, p_fmt, p_fixed if p_fixed is not None else _tile_descale(p, p_fmt, gran, bm,
                                                                                       whole.get("p")), wd)
         dv[:, :, s0:s1] = _mm(_take_rows(p_op, order), do_dv_o, acc, ta=True)
-        dsq = _cast_tile(ds, ds_fmt_q, _tile_descale(ds, ds_fmt_q, gran, bm, whole.get("dsq")), wd)
-        dsk = dsq if ds_fmt_k == ds_fmt_q else _cast_tile(ds, ds_fmt_k, _tile_descale(ds, ds_fmt_k, gran, bm,
-                                                                                        whole.get("dsk")), wd)
+        dsq = _cast_tile(ds, ds_fmt_q, _tile_descale(ds, ds_fmt_q, gran, bm, whole.get("dsq")), wd, via_q)
+        dsk = dsq if ds_fmt_k == ds_fmt_q and via_q is None else \
+            _cast_tile(ds, ds_fmt_k, _tile_descale(ds, ds_fmt_k, gran, bm, whole.get("dsk")), wd)
         dq += _mm(dsq, _rows(k_dq, s0, s1), acc)  # float32 across KV tiles (FA3's dQaccum)
         dk[:, :, s0:s1] = _mm(_take_rows(dsk, order), q_dk_o, acc, ta=True)
     scale_w = torch.tensor(scale, dtype=wd)

@@ -245,6 +245,7 @@ def test_backward_refuses_what_cudnn_does_not_compute_with_the_fix():
     # the study preset (BF16 O, P at its amax) is not what the kernel computes; the kernel preset is
     assert "out=e4m3,oscale=amax" in backward_refusal(b, get_recipe("cudnn-fp8").recipe)
     assert "bwd.pscale=offset" in backward_refusal(b, dataclasses.replace(_bwd_recipe(), bwd_pscale="amax"))
+    assert "bwd.dqcast=fp16" in backward_refusal(b, dataclasses.replace(_bwd_recipe(), bwd_dqcast="direct"))
     # Hopper's training forward writes FP8 O, which the backward reads
     assert "out=e4m3,oscale=amax" in backward_refusal(b, dataclasses.replace(_bwd_recipe(), out="bf16",
                                                                               oscale="none"))

@@ -30,6 +30,9 @@ every step in float64, which with fp64 operands is the exact algorithm the tests
 changes the MMA model's chaining, and float32 rounding); ``bwd.gqa`` where grouped-query dK and dV
 are rounded (FA3: summed in float32, written once; FA2 and SDPA on repeated K, V: each query
 head's written, then summed and written again);
+``bwd.dqcast`` how dS reaches its FP8 format for dQ (``direct``: one cast of the float32 value, as
+for dK; ``fp16``: rounded to FP16 first, two roundings, as cuDNN's Hopper kernel does for dQ only; a dS
+that is not FP8 is cast as it is, so per-product attribution can set bwd.dq's formats freely);
 ``bwd.out`` the format dQ, dK, dV are written in (FP8 with a per-tensor scale, as cuDNN's
 outputs); ``bwd.rot`` a random Hadamard along head_dim on Q, K, V and dO before they are
 quantized (a what-if: no public backward rotates), the gradients rotated back in float64.
@@ -145,5 +148,12 @@ def _mma_scales(r) -> str | None:
 register_key(RecipeKey("bwd.pscale", "amax", "scale of P in dV = P^T dO: amax (P's amax over the call, current "
                        "scaling) or offset (the forward's fixed 2^poff: cuDNN's scale_s)", field="bwd_pscale",
                        choices=("amax", "offset")))
+
+register_key(RecipeKey("bwd.dqcast", "direct", "how dS reaches its format for dQ = dS K: direct (the float32 dS, "
+                       "scaled, cast once, as for dK) or fp16 (rounded to FP16 first, then cast: two roundings; "
+                       "cuDNN's Hopper FP8 backward, whose dK reads the direct cast); only an FP8 dS takes the "
+                       "FP16 step, other formats are cast as they are", field="bwd_dqcast",
+                       choices=("direct", "fp16")))
+
 
 __all__ = ["PRODUCTS", "operand_pair", "backward_pairs"]
