@@ -133,23 +133,24 @@ def _flash_torch(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float,
         raise UsageError(f"recipe {recipe.short_str()}: fa2math=torch models float Q/K/P with one descale per "
                          "head (no smoothing bias); use fa2math=fa3")
     f32 = torch.float32
+    dev = pre.q.values.device
     qv = pre.q.values.to(f32)
     kn, vn = pre.k.values, pre.v.values
     b, h, r, _ = qv.shape
     nk = pre.seqlen_k
     # the host's float32 scale_softmax and scale_softmax_log2, times the per-head descales on the device
-    sc32 = torch.tensor(float(torch.tensor(scale, dtype=f32)), dtype=f32)
+    sc32 = torch.tensor(float(torch.tensor(scale, dtype=f32)), dtype=f32, device=dev)
     desc = (pre.q.descale * pre.k.descale).to(f32)
-    sl2 = (torch.tensor(float(sc32) * LOG2E, dtype=f32) * desc).to(f32)
+    sl2 = (torch.tensor(float(sc32) * LOG2E, dtype=f32, device=dev) * desc).to(f32)
     sc = (sc32 * desc).to(f32)
     qk_elem = element_format(recipe.qk)
     mma_s = hopper_mma_on(recipe.acc, qk_elem)
     accumulate = accumulator_for(recipe)
     acc_fmts = (mma_format(recipe.p), mma_format(recipe.v))
     p_fmt = get_format(recipe.p)
-    m = torch.full((b, h, r, 1), -math.inf, dtype=f32)
-    rs4 = torch.zeros((b, h, r, 4), dtype=f32)
-    acc = torch.zeros((b, h, r, vn.shape[-1]), dtype=f32)
+    m = torch.full((b, h, r, 1), -math.inf, dtype=f32, device=dev)
+    rs4 = torch.zeros((b, h, r, 4), dtype=f32, device=dev)
+    acc = torch.zeros((b, h, r, vn.shape[-1]), dtype=f32, device=dev)
     n_tiles = -(-nk // pre.block_n)
     t_lo, t_hi = tile_range if tile_range is not None else (0, n_tiles)
     for t in range(t_hi - 1, t_lo - 1, -1):
@@ -172,7 +173,7 @@ def _flash_torch(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float,
         acc = accumulate(acc, quantize_dequantize(p, p_fmt), vn[:, :, s0:s1].to(f32), acc_fmts)
     row_sum = _quad_total(rs4)
     bad = (row_sum == 0) | torch.isnan(row_sum)
-    ln2 = torch.tensor(math.log(2.0), dtype=f32)
+    ln2 = torch.tensor(math.log(2.0), dtype=f32, device=dev)
     logl = (_log2_toward_zero(torch.where(bad, torch.ones_like(row_sum), row_sum)) * ln2).to(f32)  # __logf
     lse = _fma32(m, sc, logl)
     if stats is not None:
