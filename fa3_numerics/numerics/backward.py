@@ -47,6 +47,7 @@ import torch
 
 from ..errors import UsageError
 from .emulator import emulate
+from .fa2_loop import exp2_toward_zero
 from .families import family
 from .formats import cast, get_format, quantize_dequantize
 from .granularity import PerBlock, PerHead, PerTensor, PerToken
@@ -362,13 +363,17 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
     q_pos = torch.arange(n, device=q.device)
     p_fmt, ds_fmt_q, ds_fmt_k = pairs["bwd.dv"][0], pairs["bwd.dq"][0], pairs["bwd.dk"][0]
     tiles = [(s0, min(nk, s0 + bn)) for s0 in range(0, nk, bn)]
+    torch_exp2 = getattr(recipe, "fa2math", "fa3") == "torch" and wd == torch.float32
 
     def p_and_ds(s0: int, s1: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = _mm(q_s, _rows(k_s, s0, s1), acc, tb=True)
         # FA3: exp2f(S * scale_log2 - lse_log2), an FFMA then ex2.approx. Here a float32 multiply and
         # subtract (two roundings where FFMA has one: both are ~|x| 2^-24 in the exponent) and torch's
         # exp2, in place; an infinite LSE (a row that saw no key) gives 0
-        p = torch.exp2(s.mul_(sl2).sub_(lse2), out=s)
+        if torch_exp2:
+            p = exp2_toward_zero(s.mul_(sl2).sub_(lse2))  # fa2math=torch: exp2f as the forward's
+        else:
+            p = torch.exp2(s.mul_(sl2).sub_(lse2), out=s)
         if causal:
             vis = causal_mask(q_pos, s0, s1, n, nk)
             p = p.masked_fill(~vis, 0.0)

@@ -1,7 +1,7 @@
 """FlashAttention-2's forward as PyTorch SDPA's flash kernel runs it on Hopper (``loop=fa2``).
 
 Exposed: ``FA2_FWD_TILES``, ``FA2_BWD_TILES``, ``fa2_tiles``, ``fa2_bwd_tiles``, ``fa2_num_splits``,
-``split_block_n``, ``flash_fa2``.
+``split_block_n``, ``exp2_toward_zero``, ``flash_fa2``.
 
 torch's ``_scaled_dot_product_flash_attention`` is FlashAttention-2 (aten/src/ATen/native/transformers/
 cuda/flash_attn/), compiled for sm80 and run as mma.sync on an H100/H200. What it computes, from its
@@ -26,7 +26,23 @@ source:
   64 x 128 at 96 and 128, 64 x 64 at 192 and 256.
 
 Modelling choices, stated: the combine's exp and log are correctly rounded float32 (the kernel's
-``expf``/``logf`` under fast math are within a few ulp); the split count assumes an H200's 132 SMs.
+``expf``/``logf`` are within a few ulp); the split count assumes an H200's 132 SMs.
+
+``fa2math=torch`` (``keys/fa2math.py``) is the arithmetic of torch's build of FA2, which the default
+(FA3's tile step) differs from in four places, each found on the H200 dumps (reports/h200/backward/):
+
+- torch defines ``UNFUSE_FMA`` (pytorch #121558), so softmax.h ``scale_apply_exp2`` computes
+  exp2f(__fmul_rn(S, scale_log2) - max_scaled): S scaled with its own rounding, then the subtract
+  (FA3: one FFMA). Forward O F 0.0106 -> 0.0048 on the causal d 64 dump;
+- exp2f's result taken rounded toward zero: the hardware's ex2 lands below the correctly rounded
+  value more often than above it (the backward alone from the kernel's O and LSE: dV F 0.0079 ->
+  0.0005 at head dim 128);
+- the LSE is ``normalize_softmax_lse``'s row_max * softmax_scale + __logf(row_sum): the plain scale
+  (not scale_log2 ln 2) in one FFMA, and __logf = lg2.approx times ln 2 with lg2 taken rounded toward
+  zero (rows that only the first split sees, whose LSE is the split kernel's own: 83% identical
+  with a correctly rounded log, 90% with this);
+- the combine's sum of exp(lse_s - max) is an ``Allreduce`` over kMaxSplits lanes (the split count
+  rounded up to a power of two, one split per lane): a butterfly, xor kMaxSplits/2 first.
 """
 
 from __future__ import annotations
@@ -37,6 +53,7 @@ import math
 import torch
 
 H200_SMS = 132
+LOG2E = math.log2(math.e)
 # head_dim -> (kBlockM, kBlockN), forward and backward, on sm90 with no dropout
 FA2_FWD_TILES = {64: (128, 128), 96: (128, 64), 128: (128, 64), 192: (128, 64), 256: (64, 64)}
 FA2_BWD_TILES = {64: (128, 128), 96: (64, 128), 128: (64, 128), 192: (64, 64), 256: (64, 64)}
@@ -81,16 +98,118 @@ def fa2_num_splits(*, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head
     return next((s for s in range(1, most + 1) if eligible(s) and eff[s] >= 0.85 * best), 1)
 
 
+def exp2_toward_zero(x: torch.Tensor) -> torch.Tensor:
+    """float32 exp2 rounded toward zero (``fa2math=torch``'s model of exp2f)."""
+    r = torch.exp2(x.double())
+    y = r.to(torch.float32)
+    return torch.where(y.double() > r, torch.nextafter(y, torch.zeros_like(y)), y)
+
+
+def _log2_toward_zero(x: torch.Tensor) -> torch.Tensor:
+    r = torch.log2(x.double())
+    y = r.to(torch.float32)
+    return torch.where(y.double().abs() > r.abs(), torch.nextafter(y, torch.zeros_like(y)), y)
+
+
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return (a.double() * b.double() + c.double()).to(torch.float32)
+
+
+def _flash_torch(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float, stats: dict | None,
+                 tile_range: tuple[int, int] | None = None) -> torch.Tensor:
+    """One pass of torch's FA2 forward (``fa2math=torch``, module docstring) over the KV tiles of
+    ``tile_range`` last to first: O in the recipe's output format (float64), ``stats["lse"]`` float32
+    (+inf where a row saw no key)."""
+    from ..errors import UsageError
+    from .accumulators import accumulator_for, hopper_mma_on
+    from .emulator import _quad_row_sum, _quad_total, write_out
+    from .families import element_format, family, mma_format
+    from .formats import get_format, quantize_dequantize
+    from .mma import hopper_mma
+    from .reference import causal_mask
+
+    uniform = all(t.descale.shape[2] == 1 and t.descale.shape[3] == 1 for t in (pre.q, pre.k, pre.v))
+    if pre.bias is not None or not uniform or family(recipe.qk) != "float" or family(recipe.p) != "float":
+        raise UsageError(f"recipe {recipe.short_str()}: fa2math=torch models float Q/K/P with one descale per "
+                         "head (no smoothing bias); use fa2math=fa3")
+    f32 = torch.float32
+    dev = pre.q.values.device
+    qv = pre.q.values.to(f32)
+    kn, vn = pre.k.values, pre.v.values
+    b, h, r, _ = qv.shape
+    nk = pre.seqlen_k
+    # the host's float32 scale_softmax and scale_softmax_log2, times the per-head descales on the device
+    sc32 = torch.tensor(float(torch.tensor(scale, dtype=f32)), dtype=f32, device=dev)
+    desc = (pre.q.descale * pre.k.descale).to(f32)
+    sl2 = (torch.tensor(float(sc32) * LOG2E, dtype=f32, device=dev) * desc).to(f32)
+    sc = (sc32 * desc).to(f32)
+    qk_elem = element_format(recipe.qk)
+    mma_s = hopper_mma_on(recipe.acc, qk_elem)
+    accumulate = accumulator_for(recipe)
+    acc_fmts = (mma_format(recipe.p), mma_format(recipe.v))
+    p_fmt = get_format(recipe.p)
+    m = torch.full((b, h, r, 1), -math.inf, dtype=f32, device=dev)
+    rs4 = torch.zeros((b, h, r, 4), dtype=f32, device=dev)
+    acc = torch.zeros((b, h, r, vn.shape[-1]), dtype=f32, device=dev)
+    n_tiles = -(-nk // pre.block_n)
+    t_lo, t_hi = tile_range if tile_range is not None else (0, n_tiles)
+    for t in range(t_hi - 1, t_lo - 1, -1):
+        s0, s1 = t * pre.block_n, min(nk, (t + 1) * pre.block_n)
+        k_t = kn[:, :, s0:s1].to(f32).transpose(-1, -2)
+        s = hopper_mma(qv, k_t, a_fmt=qk_elem, b_fmt=qk_elem) if mma_s else torch.matmul(qv, k_t)
+        if causal:
+            s = s.masked_fill(~causal_mask(q_index, s0, s1, pre.seqlen_q, nk), -math.inf)
+        m_prev = m
+        m = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        finite = torch.isfinite(m)
+        m_cur = torch.where(finite, m, torch.zeros_like(m))
+        if t != t_hi - 1:
+            # softmax_rescale_o: exp2f((m_prev - m_cur) * scale_log2), the row sum and O rescaled
+            alpha = exp2_toward_zero(((m_prev - m_cur) * sl2).to(f32))
+            rs4, acc = rs4 * alpha, acc * alpha
+        max_scaled = torch.where(finite, (m * sl2).to(f32), torch.zeros_like(m))
+        p = exp2_toward_zero(((s * sl2).to(f32) - max_scaled).to(f32))  # UNFUSE_FMA: two roundings
+        rs4 = _quad_row_sum(rs4, p)
+        acc = accumulate(acc, quantize_dequantize(p, p_fmt), vn[:, :, s0:s1].to(f32), acc_fmts)
+    row_sum = _quad_total(rs4)
+    bad = (row_sum == 0) | torch.isnan(row_sum)
+    ln2 = torch.tensor(math.log(2.0), dtype=f32, device=dev)
+    logl = (_log2_toward_zero(torch.where(bad, torch.ones_like(row_sum), row_sum)) * ln2).to(f32)  # __logf
+    lse = _fma32(m, sc, logl)
+    if stats is not None:
+        stats["lse"] = torch.where(bad, torch.full_like(lse, math.inf), lse).squeeze(-1)
+    inv = torch.where(bad, torch.ones_like(row_sum), 1.0 / row_sum)
+    return write_out(acc * (inv * pre.v.descale.to(f32)).to(f32), recipe)
+
+
+def _butterfly_sum(terms: list[torch.Tensor]) -> torch.Tensor:
+    """The combine kernel's Allreduce of one term per lane over kMaxSplits lanes (a power of two;
+    lanes past the last split hold exp(-inf) = 0), xor kMaxSplits/2 first."""
+    lanes = 2
+    while lanes < len(terms):
+        lanes *= 2
+    x = terms + [torch.zeros_like(terms[0])] * (lanes - len(terms))
+    off = lanes // 2
+    while off:
+        x = [x[i] + x[i ^ off] for i in range(lanes)]
+        off //= 2
+    return x[0]
+
+
 def flash_fa2(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float, stats: dict | None = None,
               *, num_sms: int = H200_SMS) -> torch.Tensor:
     """The forward of torch's FA2 (module docstring) on the emulator's prepared inputs: [B, H, R, Dv]
     float64 holding values of the output format; ``stats["lse"]`` the LSE its backward reads."""
-    from .emulator import _flash, write_out
+    from .emulator import _flash, write_out  # noqa: F811
 
     b, h = pre.q.values.shape[:2]
     d = pre.q.values.shape[-1]
     nk = pre.seqlen_k
     rev = dataclasses.replace(recipe, order="reverse")
+    torch_math = getattr(recipe, "fa2math", "fa3") == "torch"
+    if torch_math:
+        def _flash(rec, p, qi, c, sc, st, tile_range=None):  # noqa: F811 - torch's tile step
+            return _flash_torch(rec, p, qi, c, sc, st, tile_range)
     splits = fa2_num_splits(batch=b, heads=h, seqlen_q=pre.seqlen_q, seqlen_k=nk, head_dim=d, num_sms=num_sms)
     if splits <= 1:
         return _flash(rev, pre, q_index, causal, scale, stats)
@@ -112,9 +231,12 @@ def flash_fa2(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float, st
     lse_all = torch.stack(lse_parts)  # [S, B, H, R]
     m = lse_all.amax(dim=0)
     m = torch.where(m == -math.inf, torch.zeros_like(m), m)
-    total = torch.zeros_like(m)
-    for x in lse_all:
-        total = total + torch.exp((x - m).double()).to(f32)
+    if torch_math:
+        total = _butterfly_sum([torch.exp((x - m).double()).to(f32) for x in lse_all])
+    else:
+        total = torch.zeros_like(m)
+        for x in lse_all:
+            total = total + torch.exp((x - m).double()).to(f32)
     lse = torch.where((total == 0) | torch.isnan(total), torch.full_like(total, math.inf),
                       (torch.log(total.double()).to(f32) + m).to(f32))
     out = torch.zeros_like(o_parts[0])
@@ -127,4 +249,4 @@ def flash_fa2(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float, st
 
 
 __all__ = ["FA2_FWD_TILES", "FA2_BWD_TILES", "fa2_tiles", "fa2_bwd_tiles", "fa2_num_splits", "split_block_n",
-           "flash_fa2"]
+           "exp2_toward_zero", "flash_fa2"]

@@ -276,8 +276,8 @@ _BACKWARD = [
            "the BF16 training baseline: FA3's BF16 forward and BF16 backward (as fa3-fp8-bwd-bf16, with a BF16 "
            "forward). Requires: sm90"),
     Preset("sdpa-flash-bf16", dataclasses.replace(_FLASH16, qk="bf16", v="bf16", p="bf16", out="bf16", loop="fa2",
-                                                  acc="fp22", **_BF16_BWD, bwd_acc="fp22", bwd_order="reverse",
-                                                  bwd_gqa="expand"),
+                                                  fa2math="torch", acc="fp22", **_BF16_BWD, bwd_acc="fp22",
+                                                  bwd_order="reverse", bwd_gqa="expand"),
            "PyTorch SDPA's flash kernel in BF16, forward and backward (FlashAttention-2 inside torch, "
            "aten/src/ATen/native/transformers/cuda/flash_attn/, mma.sync on Hopper), fitted to its outputs on an H200 "
            "(tools/device/dump_field.py, tools/fit_field.py; reports/h200/backward/): forward loop=fa2 (FA2's sm90 "
@@ -290,9 +290,14 @@ _BACKWARD = [
            "kernel's own atomicAdd order changes 1-7 of 65,536-131,072 dQ values between runs), grouped-query dK and "
            "dV written per query head in BF16 and summed (bwd.gqa=expand: torch's repeat_interleave and "
            "enable_gqa=True give the same bytes; summing in float32 first misses 40% of them, F 0.80-0.95). "
-           "Measured on 5 cases (2 held out): forward and backward end to end 99.7-99.98% of O, dQ, dK, dV identical "
-           "(F 0.008-0.035, against 0.34-0.95 before the fit); the backward from the kernel's O and LSE F "
-           "0.002-0.014. Not modelled: ex2.approx, __logf in the LSE, dQ's atomicAdd order. Requires: sm80+"),
+           "The softmax arithmetic is torch's build (fa2math=torch): P~ = exp2f(__fmul_rn(S, scale log2 e) - m scale "
+           "log2 e) (UNFUSE_FMA: a multiply, then a subtract), exp2f rounded toward zero, LSE = fma(m, scale, "
+           "__logf(l)) with lg2 rounded toward zero, the combine's butterfly sum over splits. "
+           "Measured on 5 dumped cases (2 held out): end to end O F 0.005-0.015, dQ 0.001-0.016, dK 0.002-0.029, "
+           "dV 0.006-0.016 (99.8-99.99% identical; F 0.008-0.035 with fa2math=fa3, 0.34-0.95 before the fit); the "
+           "backward from the kernel's O and LSE F 0.000-0.008 (99.96-100%). What remains is the LSE: 86-90% of its "
+           "values identical (the hardware's ex2 and lg2 are not bit-reproduced), and one differing P moves a "
+           "row's dK/dV; dQ's atomicAdd order is not modelled. Requires: sm80+"),
     Preset("cudnn-fp8", dataclasses.replace(_CUDNN_FWD, **_FP8_BWD),
            "cuDNN's FP8 attention, forward and backward, as TransformerEngine runs it (TE #768, NVTE_FP8_DPA_BWD=1; "
            "cudnn-frontend sdpa_fp8 / sdpa_fp8_backward, docs/operations/Attention.md): Q, K, V, O, dO, S (= P) and "

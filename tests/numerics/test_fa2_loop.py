@@ -119,3 +119,83 @@ def test_bwd_order_reverse_only_reorders_the_sum():
     r22 = backward_from(Recipe.from_str(base + ",bwd.acc=fp22,bwd.order=reverse"), q, k, v, fwd, do)
     assert not torch.equal(f22.dv, r22.dv)
     assert (f22.dv - r22.dv).abs().max() <= 2 ** -7 * f22.dv.abs().max()
+
+
+def test_exp2_toward_zero_is_the_float32_below_exp2():
+    from fa3_numerics.numerics.fa2_loop import exp2_toward_zero
+
+    x = torch.linspace(-30, 3, 20001, dtype=torch.float32)
+    y = exp2_toward_zero(x)
+    true = torch.exp2(x.double())
+    assert y.dtype == torch.float32
+    assert (y.double() <= true).all()  # never above
+    assert (torch.nextafter(y, torch.full_like(y, math.inf)).double() > true).all()  # the float32 just below
+    rn = torch.exp2(x.double()).to(torch.float32)
+    assert 0.3 < (y != rn).double().mean() < 0.7  # negative control: round-to-nearest differs about half the time
+    assert exp2_toward_zero(torch.tensor([0.0, 1.0, -math.inf])).tolist() == [1.0, 2.0, 0.0]
+
+
+def test_combine_sum_is_the_butterfly_over_lanes():
+    from fa3_numerics.numerics.fa2_loop import _butterfly_sum
+
+    e = [torch.tensor([v], dtype=torch.float32) for v in (1.0, 2.0 ** -24, 2.0 ** -24, 2.0 ** -24)]
+    # lanes 0..3, xor 2 then xor 1: (e0 + e2) + (e1 + e3) = 1 + 2^-23; in order the 2^-24 terms vanish
+    assert _butterfly_sum(e).item() == 1.0 + 2.0 ** -23
+    seq = e[0]
+    for x in e[1:]:
+        seq = seq + x
+    assert seq.item() == 1.0
+    # three splits take four lanes, the fourth adds exp(-inf) = 0
+    assert _butterfly_sum(e[:3]).item() == ((e[0] + e[2]) + e[1]).item()
+
+
+def test_fa2math_torch_forward_matches_an_independent_loop():
+    # one pass (no split: 200 keys fit one KV tile of the split kernel's 256) on float32 S, row by row
+    q, k, v = _qkv(h=2, hkv=2, n=200, d=64, seed=11)
+    q, k, v = (x.to(torch.bfloat16).double() for x in (q, k, v))
+    assert fa2_num_splits(batch=1, heads=2, seqlen_q=200, seqlen_k=200, head_dim=64) == 1
+    spec = "sdpa-flash-bf16,acc=fp32"
+    for causal in (False, True):
+        stats: dict = {}
+        o = emulate(Recipe.from_str(spec), q, k, v, causal=causal, stats=stats)
+        f32 = torch.float32
+        sl2 = torch.tensor(0.125 * math.log2(math.e), dtype=f32)
+        s_all = torch.matmul(q.float(), k.float().transpose(-1, -2))
+        ln2 = torch.tensor(math.log(2.0), dtype=f32)
+        for hh, i in ((0, 0), (1, 57), (0, 199)):
+            m = torch.tensor(-math.inf)
+            parts = torch.zeros(4, dtype=f32)
+            acc = torch.zeros(64, dtype=f32)
+            for t0 in (128, 0):  # FA2's 128-key tiles at head dim 64, last to first
+                s = s_all[0, hh, i, t0:t0 + 128].clone()
+                if causal:
+                    s[torch.arange(t0, t0 + s.numel()) > i] = -math.inf
+                m_new = torch.maximum(m, s.max())
+                m_cur = m_new if torch.isfinite(m_new) else torch.tensor(0.0)  # FA2's Check_inf: a -inf max is 0
+                if t0 != 128:
+                    r = torch.exp2(((m - m_cur) * sl2).double())
+                    a = r.float() if r.float().double() <= r else torch.nextafter(r.float(), torch.tensor(0.0))
+                    parts, acc = parts * a, acc * a
+                m = m_new
+                x = (s * sl2).float() - (m_cur * sl2).float()
+                p = torch.exp2(x.double())
+                pf = p.float()
+                pf = torch.where(pf.double() > p, torch.nextafter(pf, torch.zeros_like(pf)), pf)
+                for j in range(s.numel()):
+                    parts[(j % 8) // 2] += pf[j]
+                acc = acc + (pf.to(torch.bfloat16).double() @ v[0, hh, t0:t0 + 128].double()).float()
+            l_ = (parts[0] + parts[2]) + (parts[1] + parts[3])
+            lg = torch.log2(l_.double())
+            lg2 = lg.float() if lg.float().double() <= lg else torch.nextafter(lg.float(), torch.tensor(0.0))
+            lse = (m.double() * 0.125 + (lg2 * ln2).float().double()).float()
+            assert stats["lse"][0, hh, i] == lse, (causal, hh, i)
+            assert (o[0, hh, i] - (acc / l_).to(torch.bfloat16).double()).abs().max() <= 2 ** -7 * o[0, hh, i].abs().max()
+    # negative control: FA3's tile step gives other LSE bits on some rows
+    st3: dict = {}
+    emulate(Recipe.from_str(spec + ",fa2math=fa3"), q, k, v, stats=st3)
+    assert (st3["lse"] != stats["lse"]).any()
+
+
+def test_fa2math_torch_needs_loop_fa2():
+    with pytest.raises(UsageError):
+        Recipe.from_str("fa3-bf16,fa2math=torch")

@@ -98,3 +98,33 @@ def test_sdpa_flash_backward_preset_gives_the_kernels_gradients(dump):
         assert _fid(x, t[nm], ref[nm]) <= bars[nm], nm
     before = grads(SDPA_BEFORE)
     assert max(_fid(before[nm], t[nm], ref[nm]) for nm in before) > 0.02  # dK 0.0255 before the fit
+
+
+def test_sdpa_flash_torch_math_gives_the_kernels_lse_and_gradients(dump):
+    # fa2math=torch (torch's build of FA2: unfused scale multiply, exp2f and __logf's lg2 rounded toward
+    # zero, LSE = fma(m, scale, __logf(l))) against the kernel's own LSE and gradients; fa2math=fa3
+    # (FA3's tile step, the fit before) is the negative control
+    tensors, _ = dump
+    t = tensors["b_n512_d64_causal"]
+    q, k, v, do = (t[x].double() for x in ("q", "k", "v", "do"))
+    ref = dict(zip(("o", "dq", "dk", "dv"), reference_gradients(q, k, v, do, causal=True)))
+    kernel_fwd = Forward(t["o"].double(), t["lse"].float())
+    from fa3_numerics.numerics.backward import emulate_backward
+
+    res = {}
+    for math_ in ("torch", "fa3"):
+        r = Recipe.from_str(f"sdpa-flash-bf16,fa2math={math_}")
+        g = emulate_backward(r, q, k, v, do, causal=True)
+        alone = backward_from(r, q, k, v, kernel_fwd, do, causal=True)
+        res[math_] = {
+            "lse": (g.forward.lse == t["lse"]).double().mean().item(),
+            "e2e": {nm: _fid(x, t[nm], ref[nm]) for nm, x in (("o", g.forward.o), ("dq", g.dq), ("dk", g.dk),
+                                                              ("dv", g.dv))},
+            "alone": {nm: _fid(getattr(alone, nm), t[nm], ref[nm]) for nm in ("dq", "dk", "dv")},
+        }
+    got, ctl = res["torch"], res["fa3"]
+    assert got["lse"] >= 0.88 and ctl["lse"] <= 0.8  # 90% against 73% of the kernel's LSE bits
+    assert got["alone"]["dq"] <= 0.002 and got["alone"]["dk"] <= 0.002 and got["alone"]["dv"] <= 0.007
+    assert ctl["alone"]["dq"] > 0.01  # P's exp2 correctly rounded misses the kernel's dQ
+    assert max(got["e2e"].values()) <= 0.01, got["e2e"]  # the bar, forward and backward end to end
+    assert ctl["e2e"]["dq"] > 0.01
