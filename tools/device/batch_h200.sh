@@ -9,6 +9,8 @@
 #   sagedump   dump_sage.py for the cases in SAGE1_DUMP / SAGE2_DUMP ("grid=CASE:HEAD ...")
 #   holdout    field_holdout.sh (cudnn-fp8, torchao-fp8, SDPA backward on unseen data)
 #   gpus       benchmarks/bench_gpus.py --gpus 1 (the one pinned dask worker path; .whl/dask/), GPUS_ARGS added
+#   cudnnbwd   tools/device/cudnn_bwd_h200.py (cuDNN's FP8 backward against cudnn-fp8-kernel)
+#   sdpahold   SDPA flash BF16 fwd+bwd against sdpa-flash-bf16 on field_holdout.sh's two unseen cases
 #   cudnnval   validate --backend cudnn-fp8 --grid small
 #   dumpfield  tools/device/dump_field.py --parts $DUMP_PARTS (default cudnn-more)
 # Device tool, from the checkout's root, e.g.
@@ -70,6 +72,13 @@ EOF
       timeout "${GPUS_S:-240}" python3 benchmarks/bench_gpus.py --gpus 1 --out "$W/gpus" ${GPUS_ARGS:-} ;;
     cudnnval) timeout 120 fa3-numerics validate --backend cudnn-fp8 --device cuda --grid small --out "$W/cudnn-val" \
         2>&1 | tail -n 30 ;;
+    cudnnbwd) timeout 120 python3 tools/device/cudnn_bwd_h200.py --out "$W/cudnn-bwd" ;;
+    sdpahold)
+      mkdir -p "$W/sdpa-gqa" "$W/sdpa-causal"
+      timeout 60 python3 tools/device/backward_h200.py --checks sdpa --seqlen 1024 --heads 8 --kv-heads 2 \
+        --head-dim 128 --seeds 2 --sdpa-recipe sdpa-flash-bf16 --out "$W/sdpa-gqa"
+      timeout 60 python3 tools/device/backward_h200.py --checks sdpa --seqlen 768 --heads 4 --kv-heads 4 \
+        --head-dim 64 --causal --seeds 3 --sdpa-recipe sdpa-flash-bf16 --out "$W/sdpa-causal" ;;
     dumpfield) timeout 200 python3 tools/device/dump_field.py --parts "${DUMP_PARTS:-cudnn-more}" --out "$W/field" ;;
     *) echo "[batch] unknown part $part" ;;
   esac
