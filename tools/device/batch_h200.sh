@@ -61,7 +61,7 @@ for part in ${PARTS:-sage1 sage2}; do
         python3 - <<'EOF' > /tmp/dask-wheels.txt
 import glob, importlib.util, os
 mods = {"pyyaml": "yaml", "importlib_metadata": "importlib_metadata", "lazy_importer": "lazy_importer"}
-for w in sorted(glob.glob(".whl/dask/*.whl")):
+for w in sorted(glob.glob(os.environ.get("FA3N_WHEELS", ".whl") + "/dask/*.whl")):
     dist = os.path.basename(w).split("-")[0].lower()
     if importlib.util.find_spec(mods.get(dist, dist)) is None:
         print(w)

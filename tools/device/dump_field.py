@@ -38,7 +38,8 @@ Device (after the wheels in ``.whl/``; the lead's call, carry [".whl"], about 2 
     source tools/device/setup_device.sh && TRITON_CACHE_DIR=/tmp/tcache python3 tools/device/dump_field.py --out $OUT
 
 ``cudnn-more`` (not in the default parts): the cuDNN forward on the shapes the held-out validation
-found unmatched (head dim 256, causal n 2048, GQA 4/1, sigma 3), one file per case.
+found unmatched (head dim 256, causal n 2048, GQA 4/1, sigma 3), one file per case; ``sdpa-more`` SDPA's
+flash forward and backward on longer rows (n 768 causal d 64, n 1024 d 128).
 
 ``--dry`` (any machine, no GPU): builds every input and writes every file with float32 stand-ins for
 the kernels (marked ``kernel=dry`` in the metadata: never fitting data); ``--parts cudnn,torchao``
@@ -63,7 +64,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, log, paper_qkv, versions  # noqa: E402
 
-PARTS = ("cudnn", "torchao", "sdpa", "cudnn-more")
+PARTS = ("cudnn", "torchao", "sdpa", "cudnn-more", "sdpa-more")
 FP8_MAX = 448.0
 MAX_FILE = 14 * 2 ** 20
 #: eighths of an octave below the backend's scale_o (j = 0 is what ``--backend cudnn-fp8`` runs)
@@ -113,6 +114,10 @@ SDPA_FIT = [Case("b_n512_d128", 512, 128, heads=4, seed=0), Case("b_n512_d64_cau
                                                                  seed=1)]
 SDPA_HOLDOUT = [Case("b_n512_d128_s10", 512, 128, heads=4, seed=10),
                 Case("b_n512_d64_causal_s11", 512, 64, heads=4, causal=True, seed=11)]
+# longer rows than the fitting cases (each split of SDPA's forward then spans several key tiles),
+# the shapes of field_holdout.sh's SDPA checks
+SDPA_MORE = [Case("b_n768_d64_causal_s3", 768, 64, heads=4, causal=True, seed=3),
+             Case("b_n1024_d128_s2", 1024, 128, heads=4, seed=2)]
 # grouped-query attention as SDPA users run it on the flash kernel: K and V repeated per query head
 # (repeat_interleave, autograd sums the per-head gradients), and enable_gqa=True where torch takes it
 SDPA_GQA = Case("b_n512_d64_gqa", 512, 64, heads=8, kv_heads=2, seed=2)
@@ -495,9 +500,14 @@ def _sdpa_gqa(c: Case, dev, dry) -> tuple[dict, dict]:
     return t, row
 
 
-def part_sdpa(out: Path, dev, dry, meta):
+def part_sdpa_more(out: Path, dev, dry, meta):
+    part_sdpa(out, dev, dry, meta, sets=(("sdpa_bwd_more.safetensors", SDPA_MORE),), key="sdpa-more")
+
+
+def part_sdpa(out: Path, dev, dry, meta, sets=None, key="sdpa"):
     info, files = {}, {}
-    for fname, cases in (("sdpa_bwd_fit.safetensors", SDPA_FIT), ("sdpa_bwd_holdout.safetensors", SDPA_HOLDOUT)):
+    sets = sets or (("sdpa_bwd_fit.safetensors", SDPA_FIT), ("sdpa_bwd_holdout.safetensors", SDPA_HOLDOUT))
+    for fname, cases in sets:
         tensors = {}
         for c in cases:
             q, k, v = c.qkv()
@@ -526,7 +536,7 @@ def part_sdpa(out: Path, dev, dry, meta):
             log(f"sdpa {SDPA_GQA.name}: enable_gqa {row.get('enable_gqa')}")
         files[fname] = write(out, fname, tensors, {"kind": "sdpa-backward", "inputs": INPUTS,
                                                    "layout": "[B, H, S, D] BF16, lse float32 [B, H, S]"})
-    meta["sdpa"] = {"cases": info, "files": files}
+    meta[key] = {"cases": info, "files": files}
 
 
 # ----------------------------------------------------------------------------- provenance
@@ -583,7 +593,7 @@ def main(argv=None) -> int:
     dev = torch.device("cpu" if a.dry else "cuda")
     meta = {"kernel": "dry" if a.dry else "device", "machine": machine(a.dry), "timings": {}, "errors": {},
             "command": " ".join(sys.argv)}
-    fns = {"cudnn": part_cudnn, "torchao": part_torchao, "sdpa": part_sdpa, "cudnn-more": part_cudnn_more}
+    fns = {"cudnn": part_cudnn, "torchao": part_torchao, "sdpa": part_sdpa, "cudnn-more": part_cudnn_more, "sdpa-more": part_sdpa_more}
 
     def save_meta():
         from fa3_numerics.files import atomic_write
