@@ -539,6 +539,52 @@ void fa3n_round_f64(int64_t n, const double *restrict x, float *restrict out, in
     for (int64_t i = 0; i < n; i++) out[i] = (float)round_fmt(x[i], mbits, emin, fmax, ovf, sat);
 }
 
+/* float64 x divided by a per-row float32 descale, then rounded to a narrow format: what
+ * quant._scaled_cast computes as cast(x.double() / d.double(), f) (the same IEEE division, the same
+ * single rounding) in one pass, without the whole-tensor float64 quotient. rows x d values, row
+ * r divided by desc[r] (desc NULL: by one descale, scalar). */
+void fa3n_scaled_round_f64(int64_t rows, int64_t d, const double *restrict x, const float *restrict desc,
+                           double scalar, float *restrict out, int mbits, int emin, double fmax, double ovf, int sat,
+                           int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < rows; r++) {
+        const double dv = desc ? (double)desc[r] : scalar;
+        const double *xr = x + r * d;
+        float *o = out + r * d;
+        for (int64_t j = 0; j < d; j++) o[j] = (float)round_fmt(xr[j] / dv, mbits, emin, fmax, ovf, sat);
+    }
+}
+
+/* max |x| of each row of d float64 values (the infinity norm): NaN where the row holds one, as
+ * torch.linalg.vector_norm(ord=inf) gives; a max is exact in any order. */
+void fa3n_row_absmax(int64_t rows, int64_t d, const double *restrict x, double *restrict out, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < rows; r++) {
+        const double *xr = x + r * d;
+        double m8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int nan8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t j = 0;
+        for (; j + 8 <= d; j += 8)
+            for (int u = 0; u < 8; u++) {
+                const double a = __builtin_fabs(xr[j + u]);
+                nan8[u] |= a != a;
+                m8[u] = a > m8[u] ? a : m8[u];
+            }
+        double m = 0.0;
+        int nan = 0;
+        for (; j < d; j++) {
+            const double a = __builtin_fabs(xr[j]);
+            nan |= a != a;
+            m = a > m ? a : m;
+        }
+        for (int u = 0; u < 8; u++) {
+            nan |= nan8[u];
+            m = m8[u] > m ? m8[u] : m;
+        }
+        out[r] = nan ? NAN : m;
+    }
+}
+
 void fa3n_round_f32(int64_t n, const float *x, float *out, int mbits, int emin, double fmax, double ovf, int sat,
                     int nthreads) {
     /* float32 -> a narrower format, ties to even (out may alias x) */

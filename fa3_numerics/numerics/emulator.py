@@ -220,10 +220,10 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     if recipe.smooth != "qk":  # the smoothing bias is the only later use of the rotated Q
         local.pop("rot-q", None)
     if not sage_quant_on:
-        kq = memo(("k", recipe.prepare_key("k"), rotation_seed, bm, bn),
+        kq = memo(("k", _operand_key(recipe, "k", recipe.qk), rotation_seed) + _tiles_key(recipe.qk, bm, bn),
                   lambda: expand(quantize_qk(rk(), recipe, "k", block_m=bm, block_n=bn,
                                              descale=static.k if static else None)))
-    vq = memo(("v", recipe.prepare_key("v"), bn),
+    vq = memo(("v", _operand_key(recipe, "v", recipe.v)) + _tiles_key(recipe.v, bn),
               lambda: expand(quantize_v(input_round(v.to(torch.float64), fmt_in) if fmt_in != "none" else v, recipe,
                                         block_n=bn, descale=static.v if static else None)))
     bias = None
@@ -232,6 +232,26 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         bias = memo(("bias", recipe.prepare_key("q"), recipe.prepare_key("k"), rotation_seed, bm),
                     lambda: qk_smoothing_bias(sq()[1], rk(), recipe.sbias).to(torch.float32))
     return Prepared(qq, kq, vq, h, n, k.shape[2], bm, bn, bias)
+
+
+def _unscaled(fmt: str) -> bool:
+    """An operand format ``quant.quantize`` casts to without a scale (FP16/BF16/FP32), whatever
+    the granularity and tile size."""
+    return family(fmt) == "float" and not get_format(fmt).saturate
+
+
+def _tiles_key(fmt: str, *tiles: int) -> tuple:
+    """The tile sizes in a prepared K or V's cache key, where they decide it: an unscaled wide
+    operand is the same for every tile size, so recipes that differ only in their tiles (FA2's
+    and FA3's FP16 loops, the standard algorithm) share it; scaled and microscaled formats keep
+    the tiles in their key."""
+    return () if _unscaled(fmt) else tiles
+
+
+def _operand_key(recipe: Recipe, tensor: str, fmt: str) -> tuple:
+    """``recipe.prepare_key(tensor)`` less the tile keys (bm, bn) where the operand is unscaled."""
+    key = recipe.prepare_key(tensor)
+    return tuple(kv for kv in key if kv[0] not in ("bm", "bn")) if _unscaled(fmt) else key
 
 
 def _nbytes(v) -> int:
@@ -246,11 +266,12 @@ def _nbytes(v) -> int:
 
 def _trim(cache: dict, keep) -> None:
     """Evict least recently used prepared tensors past the byte budget (``FA3N_PREP_CACHE_MB``,
-    default 128): a sweep of many recipes on paper-shape inputs would otherwise keep every
-    rotation and quantization alive (4.4 GB for the seven Table 3 rows)."""
+    default 160, so that the FP16 K and V of the paper's shape, 134 MB, stay for the three FP16
+    rows): a sweep of many recipes on paper-shape inputs would otherwise keep every rotation and
+    quantization alive (4.4 GB for the seven Table 3 rows)."""
     from ..env import env_number
 
-    budget = env_number("FA3N_PREP_CACHE_MB", 128, integer=True) << 20
+    budget = env_number("FA3N_PREP_CACHE_MB", 160, integer=True) << 20
     total = sum(_nbytes(v) for v in cache.values())
     for key in list(cache):
         if total <= budget:
