@@ -533,6 +533,33 @@ static inline double round_fmt(double x, int mbits, int emin, double fmax, doubl
     return x != x ? x : y;
 }
 
+/* round_fmt for a float32 x, in float32 arithmetic (sixteen lanes a vector where the double form
+ * has eight), the same value bit for bit where round_fmt32_ok: x 2^-qe is exact in float32 (a
+ * power-of-two scaling that stays within the normal range, or that shifts a subnormal up), rintf
+ * rounds that same value to the same integer, and the integer times 2^qe is the format's value,
+ * exact, or beyond float32 only where the clamps and the overflow test replace it all the same.
+ * It needs 2^qe and 2^-qe normal floats for every exponent: emin - mbits >= -126 and
+ * mbits >= 2 (qe <= 126; inf and NaN, e = 128, are replaced by the selects), and fmax and ovf far
+ * below float32's range: e4m3, e5m2 and fp16 (bf16 keeps the double form). */
+static inline int round_fmt32_ok(int mbits, int emin, double fmax, double ovf, int sat) {
+    return mbits >= 2 && emin - mbits >= -126 && fmax < 0x1p100 && (sat || ovf < 0x1p100);
+}
+
+static inline float round_fmt32(float x, int mbits, int emin, float fmax, float ovf, int sat) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    int32_t e = (int32_t)((bits >> 23) & 0xff) - 127; /* floor(log2|x|) for normal x; -127 for 0, subnormals */
+    int32_t qe = (e > emin ? e : emin) - mbits;
+    qe = qe > 126 ? 126 : qe; /* only inf and NaN reach it */
+    float y = __builtin_rintf(x * pow2f(-qe)) * pow2f(qe);
+    float a = __builtin_fabsf(x);
+    float lim = sat ? fmax : INFINITY;
+    y = y > lim ? lim : y;
+    y = y < -lim ? -lim : y;
+    y = (!sat & (a >= ovf)) ? __builtin_copysignf(INFINITY, x) : y;
+    return x != x ? x : y;
+}
+
 void fa3n_round_f64(int64_t n, const double *restrict x, float *restrict out, int mbits, int emin, double fmax,
                     double ovf, int sat, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -588,6 +615,12 @@ void fa3n_row_absmax(int64_t rows, int64_t d, const double *restrict x, double *
 void fa3n_round_f32(int64_t n, const float *x, float *out, int mbits, int emin, double fmax, double ovf, int sat,
                     int nthreads) {
     /* float32 -> a narrower format, ties to even (out may alias x) */
+    if (round_fmt32_ok(mbits, emin, fmax, ovf, sat)) {
+        const float f32max = (float)fmax, f32ovf = (float)ovf;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t i = 0; i < n; i++) out[i] = round_fmt32(x[i], mbits, emin, f32max, f32ovf, sat);
+        return;
+    }
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t i = 0; i < n; i++) out[i] = (float)round_fmt((double)x[i], mbits, emin, fmax, ovf, sat);
 }
@@ -610,6 +643,8 @@ void fa3n_softmax_step(int64_t L, int64_t R, int64_t N, float *restrict s, const
                        const float *restrict qd, const float *restrict kd, float base, const int64_t *restrict lim,
                        float *restrict m, float *restrict rs4, float *restrict rescale, double offset, int ftz,
                        int fmt_kind, int mbits, int emin, double fmax, double ovf, int sat, int nthreads) {
+    const int fast_round = round_fmt32_ok(mbits, emin, fmax, ovf, sat);
+    const float f32max = (float)fmax, f32ovf = (float)ovf;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
     for (int64_t l = 0; l < L; l++) {
         for (int64_t r = 0; r < R; r++) {
@@ -626,6 +661,21 @@ void fa3n_softmax_step(int64_t L, int64_t R, int64_t N, float *restrict s, const
             float mx8[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
             int nan8[8] = {0};
             int64_t c = 0;
+#ifdef __AVX2__
+            /* gcc leaves the loop below scalar (the NaN flags); vmaxps(v, m) is v > m ? v : m, lane
+             * for lane the same selects, so the eight maxima are the same bits */
+            {
+                __m256 vm = _mm256_set1_ps(-INFINITY), vn = _mm256_setzero_ps();
+                for (; c + 8 <= nv; c += 8) {
+                    const __m256 v = _mm256_loadu_ps(row + c);
+                    vn = _mm256_or_ps(vn, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                    vm = _mm256_max_ps(v, vm);
+                }
+                _mm256_storeu_ps(mx8, vm);
+                const int nm = _mm256_movemask_ps(vn);
+                for (int u = 0; u < 8; u++) nan8[u] = (nm >> u) & 1;
+            }
+#endif
             for (; c + 8 <= nv; c += 8)
                 for (int u = 0; u < 8; u++) {
                     float v = row[c + u];
@@ -682,7 +732,9 @@ void fa3n_softmax_step(int64_t L, int64_t R, int64_t N, float *restrict s, const
                 if (c0 + 1 < N) a4[t] = a4[t] + row[c0 + 1];
                 t4[t] = a4[t];
             }
-            if (fmt_kind)
+            if (fmt_kind && fast_round)
+                for (int64_t c = 0; c < N; c++) row[c] = round_fmt32(row[c], mbits, emin, f32max, f32ovf, sat);
+            else if (fmt_kind)
                 for (int64_t c = 0; c < N; c++) row[c] = (float)round_fmt((double)row[c], mbits, emin, fmax, ovf, sat);
             m[l * R + r] = mn;
             rescale[l * R + r] = resc;

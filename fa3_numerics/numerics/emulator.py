@@ -624,6 +624,7 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
     def head(t: torch.Tensor, bi: int, hi: int) -> torch.Tensor:
         return t[at(t, bi, hi)]
 
+    unit_qk = bool((pre.q.descale == 1).all()) and bool((pre.k.descale == 1).all())
     split = recipe.sscale == "split"
     if split:
         # PyTorch's math SDPA: Q and K each times sqrt(scale), rounded to their format.
@@ -651,8 +652,11 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
             qv = quantize_dequantize(qv * root, qk_fmt)
         qd = head(qd_all, bi, hi)
         qd = qd[c:c + chunk] if qd.shape[0] > 1 else qd
-        # In place on the product's own buffer: each step the same float32 rounding as out of place.
-        s = torch.matmul(qv, kv_head(bi, hi)[0].transpose(-1, -2)).mul_(qd * head(kd_all, bi, hi).transpose(-1, -2))
+        # In place on the product's own buffer: each step the same float32 rounding as out of place
+        # (x * 1 is x, so unit descales, those of unscaled FP16/BF16 operands, are skipped).
+        s = torch.matmul(qv, kv_head(bi, hi)[0].transpose(-1, -2))
+        if not unit_qk:
+            s.mul_(qd * head(kd_all, bi, hi).transpose(-1, -2))
         if pre.bias is not None:  # smooth=qk: the correction joins S before S is rounded and scaled
             s = s + head(pre.bias, bi, hi).index_select(0, torch.div(idx, pre.block_m, rounding_mode="floor"))
         s = quantize_dequantize(s, s_fmt)
@@ -669,6 +673,8 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
         p = torch.softmax(s.masked_fill(~vis, -math.inf), dim=-1).masked_fill(~vis.any(dim=-1, keepdim=True), 0.0)
         return quantize_dequantize(p, sm_fmt)
 
+    # P rounded to the softmax's format already holds values of P's format: a second rounding changes none.
+    p_same = p_fmt is not None and p_fmt.name == sm_fmt.name and mk is None
     blocks = [(bi, hi, c) for bi in range(b) for hi in range(h) for c in range(0, r, chunk)]
     p_mult = 1.0
     kept: dict = {}  # block -> its softmax rows, from the amax pass below
@@ -700,8 +706,12 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
     v_deq: dict = {}  # the current head's descaled V, computed once for its row chunks
     for i_blk, (bi, hi, c) in enumerate(blocks):
         p_rows = kept.pop((bi, hi, c)).to(torch.float32) if (bi, hi, c) in kept else softmax_rows(bi, hi, c)
-        # p_rows is this block's own buffer; x * 1 and x / 1 are x, so a unit multiplier is skipped.
-        p8 = cast_p(p_rows.mul_(p_mult) if p_mult != 1.0 else p_rows, recipe, materialised=True)
+        # p_rows is this block's own buffer; x * 1 and x / 1 are x, so a unit multiplier is skipped,
+        # and so is P's cast where P's format is the softmax's own (rounding is idempotent).
+        if p_mult == 1.0 and p_same:
+            p8 = p_rows
+        else:
+            p8 = cast_p(p_rows.mul_(p_mult) if p_mult != 1.0 else p_rows, recipe, materialised=True)
         if (bi, hi) not in v_deq:
             v_deq.clear()
             v_deq[(bi, hi)] = kv_head(bi, hi)[1] * head(vd_all, bi, hi)

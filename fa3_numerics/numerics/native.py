@@ -56,7 +56,7 @@ _SRC = Path(__file__).with_name("_native.c")
 # -ffp-contract=off: every float operation rounds as written (no fused multiply-adds the
 # PyTorch reference does not have). -fno-trapping-math: floating-point exception flags are
 # never read, and without it gcc will not vectorise loops whose selects compare floats.
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off",
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off",
           "-fno-trapping-math"]
 _STATE: dict = {}
 

@@ -327,6 +327,25 @@ def test_row_absmax_propagates_nan_as_the_norm():
     assert got[2].isnan() and got[4] == math.inf and not got[6].signbit()
 
 
+@pytest.mark.parametrize("name", ["e4m3", "e5m2", "fp16", "bf16"])
+def test_float32_casts_on_random_bit_patterns(name):
+    """round_f32 (float32 arithmetic for e4m3/e5m2/fp16, double for bf16) against the reference
+    rounding on 2^20 random float32 bit patterns (every exponent, subnormals, NaN and inf
+    payloads) and on every midpoint between neighbouring values of the format near 1 and at the
+    top of its range (the ties)."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randint(-2 ** 31, 2 ** 31, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    f = get_format(name)
+    grid = round_to_format(torch.linspace(0.5, 2.0, 4000, dtype=torch.float64), f).unique()
+    top = round_to_format(torch.linspace(f.max / 4, f.max, 4000, dtype=torch.float64), f).unique()
+    ties = torch.cat([(grid[1:] + grid[:-1]) / 2, (top[1:] + top[:-1]) / 2, top[-1:] * 1.0625]).float()
+    x = torch.cat([x, ties, -ties, torch.tensor([f.max, -f.max, 2.0 ** -149, 2.0 ** -126], dtype=torch.float32)])
+    got = native.round_f32(x, f).double()
+    ref = round_to_format(x.double(), f)
+    assert torch.equal(torch.nan_to_num(got, nan=7.0), torch.nan_to_num(ref, nan=7.0))
+    assert torch.equal(torch.signbit(got), torch.signbit(ref))
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_hadamard_butterflies_bit_identical(d):
     g = torch.Generator().manual_seed(3)
