@@ -788,7 +788,18 @@ void fa3n_rescale_rows(int64_t rows, int64_t d, float *restrict acc, const float
 /* ---- |x| statistics of an input tensor in one pass: histogram over sorted edges, amax, and
  * the count of non-finite values (NaN/Inf are left out of the histogram and amax). Bin b
  * holds edges[b] <= |x| < edges[b+1]; the last bin is open above, as torch.bucketize(right=True)
- * - 1 gives. The bin is found by binary search (exact at the edges). ---- */
+ * - 1 gives. The bin comes from a table on the value's top bits (its exponent and ABS_KEY_BITS
+ * bits of mantissa: ranges of values less than 2^(1/16) wide): the bin of the range's smallest
+ * value, and how many edges lie inside the range; with none the bin is that one, with one a single
+ * comparison decides, with more a binary search (exact at the edges, in every case). ---- */
+#define ABS_KEY_BITS 4
+#define ABS_KEYS (1 << (11 + ABS_KEY_BITS))
+static int abs_bin_search(double a, const double *pad, int pw) {
+    int lo = 0; /* pad[lo] <= a (pad[0] = edges[0] <= |x| by contract) */
+    for (int step = pw >> 1; step > 0; step >>= 1) lo += (a >= pad[lo + step]) ? step : 0;
+    return lo;
+}
+
 void fa3n_abs_stats(int64_t n, const double *restrict x, const double *restrict edges, int nedges,
                     int64_t *restrict counts, double *restrict amax_out, int64_t *restrict nonfinite_out,
                     int nthreads) {
@@ -797,8 +808,27 @@ void fa3n_abs_stats(int64_t n, const double *restrict x, const double *restrict 
     /* edges padded with +inf to a power of two: a branch-free binary search (no mispredicts) */
     int pw = 1;
     while (pw < nedges) pw <<= 1;
-    double *pad = (double *)malloc(sizeof(double) * (size_t)pw);
-    for (int b = 0; b < pw; b++) pad[b] = b < nedges ? edges[b] : INFINITY;
+    double *pad = (double *)malloc(sizeof(double) * (size_t)(pw + 1));
+    for (int b = 0; b <= pw; b++) pad[b] = b < nedges ? edges[b] : INFINITY;
+    /* per key: the bin of the range's first value (int32) and the count of edges above it within
+     * the range, capped at 2 (uint8) */
+    int32_t *start = (int32_t *)malloc(sizeof(int32_t) * ABS_KEYS);
+    uint8_t *inside = (uint8_t *)malloc(ABS_KEYS);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int k = 0; k < ABS_KEYS; k++) {
+        uint64_t lo_bits = (uint64_t)k << (52 - ABS_KEY_BITS), hi_bits = (uint64_t)(k + 1) << (52 - ABS_KEY_BITS);
+        double lo, hi; /* the range is [lo, hi); hi is the next range's first value (inf or NaN at the top) */
+        memcpy(&lo, &lo_bits, 8);
+        memcpy(&hi, &hi_bits, 8);
+        const int b = abs_bin_search(lo, pad, pw);
+        int c = 0;
+        for (int e = b + 1; e < nedges && c < 2; e++) {
+            if (!(edges[e] < hi) && hi == hi) break; /* at or beyond the range's end */
+            c++;
+        }
+        start[k] = b;
+        inside[k] = (uint8_t)c;
+    }
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t *local = (int64_t *)calloc((size_t)nedges, sizeof(int64_t));
@@ -812,8 +842,15 @@ void fa3n_abs_stats(int64_t n, const double *restrict x, const double *restrict 
                 continue;
             }
             am = a > am ? a : am;
-            int lo = 0; /* pad[lo] <= a (pad[0] = edges[0] <= |x| by contract) */
-            for (int step = pw >> 1; step > 0; step >>= 1) lo += (a >= pad[lo + step]) ? step : 0;
+            uint64_t bits;
+            memcpy(&bits, &a, 8);
+            const int k = (int)(bits >> (52 - ABS_KEY_BITS));
+            int lo = start[k];
+            const int c = inside[k];
+            if (c == 1)
+                lo += a >= pad[lo + 1];
+            else if (c > 1)
+                lo = abs_bin_search(a, pad, pw);
             local[lo]++;
         }
 #pragma omp critical
@@ -824,6 +861,8 @@ void fa3n_abs_stats(int64_t n, const double *restrict x, const double *restrict 
         }
         free(local);
     }
+    free(start);
+    free(inside);
     free(pad);
     *amax_out = amax;
     *nonfinite_out = nonfinite;

@@ -346,6 +346,35 @@ def test_float32_casts_on_random_bit_patterns(name):
     assert torch.equal(torch.signbit(got), torch.signbit(ref))
 
 
+@pytest.mark.parametrize("edges", ["hist", "dense"])
+def test_abs_stats_bins_match_bucketize_at_and_beside_every_edge(edges):
+    """abs_stats' table binning against torch.bucketize: every edge, its float64 neighbours on both
+    sides, random values over 40 decades, zeros, subnormals, huge values; the input histogram's
+    log-spaced edges (at most one edge per table range) and edges 1e-9 apart (the search path)."""
+    from fa3_numerics.engine.inputs import HIST_EDGES
+
+    e = torch.as_tensor(HIST_EDGES, dtype=torch.float64)
+    if edges == "dense":
+        e = torch.cat([torch.zeros(1, dtype=torch.float64), 1.0 + torch.arange(40, dtype=torch.float64) * 1e-9,
+                       torch.tensor([3.0, 1e300], dtype=torch.float64)])
+    g = torch.Generator().manual_seed(8)
+    pos = e[1:]
+    x = torch.cat([pos, torch.nextafter(pos, torch.zeros_like(pos)), torch.nextafter(pos, torch.full_like(pos, 1e308)),
+                   torch.exp(torch.empty(300_000, dtype=torch.float64).uniform_(-46, 46, generator=g)),
+                   torch.tensor([0.0, -0.0, 5e-324, 2.2e-308, 1.7e308, -3.0, -1e-3])])
+    x = x * torch.where(torch.rand(x.numel(), generator=g) < 0.5, -1.0, 1.0).double()
+    x[-3:] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=torch.float64)
+    counts, amax, nonfinite = native.abs_stats(x, e)
+    fin = x[torch.isfinite(x)].abs()
+    ref = torch.bincount(torch.bucketize(fin, e, right=True) - 1, minlength=e.numel())
+    assert torch.equal(counts, ref)
+    assert amax == float(fin.max()) and nonfinite == 3
+    # negative control: one value moved across an edge changes two bins
+    moved = x.clone()
+    moved[0] = torch.nextafter(moved[0].abs(), torch.zeros((), dtype=torch.float64))
+    assert not torch.equal(native.abs_stats(moved, e)[0], counts)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_hadamard_butterflies_bit_identical(d):
     g = torch.Generator().manual_seed(3)
