@@ -302,11 +302,17 @@ def round_f32(x: torch.Tensor, fmt) -> torch.Tensor | None:
     return out
 
 
-def scaled_round_f64(x: torch.Tensor, d: torch.Tensor, fmt) -> torch.Tensor | None:
-    """``x / d`` rounded to ``fmt`` as float32 (``quant._scaled_cast``'s cast(x.double() / d.double(), fmt),
-    the same division and single rounding, in one pass) for a float64 CPU ``x`` [.., N, D] and a
-    float32 descale ``d`` of one value per row ([.., N, 1] or [.., 1, 1], broadcast) or one in all;
-    None when the compiled path does not apply."""
+# Values of one slice of ``scaled_round_f64``'s float32 rounding (16 MB), so that a paper-shape K
+# or V never has a whole float32 copy (134 MB) beside its FP8 codes.
+_ROUND_SLICE = 1 << 22
+
+
+def scaled_round_f64(x: torch.Tensor, d: torch.Tensor, fmt, dtype: torch.dtype) -> torch.Tensor | None:
+    """``x / d`` rounded to ``fmt``, in ``dtype`` (``quant._scaled_cast``'s cast(x.double() / d.double(),
+    fmt): the same division and single rounding, in one pass), for a float64 CPU ``x`` [.., N, D]
+    and a float32 descale ``d`` of one value per row ([.., N, 1] or [.., 1, 1], broadcast) or one in
+    all; None when the compiled path does not apply. The rounded values are float32 one slice
+    of rows at a time, then stored in ``dtype`` (exact: they are values of ``fmt``)."""
     if x.device.type != "cpu" or x.dtype != torch.float64 or x.dim() < 2 or _lib() is None:
         return None
     kind, mbits, emin, fmax, ovf, sat = _fmt_args(fmt)
@@ -320,16 +326,21 @@ def scaled_round_f64(x: torch.Tensor, d: torch.Tensor, fmt) -> torch.Tensor | No
         return None
     xc = x.contiguous()
     rows, width = xc.numel() // max(1, x.shape[-1]), x.shape[-1]
-    out = torch.empty(xc.shape, dtype=torch.float32)
+    out = torch.empty(xc.shape, dtype=dtype)
     if rows == 0 or width == 0:
         return out
-    if dd.numel() == 1 or all(st == 0 for st in dd.stride()):
-        _lib().fa3n_scaled_round_f64(rows, width, _ptr(xc), None, float(dd.reshape(-1)[0]), _ptr(out), mbits, emin,
-                                     fmax, ovf, sat, _threads())
-    else:
-        dl = dd.reshape(rows).contiguous()
-        _lib().fa3n_scaled_round_f64(rows, width, _ptr(xc), _ptr(dl), 0.0, _ptr(out), mbits, emin, fmax, ovf, sat,
-                                     _threads())
+    scalar = dd.numel() == 1 or all(st == 0 for st in dd.stride())
+    dl = None if scalar else dd.reshape(rows).contiguous()
+    one = float(dd.reshape(-1)[0]) if scalar else 0.0
+    x2, o2 = xc.view(rows, width), out.view(rows, width)
+    step = max(1, _ROUND_SLICE // width)
+    tmp = torch.empty((min(step, rows), width), dtype=torch.float32)
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        t = tmp[:b - a]
+        _lib().fa3n_scaled_round_f64(b - a, width, _ptr(x2[a:b]), None if scalar else _ptr(dl[a:b]), one, _ptr(t),
+                                     mbits, emin, fmax, ovf, sat, _threads())
+        o2[a:b].copy_(t)
     return out
 
 

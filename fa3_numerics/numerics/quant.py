@@ -108,9 +108,9 @@ def _scaled_cast(x: torch.Tensor, d: torch.Tensor, f: Format) -> torch.Tensor:
     the largest item of a run's peak memory. Each element's arithmetic is unchanged."""
     from . import native  # one pass in C: the same division and rounding, no float64 quotient
 
-    fast = native.scaled_round_f64(x, d, f) if f.dtype is not None else None
+    fast = native.scaled_round_f64(x, d, f, f.dtype) if f.dtype is not None else None
     if fast is not None:
-        return fast.to(f.dtype)
+        return fast
     n = x.shape[2] if x.dim() == 4 else 0
     if x.dim() != 4 or x.numel() <= _SLICE_ELEMS or d.dim() != 4 or d.shape[2] not in (1, n):
         return cast(x.to(torch.float64) / d.to(torch.float64), f)

@@ -290,11 +290,15 @@ def test_casts_match_reference_rounding(name):
 
 @pytest.mark.parametrize("gran", ["tensor", "head", "block", "token"])
 @pytest.mark.parametrize("name", ["e4m3", "e5m2"])
-def test_fp8_quantize_matches_reference(torch_only, gran, name):
+@pytest.mark.parametrize("slice_elems", [1 << 22, 1000])
+def test_fp8_quantize_matches_reference(torch_only, monkeypatch, gran, name, slice_elems):
     """The fused amax and scaled cast (row_absmax, scaled_round_f64) give quantize's codes and
-    descales bit for bit, outliers, zeros, subnormal-range values and a saturating row included."""
+    descales bit for bit, outliers, zeros, subnormal-range values and a saturating row included,
+    in one slice of rows and in many (with a short last one)."""
     from fa3_numerics.numerics.granularity import parse_granularity
     from fa3_numerics.numerics.quant import quantize
+
+    monkeypatch.setattr(native, "_ROUND_SLICE", slice_elems)
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 3, 300, 64, generator=g, dtype=torch.float64)
