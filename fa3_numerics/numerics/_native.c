@@ -781,6 +781,15 @@ void fa3n_rescale_rows(int64_t rows, int64_t d, float *restrict acc, const float
     for (int64_t r = 0; r < rows; r++) {
         const float s = scale[r];
         float *a = acc + r * d;
+        if (s == 1.0f) {
+            /* x * 1 is x (NaN, inf and -0 included): once a row's max has settled (most rows of
+             * most tiles) only the flush of a subnormal could change it, so the row is read, and
+             * written only if it holds one */
+            if (!ftz) continue;
+            int sub = 0;
+            for (int64_t j = 0; j < d; j++) sub |= (a[j] != 0.0f) & (__builtin_fabsf(a[j]) < 0x1p-126f);
+            if (!sub) continue;
+        }
         for (int64_t j = 0; j < d; j++) a[j] = flush32(a[j] * s, ftz);
     }
 }

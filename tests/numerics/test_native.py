@@ -396,6 +396,25 @@ def test_fp8_decode_is_exact():
         assert torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
 
 
+@pytest.mark.parametrize("ftz", [True, False])
+def test_rescale_rows_matches_flush_of_the_product(ftz):
+    """O's rescale in place against flush(acc * scale): rows with scale 1 (skipped unless they hold
+    a subnormal), scales below 1, and rows with subnormals, NaN, inf and -0 in each."""
+    from fa3_numerics.numerics.emulator import flush_subnormals
+
+    g = torch.Generator().manual_seed(6)
+    acc = torch.randn(2, 3, 40, 32, generator=g) * torch.exp2(torch.randint(-140, 20, (2, 3, 40, 32), generator=g).float())
+    acc[0, 0, 1, 3], acc[0, 1, 2, 0], acc[1, 2, 5, 7], acc[1, 0, 9, 1] = float("nan"), -0.0, float("inf"), 1e-40
+    scale = torch.where(torch.rand(2, 3, 40, 1, generator=g) < 0.7, 1.0, 0.5 ** torch.randint(0, 30, (2, 3, 40, 1),
+                                                                                        generator=g).float())
+    scale[1, 0, 9] = 1.0  # a unit row that holds a subnormal
+    ref = flush_subnormals(acc * scale) if ftz else acc * scale
+    got = acc.clone()
+    assert native.rescale_rows(got, scale, ftz) is got
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    assert (got[1, 0, 9, 1] == 0) == ftz  # the unit row's subnormal: flushed only with ftz
+
+
 CASES = [
     # (heads, kv_heads, seqlen, head_dim, causal, recipe)
     (4, 2, 600, 64, False, "fa3-fp8"),
