@@ -178,7 +178,8 @@ def main() -> int:
             # CPU seconds (both threads, every process of the run): the work done, which a shared
             # machine inflates less than the wall time (spin-waiting threads still count).
             cpu = [float(ln.split("=", 1)[1]) for ln in lines if ln.startswith("fa3n-cpu-s=")]
-            print(f"  {walls[-1]:.1f} s wall, {cpu[-1] if cpu else math.nan:.1f} CPU s, peak RSS {rss[-1]:.2f} GB; "
+            print(f"  {walls[-1]:.1f} s wall, {cpu[-1] if cpu else math.nan:.1f} CPU s, peak RSS {rss[-1]:.2f} GB, "
+                  f"load average after it {os.getloadavg()[0]:.1f}; "
                   + (phases[0] if phases else "(no timings line)"), flush=True)
             if res.returncode != 0:
                 print(res.stderr[-2000:], file=sys.stderr)

@@ -533,15 +533,94 @@ static inline double round_fmt(double x, int mbits, int emin, double fmax, doubl
     return x != x ? x : y;
 }
 
+/* round_fmt for a float32 x, in float32 arithmetic (sixteen lanes a vector where the double form
+ * has eight), the same value bit for bit where round_fmt32_ok: x 2^-qe is exact in float32 (a
+ * power-of-two scaling that stays within the normal range, or that shifts a subnormal up), rintf
+ * rounds that same value to the same integer, and the integer times 2^qe is the format's value,
+ * exact, or beyond float32 only where the clamps and the overflow test replace it all the same.
+ * It needs 2^qe and 2^-qe normal floats for every exponent: emin - mbits >= -126 and
+ * mbits >= 2 (qe <= 126; inf and NaN, e = 128, are replaced by the selects), and fmax and ovf far
+ * below float32's range: e4m3, e5m2 and fp16 (bf16 keeps the double form). */
+static inline int round_fmt32_ok(int mbits, int emin, double fmax, double ovf, int sat) {
+    return mbits >= 2 && emin - mbits >= -126 && fmax < 0x1p100 && (sat || ovf < 0x1p100);
+}
+
+static inline float round_fmt32(float x, int mbits, int emin, float fmax, float ovf, int sat) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    int32_t e = (int32_t)((bits >> 23) & 0xff) - 127; /* floor(log2|x|) for normal x; -127 for 0, subnormals */
+    int32_t qe = (e > emin ? e : emin) - mbits;
+    qe = qe > 126 ? 126 : qe; /* only inf and NaN reach it */
+    float y = __builtin_rintf(x * pow2f(-qe)) * pow2f(qe);
+    float a = __builtin_fabsf(x);
+    float lim = sat ? fmax : INFINITY;
+    y = y > lim ? lim : y;
+    y = y < -lim ? -lim : y;
+    y = (!sat & (a >= ovf)) ? __builtin_copysignf(INFINITY, x) : y;
+    return x != x ? x : y;
+}
+
 void fa3n_round_f64(int64_t n, const double *restrict x, float *restrict out, int mbits, int emin, double fmax,
                     double ovf, int sat, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t i = 0; i < n; i++) out[i] = (float)round_fmt(x[i], mbits, emin, fmax, ovf, sat);
 }
 
+/* float64 x divided by a per-row float32 descale, then rounded to a narrow format: what
+ * quant._scaled_cast computes as cast(x.double() / d.double(), f) (the same IEEE division, the same
+ * single rounding) in one pass, without the whole-tensor float64 quotient. rows x d values, row
+ * r divided by desc[r] (desc NULL: by one descale, scalar). */
+void fa3n_scaled_round_f64(int64_t rows, int64_t d, const double *restrict x, const float *restrict desc,
+                           double scalar, float *restrict out, int mbits, int emin, double fmax, double ovf, int sat,
+                           int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < rows; r++) {
+        const double dv = desc ? (double)desc[r] : scalar;
+        const double *xr = x + r * d;
+        float *o = out + r * d;
+        for (int64_t j = 0; j < d; j++) o[j] = (float)round_fmt(xr[j] / dv, mbits, emin, fmax, ovf, sat);
+    }
+}
+
+/* max |x| of each row of d float64 values (the infinity norm): NaN where the row holds one, as
+ * torch.linalg.vector_norm(ord=inf) gives; a max is exact in any order. */
+void fa3n_row_absmax(int64_t rows, int64_t d, const double *restrict x, double *restrict out, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < rows; r++) {
+        const double *xr = x + r * d;
+        double m8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int nan8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t j = 0;
+        for (; j + 8 <= d; j += 8)
+            for (int u = 0; u < 8; u++) {
+                const double a = __builtin_fabs(xr[j + u]);
+                nan8[u] |= a != a;
+                m8[u] = a > m8[u] ? a : m8[u];
+            }
+        double m = 0.0;
+        int nan = 0;
+        for (; j < d; j++) {
+            const double a = __builtin_fabs(xr[j]);
+            nan |= a != a;
+            m = a > m ? a : m;
+        }
+        for (int u = 0; u < 8; u++) {
+            nan |= nan8[u];
+            m = m8[u] > m ? m8[u] : m;
+        }
+        out[r] = nan ? NAN : m;
+    }
+}
+
 void fa3n_round_f32(int64_t n, const float *x, float *out, int mbits, int emin, double fmax, double ovf, int sat,
                     int nthreads) {
     /* float32 -> a narrower format, ties to even (out may alias x) */
+    if (round_fmt32_ok(mbits, emin, fmax, ovf, sat)) {
+        const float f32max = (float)fmax, f32ovf = (float)ovf;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t i = 0; i < n; i++) out[i] = round_fmt32(x[i], mbits, emin, f32max, f32ovf, sat);
+        return;
+    }
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t i = 0; i < n; i++) out[i] = (float)round_fmt((double)x[i], mbits, emin, fmax, ovf, sat);
 }
@@ -564,6 +643,8 @@ void fa3n_softmax_step(int64_t L, int64_t R, int64_t N, float *restrict s, const
                        const float *restrict qd, const float *restrict kd, float base, const int64_t *restrict lim,
                        float *restrict m, float *restrict rs4, float *restrict rescale, double offset, int ftz,
                        int fmt_kind, int mbits, int emin, double fmax, double ovf, int sat, int nthreads) {
+    const int fast_round = round_fmt32_ok(mbits, emin, fmax, ovf, sat);
+    const float f32max = (float)fmax, f32ovf = (float)ovf;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
     for (int64_t l = 0; l < L; l++) {
         for (int64_t r = 0; r < R; r++) {
@@ -580,6 +661,21 @@ void fa3n_softmax_step(int64_t L, int64_t R, int64_t N, float *restrict s, const
             float mx8[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
             int nan8[8] = {0};
             int64_t c = 0;
+#ifdef __AVX2__
+            /* gcc leaves the loop below scalar (the NaN flags); vmaxps(v, m) is v > m ? v : m, lane
+             * for lane the same selects, so the eight maxima are the same bits */
+            {
+                __m256 vm = _mm256_set1_ps(-INFINITY), vn = _mm256_setzero_ps();
+                for (; c + 8 <= nv; c += 8) {
+                    const __m256 v = _mm256_loadu_ps(row + c);
+                    vn = _mm256_or_ps(vn, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                    vm = _mm256_max_ps(v, vm);
+                }
+                _mm256_storeu_ps(mx8, vm);
+                const int nm = _mm256_movemask_ps(vn);
+                for (int u = 0; u < 8; u++) nan8[u] = (nm >> u) & 1;
+            }
+#endif
             for (; c + 8 <= nv; c += 8)
                 for (int u = 0; u < 8; u++) {
                     float v = row[c + u];
@@ -636,7 +732,9 @@ void fa3n_softmax_step(int64_t L, int64_t R, int64_t N, float *restrict s, const
                 if (c0 + 1 < N) a4[t] = a4[t] + row[c0 + 1];
                 t4[t] = a4[t];
             }
-            if (fmt_kind)
+            if (fmt_kind && fast_round)
+                for (int64_t c = 0; c < N; c++) row[c] = round_fmt32(row[c], mbits, emin, f32max, f32ovf, sat);
+            else if (fmt_kind)
                 for (int64_t c = 0; c < N; c++) row[c] = (float)round_fmt((double)row[c], mbits, emin, fmax, ovf, sat);
             m[l * R + r] = mn;
             rescale[l * R + r] = resc;
@@ -683,6 +781,15 @@ void fa3n_rescale_rows(int64_t rows, int64_t d, float *restrict acc, const float
     for (int64_t r = 0; r < rows; r++) {
         const float s = scale[r];
         float *a = acc + r * d;
+        if (s == 1.0f) {
+            /* x * 1 is x (NaN, inf and -0 included): once a row's max has settled (most rows of
+             * most tiles) only the flush of a subnormal could change it, so the row is read, and
+             * written only if it holds one */
+            if (!ftz) continue;
+            int sub = 0;
+            for (int64_t j = 0; j < d; j++) sub |= (a[j] != 0.0f) & (__builtin_fabsf(a[j]) < 0x1p-126f);
+            if (!sub) continue;
+        }
         for (int64_t j = 0; j < d; j++) a[j] = flush32(a[j] * s, ftz);
     }
 }
@@ -690,7 +797,18 @@ void fa3n_rescale_rows(int64_t rows, int64_t d, float *restrict acc, const float
 /* ---- |x| statistics of an input tensor in one pass: histogram over sorted edges, amax, and
  * the count of non-finite values (NaN/Inf are left out of the histogram and amax). Bin b
  * holds edges[b] <= |x| < edges[b+1]; the last bin is open above, as torch.bucketize(right=True)
- * - 1 gives. The bin is found by binary search (exact at the edges). ---- */
+ * - 1 gives. The bin comes from a table on the value's top bits (its exponent and ABS_KEY_BITS
+ * bits of mantissa: ranges of values less than 2^(1/16) wide): the bin of the range's smallest
+ * value, and how many edges lie inside the range; with none the bin is that one, with one a single
+ * comparison decides, with more a binary search (exact at the edges, in every case). ---- */
+#define ABS_KEY_BITS 4
+#define ABS_KEYS (1 << (11 + ABS_KEY_BITS))
+static int abs_bin_search(double a, const double *pad, int pw) {
+    int lo = 0; /* pad[lo] <= a (pad[0] = edges[0] <= |x| by contract) */
+    for (int step = pw >> 1; step > 0; step >>= 1) lo += (a >= pad[lo + step]) ? step : 0;
+    return lo;
+}
+
 void fa3n_abs_stats(int64_t n, const double *restrict x, const double *restrict edges, int nedges,
                     int64_t *restrict counts, double *restrict amax_out, int64_t *restrict nonfinite_out,
                     int nthreads) {
@@ -699,8 +817,27 @@ void fa3n_abs_stats(int64_t n, const double *restrict x, const double *restrict 
     /* edges padded with +inf to a power of two: a branch-free binary search (no mispredicts) */
     int pw = 1;
     while (pw < nedges) pw <<= 1;
-    double *pad = (double *)malloc(sizeof(double) * (size_t)pw);
-    for (int b = 0; b < pw; b++) pad[b] = b < nedges ? edges[b] : INFINITY;
+    double *pad = (double *)malloc(sizeof(double) * (size_t)(pw + 1));
+    for (int b = 0; b <= pw; b++) pad[b] = b < nedges ? edges[b] : INFINITY;
+    /* per key: the bin of the range's first value (int32) and the count of edges above it within
+     * the range, capped at 2 (uint8) */
+    int32_t *start = (int32_t *)malloc(sizeof(int32_t) * ABS_KEYS);
+    uint8_t *inside = (uint8_t *)malloc(ABS_KEYS);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int k = 0; k < ABS_KEYS; k++) {
+        uint64_t lo_bits = (uint64_t)k << (52 - ABS_KEY_BITS), hi_bits = (uint64_t)(k + 1) << (52 - ABS_KEY_BITS);
+        double lo, hi; /* the range is [lo, hi); hi is the next range's first value (inf or NaN at the top) */
+        memcpy(&lo, &lo_bits, 8);
+        memcpy(&hi, &hi_bits, 8);
+        const int b = abs_bin_search(lo, pad, pw);
+        int c = 0;
+        for (int e = b + 1; e < nedges && c < 2; e++) {
+            if (!(edges[e] < hi) && hi == hi) break; /* at or beyond the range's end */
+            c++;
+        }
+        start[k] = b;
+        inside[k] = (uint8_t)c;
+    }
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t *local = (int64_t *)calloc((size_t)nedges, sizeof(int64_t));
@@ -714,8 +851,15 @@ void fa3n_abs_stats(int64_t n, const double *restrict x, const double *restrict 
                 continue;
             }
             am = a > am ? a : am;
-            int lo = 0; /* pad[lo] <= a (pad[0] = edges[0] <= |x| by contract) */
-            for (int step = pw >> 1; step > 0; step >>= 1) lo += (a >= pad[lo + step]) ? step : 0;
+            uint64_t bits;
+            memcpy(&bits, &a, 8);
+            const int k = (int)(bits >> (52 - ABS_KEY_BITS));
+            int lo = start[k];
+            const int c = inside[k];
+            if (c == 1)
+                lo += a >= pad[lo + 1];
+            else if (c > 1)
+                lo = abs_bin_search(a, pad, pw);
             local[lo]++;
         }
 #pragma omp critical
@@ -726,6 +870,8 @@ void fa3n_abs_stats(int64_t n, const double *restrict x, const double *restrict 
         }
         free(local);
     }
+    free(start);
+    free(inside);
     free(pad);
     *amax_out = amax;
     *nonfinite_out = nonfinite;

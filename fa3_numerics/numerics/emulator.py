@@ -220,10 +220,10 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     if recipe.smooth != "qk":  # the smoothing bias is the only later use of the rotated Q
         local.pop("rot-q", None)
     if not sage_quant_on:
-        kq = memo(("k", recipe.prepare_key("k"), rotation_seed, bm, bn),
+        kq = memo(("k", _operand_key(recipe, "k", recipe.qk), rotation_seed) + _tiles_key(recipe.qk, bm, bn),
                   lambda: expand(quantize_qk(rk(), recipe, "k", block_m=bm, block_n=bn,
                                              descale=static.k if static else None)))
-    vq = memo(("v", recipe.prepare_key("v"), bn),
+    vq = memo(("v", _operand_key(recipe, "v", recipe.v)) + _tiles_key(recipe.v, bn),
               lambda: expand(quantize_v(input_round(v.to(torch.float64), fmt_in) if fmt_in != "none" else v, recipe,
                                         block_n=bn, descale=static.v if static else None)))
     bias = None
@@ -232,6 +232,26 @@ def prepare(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         bias = memo(("bias", recipe.prepare_key("q"), recipe.prepare_key("k"), rotation_seed, bm),
                     lambda: qk_smoothing_bias(sq()[1], rk(), recipe.sbias).to(torch.float32))
     return Prepared(qq, kq, vq, h, n, k.shape[2], bm, bn, bias)
+
+
+def _unscaled(fmt: str) -> bool:
+    """An operand format ``quant.quantize`` casts to without a scale (FP16/BF16/FP32), whatever
+    the granularity and tile size."""
+    return family(fmt) == "float" and not get_format(fmt).saturate
+
+
+def _tiles_key(fmt: str, *tiles: int) -> tuple:
+    """The tile sizes in a prepared K or V's cache key, where they decide it: an unscaled wide
+    operand is the same for every tile size, so recipes that differ only in their tiles (FA2's
+    and FA3's FP16 loops, the standard algorithm) share it; scaled and microscaled formats keep
+    the tiles in their key."""
+    return () if _unscaled(fmt) else tiles
+
+
+def _operand_key(recipe: Recipe, tensor: str, fmt: str) -> tuple:
+    """``recipe.prepare_key(tensor)`` less the tile keys (bm, bn) where the operand is unscaled."""
+    key = recipe.prepare_key(tensor)
+    return tuple(kv for kv in key if kv[0] not in ("bm", "bn")) if _unscaled(fmt) else key
 
 
 def _nbytes(v) -> int:
@@ -246,11 +266,12 @@ def _nbytes(v) -> int:
 
 def _trim(cache: dict, keep) -> None:
     """Evict least recently used prepared tensors past the byte budget (``FA3N_PREP_CACHE_MB``,
-    default 128): a sweep of many recipes on paper-shape inputs would otherwise keep every
-    rotation and quantization alive (4.4 GB for the seven Table 3 rows)."""
+    default 160, so that the FP16 K and V of the paper's shape, 134 MB, stay for the three FP16
+    rows): a sweep of many recipes on paper-shape inputs would otherwise keep every rotation and
+    quantization alive (4.4 GB for the seven Table 3 rows)."""
     from ..env import env_number
 
-    budget = env_number("FA3N_PREP_CACHE_MB", 128, integer=True) << 20
+    budget = env_number("FA3N_PREP_CACHE_MB", 160, integer=True) << 20
     total = sum(_nbytes(v) for v in cache.values())
     for key in list(cache):
         if total <= budget:
@@ -603,6 +624,7 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
     def head(t: torch.Tensor, bi: int, hi: int) -> torch.Tensor:
         return t[at(t, bi, hi)]
 
+    unit_qk = bool((pre.q.descale == 1).all()) and bool((pre.k.descale == 1).all())
     split = recipe.sscale == "split"
     if split:
         # PyTorch's math SDPA: Q and K each times sqrt(scale), rounded to their format.
@@ -630,8 +652,11 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
             qv = quantize_dequantize(qv * root, qk_fmt)
         qd = head(qd_all, bi, hi)
         qd = qd[c:c + chunk] if qd.shape[0] > 1 else qd
-        # In place on the product's own buffer: each step the same float32 rounding as out of place.
-        s = torch.matmul(qv, kv_head(bi, hi)[0].transpose(-1, -2)).mul_(qd * head(kd_all, bi, hi).transpose(-1, -2))
+        # In place on the product's own buffer: each step the same float32 rounding as out of place
+        # (x * 1 is x, so unit descales, those of unscaled FP16/BF16 operands, are skipped).
+        s = torch.matmul(qv, kv_head(bi, hi)[0].transpose(-1, -2))
+        if not unit_qk:
+            s.mul_(qd * head(kd_all, bi, hi).transpose(-1, -2))
         if pre.bias is not None:  # smooth=qk: the correction joins S before S is rounded and scaled
             s = s + head(pre.bias, bi, hi).index_select(0, torch.div(idx, pre.block_m, rounding_mode="floor"))
         s = quantize_dequantize(s, s_fmt)
@@ -648,6 +673,8 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
         p = torch.softmax(s.masked_fill(~vis, -math.inf), dim=-1).masked_fill(~vis.any(dim=-1, keepdim=True), 0.0)
         return quantize_dequantize(p, sm_fmt)
 
+    # P rounded to the softmax's format already holds values of P's format: a second rounding changes none.
+    p_same = p_fmt is not None and p_fmt.name == sm_fmt.name and mk is None
     blocks = [(bi, hi, c) for bi in range(b) for hi in range(h) for c in range(0, r, chunk)]
     p_mult = 1.0
     kept: dict = {}  # block -> its softmax rows, from the amax pass below
@@ -679,8 +706,12 @@ def _standard(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool
     v_deq: dict = {}  # the current head's descaled V, computed once for its row chunks
     for i_blk, (bi, hi, c) in enumerate(blocks):
         p_rows = kept.pop((bi, hi, c)).to(torch.float32) if (bi, hi, c) in kept else softmax_rows(bi, hi, c)
-        # p_rows is this block's own buffer; x * 1 and x / 1 are x, so a unit multiplier is skipped.
-        p8 = cast_p(p_rows.mul_(p_mult) if p_mult != 1.0 else p_rows, recipe, materialised=True)
+        # p_rows is this block's own buffer; x * 1 and x / 1 are x, so a unit multiplier is skipped,
+        # and so is P's cast where P's format is the softmax's own (rounding is idempotent).
+        if p_mult == 1.0 and p_same:
+            p8 = p_rows
+        else:
+            p8 = cast_p(p_rows.mul_(p_mult) if p_mult != 1.0 else p_rows, recipe, materialised=True)
         if (bi, hi) not in v_deq:
             v_deq.clear()
             v_deq[(bi, hi)] = kv_head(bi, hi)[1] * head(vd_all, bi, hi)

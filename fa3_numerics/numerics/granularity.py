@@ -227,6 +227,18 @@ def _absmax(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
     if x.numel() == 0 or not x.is_floating_point():
         a = x.abs()
         return a.amax() if dim is None else a.amax(dim=dim, keepdim=keepdim)
+    from . import native  # one pass per row in C (torch's inner-dim reduction reads 0.7 GB/s here)
+
+    last = (x.dim() - 1, -1)
+    if x.dim() >= 2 and (dim is None or dim in last or (isinstance(dim, tuple) and len(dim) == 2
+                                                       and {d % x.dim() for d in dim} == {x.dim() - 2, x.dim() - 1})):
+        rows = native.row_absmax(x)
+        if rows is not None:
+            if dim is None:
+                return rows.amax()
+            if isinstance(dim, tuple):
+                return rows.amax(dim=-1, keepdim=keepdim).unsqueeze(-1) if keepdim else rows.amax(dim=-1)
+            return rows.unsqueeze(-1) if keepdim else rows
     return torch.linalg.vector_norm(x, ord=float("inf"), dim=dim, keepdim=keepdim)
 
 

@@ -18,6 +18,9 @@ vectorises it for the CPU it runs on):
 - ``fa3n_decode_u8``: FP8 to float32 by table lookup;
 - ``fa3n_rescale_rows``: the O rescale between KV tiles, with the kernel's flush to zero;
 - ``fa3n_abs_stats``: histogram, amax and non-finite count of an input in one pass;
+- ``fa3n_scaled_round_f64``: float64 divided by a per-row descale and rounded to FP8 in one pass
+  (``quant._scaled_cast``);
+- ``fa3n_row_absmax``: max |x| per row of float64 (the amax of every scale granularity);
 - ``fa3n_box_muller16``: torch.randn's map from uniforms to normals (float64), on every thread;
 - ``fa3n_mt_uniform64``: torch.rand's float64 uniforms from the generator's own MT19937 state
   (torch draws them through a per-element call, 2-3x slower), the state set after as torch's.
@@ -53,7 +56,7 @@ _SRC = Path(__file__).with_name("_native.c")
 # -ffp-contract=off: every float operation rounds as written (no fused multiply-adds the
 # PyTorch reference does not have). -fno-trapping-math: floating-point exception flags are
 # never read, and without it gcc will not vectorise loops whose selects compare floats.
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off",
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off",
           "-fno-trapping-math"]
 _STATE: dict = {}
 
@@ -138,9 +141,11 @@ def _lib():
     lib.fa3n_abs_stats.argtypes = [i64, p, p, i32, p, p, p, i32]
     lib.fa3n_box_muller16.argtypes = [i64, p, f64, f64, i32]
     lib.fa3n_mt_uniform64.argtypes = [p, p, p, i64, p]
+    lib.fa3n_scaled_round_f64.argtypes = [i64, i64, p, p, f64, p, i32, i32, f64, f64, i32, i32]
+    lib.fa3n_row_absmax.argtypes = [i64, i64, p, p, i32]
     for fn in (lib.fa3n_softmax_step, lib.fa3n_round_f64, lib.fa3n_round_f32, lib.fa3n_fwht,
                lib.fa3n_decode_u8, lib.fa3n_rescale_rows, lib.fa3n_abs_stats, lib.fa3n_box_muller16,
-               lib.fa3n_mt_uniform64):
+               lib.fa3n_mt_uniform64, lib.fa3n_scaled_round_f64, lib.fa3n_row_absmax):
         fn.restype = None
     _STATE["lib"] = lib
     _STATE["why"] = None
@@ -294,6 +299,60 @@ def round_f32(x: torch.Tensor, fmt) -> torch.Tensor | None:
     x = x.contiguous()
     out = torch.empty_like(x)
     _lib().fa3n_round_f32(x.numel(), _ptr(x), _ptr(out), mbits, emin, fmax, ovf, sat, _threads())
+    return out
+
+
+# Values of one slice of ``scaled_round_f64``'s float32 rounding (16 MB), so that a paper-shape K
+# or V never has a whole float32 copy (134 MB) beside its FP8 codes.
+_ROUND_SLICE = 1 << 22
+
+
+def scaled_round_f64(x: torch.Tensor, d: torch.Tensor, fmt, dtype: torch.dtype) -> torch.Tensor | None:
+    """``x / d`` rounded to ``fmt``, in ``dtype`` (``quant._scaled_cast``'s cast(x.double() / d.double(),
+    fmt): the same division and single rounding, in one pass), for a float64 CPU ``x`` [.., N, D]
+    and a float32 descale ``d`` of one value per row ([.., N, 1] or [.., 1, 1], broadcast) or one in
+    all; None when the compiled path does not apply. The rounded values are float32 one slice
+    of rows at a time, then stored in ``dtype`` (exact: they are values of ``fmt``)."""
+    if x.device.type != "cpu" or x.dtype != torch.float64 or x.dim() < 2 or _lib() is None:
+        return None
+    kind, mbits, emin, fmax, ovf, sat = _fmt_args(fmt)
+    if kind == 0 or d.dtype != torch.float32 or d.device.type != "cpu" or d.dim() > x.dim() or (
+            d.dim() and d.shape[-1] != 1):
+        return None
+    lead = x.shape[:-1]
+    try:
+        dd = d.expand(*lead, 1)
+    except RuntimeError:
+        return None
+    xc = x.contiguous()
+    rows, width = xc.numel() // max(1, x.shape[-1]), x.shape[-1]
+    out = torch.empty(xc.shape, dtype=dtype)
+    if rows == 0 or width == 0:
+        return out
+    scalar = dd.numel() == 1 or all(st == 0 for st in dd.stride())
+    dl = None if scalar else dd.reshape(rows).contiguous()
+    one = float(dd.reshape(-1)[0]) if scalar else 0.0
+    x2, o2 = xc.view(rows, width), out.view(rows, width)
+    step = max(1, _ROUND_SLICE // width)
+    tmp = torch.empty((min(step, rows), width), dtype=torch.float32)
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        t = tmp[:b - a]
+        _lib().fa3n_scaled_round_f64(b - a, width, _ptr(x2[a:b]), None if scalar else _ptr(dl[a:b]), one, _ptr(t),
+                                     mbits, emin, fmax, ovf, sat, _threads())
+        o2[a:b].copy_(t)
+    return out
+
+
+def row_absmax(x: torch.Tensor) -> torch.Tensor | None:
+    """max |x| over the last dim of a float64 CPU tensor (x.shape[:-1], float64; NaN where a row
+    holds one), as ``torch.linalg.vector_norm(x, inf, dim=-1)``; None when not compiled."""
+    if x.device.type != "cpu" or x.dtype != torch.float64 or x.dim() < 1 or x.shape[-1] == 0 or _lib() is None:
+        return None
+    xc = x.contiguous()
+    out = torch.empty(xc.shape[:-1], dtype=torch.float64)
+    if out.numel():
+        _lib().fa3n_row_absmax(out.numel(), xc.shape[-1], _ptr(xc), _ptr(out), _threads())
     return out
 
 

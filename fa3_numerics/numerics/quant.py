@@ -106,6 +106,11 @@ def _scaled_cast(x: torch.Tensor, d: torch.Tensor, f: Format) -> torch.Tensor:
     """cast(x / d, f), one slice of rows at a time: the float64 quotient and the rounding's
     float32 intermediate of a whole paper-shape K or V would be 268 + 134 MB of temporaries,
     the largest item of a run's peak memory. Each element's arithmetic is unchanged."""
+    from . import native  # one pass in C: the same division and rounding, no float64 quotient
+
+    fast = native.scaled_round_f64(x, d, f, f.dtype) if f.dtype is not None else None
+    if fast is not None:
+        return fast
     n = x.shape[2] if x.dim() == 4 else 0
     if x.dim() != 4 or x.numel() <= _SLICE_ELEMS or d.dim() != 4 or d.shape[2] not in (1, n):
         return cast(x.to(torch.float64) / d.to(torch.float64), f)

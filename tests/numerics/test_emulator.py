@@ -669,3 +669,25 @@ def test_quad_total_adds_the_partial_sums_as_the_shuffles_do():
 
     rs4 = torch.tensor([[2.0 ** 24, 1.0, 0.0, 1.0]])
     assert _quad_total(rs4).item() == 2.0 ** 24 + 2
+
+
+def test_prepare_cache_shares_unscaled_kv_across_tile_sizes():
+    """FP16 K and V are a plain cast, the same for every tile size: recipes that differ only in bn
+    share them in the prepare cache (the Table 3 FP16 rows), and every output equals the one
+    computed without a cache. Scaled FP8 per-block operands depend on bn and are not shared."""
+    from fa3_numerics.numerics.emulator import prepare
+
+    q, k, v = generate("outliers", AttnShape(1, 2, 256, 64), 3, p=0.01, sigma=10.0)
+    idx = torch.arange(0, 256, 7)
+    cache = {}
+    names = ("baseline-fp16", "fa2-fp16", "fa3-fp16", "fa3-fp8", "fa3-fp8,bn=64")
+    pre = {n: prepare(Recipe.from_str(n), q, k, v, q_index=idx, cache=cache) for n in names}
+    assert pre["fa2-fp16"].k.values is pre["fa3-fp16"].k.values is pre["baseline-fp16"].k.values
+    assert pre["fa2-fp16"].v.values is pre["fa3-fp16"].v.values
+    assert pre["fa3-fp8"].k.values is not pre["fa3-fp8,bn=64"].k.values  # per-block descales of other rows
+    assert not torch.equal(pre["fa3-fp8"].k.descale.expand(1, 2, 256, 1), pre["fa3-fp8,bn=64"].k.descale.expand(1, 2, 256, 1))
+    shared = {}
+    for n in names:
+        r = Recipe.from_str(n)
+        with_cache = emulate(r, q, k, v, q_index=idx, cache=shared)
+        assert torch.equal(with_cache.view(torch.int64), emulate(r, q, k, v, q_index=idx).view(torch.int64)), n

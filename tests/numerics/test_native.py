@@ -288,6 +288,97 @@ def test_casts_match_reference_rounding(name):
     assert torch.equal(torch.nan_to_num(got32, nan=7.0), torch.nan_to_num(ref32, nan=7.0))
 
 
+@pytest.mark.parametrize("gran", ["tensor", "head", "block", "token"])
+@pytest.mark.parametrize("name", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("slice_elems", [1 << 22, 1000])
+def test_fp8_quantize_matches_reference(torch_only, monkeypatch, gran, name, slice_elems):
+    """The fused amax and scaled cast (row_absmax, scaled_round_f64) give quantize's codes and
+    descales bit for bit, outliers, zeros, subnormal-range values and a saturating row included,
+    in one slice of rows and in many (with a short last one)."""
+    from fa3_numerics.numerics.granularity import parse_granularity
+    from fa3_numerics.numerics.quant import quantize
+
+    monkeypatch.setattr(native, "_ROUND_SLICE", slice_elems)
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 300, 64, generator=g, dtype=torch.float64)
+    x.view(-1)[torch.randint(0, x.numel(), (500,), generator=g)] *= 40.0
+    x[0, 0, 5] = 0.0
+    x[1, 2, 7] *= 1e-12
+    x[1, 1, 299, 3] = -0.0
+    descale = torch.full((1, 1, 1, 1), 1e-3)  # a static descale: most values saturate
+    for kw in ({}, {"descale": descale}, {"rows": torch.tensor([3, 0, 299, 150])}):
+        if "descale" in kw and gran != "tensor":
+            continue
+        fast = quantize(x, name, parse_granularity(gran), block_rows=128, **kw)
+        ref = torch_only(lambda: quantize(x, name, parse_granularity(gran), block_rows=128, **kw))
+        assert torch.equal(fast.descale.view(torch.int32), ref.descale.view(torch.int32))
+        assert torch.equal(fast.values.view(torch.uint8), ref.values.view(torch.uint8))
+    # negative control: another descale gives other codes
+    other = quantize(x, name, parse_granularity("tensor"), descale=descale * 2)
+    assert not torch.equal(other.values.view(torch.uint8),
+                           quantize(x, name, parse_granularity("tensor"), descale=descale).values.view(torch.uint8))
+
+
+def test_row_absmax_propagates_nan_as_the_norm():
+    x = torch.randn(7, 33, dtype=torch.float64)
+    x[2, 5] = float("nan")
+    x[4, 0] = -float("inf")
+    x[6] = -0.0
+    got = native.row_absmax(x)
+    ref = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1)
+    assert torch.equal(torch.nan_to_num(got, nan=-1.0), torch.nan_to_num(ref, nan=-1.0))
+    assert got[2].isnan() and got[4] == math.inf and not got[6].signbit()
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e5m2", "fp16", "bf16"])
+def test_float32_casts_on_random_bit_patterns(name):
+    """round_f32 (float32 arithmetic for e4m3/e5m2/fp16, double for bf16) against the reference
+    rounding on 2^20 random float32 bit patterns (every exponent, subnormals, NaN and inf
+    payloads) and on every midpoint between neighbouring values of the format near 1 and at the
+    top of its range (the ties)."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randint(-2 ** 31, 2 ** 31, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    f = get_format(name)
+    grid = round_to_format(torch.linspace(0.5, 2.0, 4000, dtype=torch.float64), f).unique()
+    top = round_to_format(torch.linspace(f.max / 4, f.max, 4000, dtype=torch.float64), f).unique()
+    ties = torch.cat([(grid[1:] + grid[:-1]) / 2, (top[1:] + top[:-1]) / 2, top[-1:] * 1.0625]).float()
+    x = torch.cat([x, ties, -ties, torch.tensor([f.max, -f.max, 2.0 ** -149, 2.0 ** -126], dtype=torch.float32)])
+    got = native.round_f32(x, f).double()
+    ref = round_to_format(x.double(), f)
+    assert torch.equal(torch.nan_to_num(got, nan=7.0), torch.nan_to_num(ref, nan=7.0))
+    assert torch.equal(torch.signbit(got), torch.signbit(ref))
+
+
+@pytest.mark.parametrize("edges", ["hist", "dense"])
+def test_abs_stats_bins_match_bucketize_at_and_beside_every_edge(edges):
+    """abs_stats' table binning against torch.bucketize: every edge, its float64 neighbours on both
+    sides, random values over 40 decades, zeros, subnormals, huge values; the input histogram's
+    log-spaced edges (at most one edge per table range) and edges 1e-9 apart (the search path)."""
+    from fa3_numerics.engine.inputs import HIST_EDGES
+
+    e = torch.as_tensor(HIST_EDGES, dtype=torch.float64)
+    if edges == "dense":
+        e = torch.cat([torch.zeros(1, dtype=torch.float64), 1.0 + torch.arange(40, dtype=torch.float64) * 1e-9,
+                       torch.tensor([3.0, 1e300], dtype=torch.float64)])
+    g = torch.Generator().manual_seed(8)
+    pos = e[1:]
+    x = torch.cat([pos, torch.nextafter(pos, torch.zeros_like(pos)), torch.nextafter(pos, torch.full_like(pos, 1e308)),
+                   torch.exp(torch.empty(300_000, dtype=torch.float64).uniform_(-46, 46, generator=g)),
+                   torch.tensor([0.0, -0.0, 5e-324, 2.2e-308, 1.7e308, -3.0, -1e-3])])
+    x = x * torch.where(torch.rand(x.numel(), generator=g) < 0.5, -1.0, 1.0).double()
+    x[-3:] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=torch.float64)
+    counts, amax, nonfinite = native.abs_stats(x, e)
+    fin = x[torch.isfinite(x)].abs()
+    ref = torch.bincount(torch.bucketize(fin, e, right=True) - 1, minlength=e.numel())
+    assert torch.equal(counts, ref)
+    assert amax == float(fin.max()) and nonfinite == 3
+    # negative control: one value moved across an edge changes two bins
+    moved = x.clone()
+    moved[0] = torch.nextafter(moved[0].abs(), torch.zeros((), dtype=torch.float64))
+    assert not torch.equal(native.abs_stats(moved, e)[0], counts)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_hadamard_butterflies_bit_identical(d):
     g = torch.Generator().manual_seed(3)
@@ -303,6 +394,25 @@ def test_fp8_decode_is_exact():
         x = codes.view(dt)
         a, b = native.to_float32(x), x.to(torch.float32)
         assert torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
+
+
+@pytest.mark.parametrize("ftz", [True, False])
+def test_rescale_rows_matches_flush_of_the_product(ftz):
+    """O's rescale in place against flush(acc * scale): rows with scale 1 (skipped unless they hold
+    a subnormal), scales below 1, and rows with subnormals, NaN, inf and -0 in each."""
+    from fa3_numerics.numerics.emulator import flush_subnormals
+
+    g = torch.Generator().manual_seed(6)
+    acc = torch.randn(2, 3, 40, 32, generator=g) * torch.exp2(torch.randint(-140, 20, (2, 3, 40, 32), generator=g).float())
+    acc[0, 0, 1, 3], acc[0, 1, 2, 0], acc[1, 2, 5, 7], acc[1, 0, 9, 1] = float("nan"), -0.0, float("inf"), 1e-40
+    scale = torch.where(torch.rand(2, 3, 40, 1, generator=g) < 0.7, 1.0, 0.5 ** torch.randint(0, 30, (2, 3, 40, 1),
+                                                                                        generator=g).float())
+    scale[1, 0, 9] = 1.0  # a unit row that holds a subnormal
+    ref = flush_subnormals(acc * scale) if ftz else acc * scale
+    got = acc.clone()
+    assert native.rescale_rows(got, scale, ftz) is got
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    assert (got[1, 0, 9, 1] == 0) == ftz  # the unit row's subnormal: flushed only with ftz
 
 
 CASES = [
