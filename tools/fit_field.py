@@ -1,6 +1,6 @@
 """Fit the arithmetic of the field's kernels from the dumps of ``tools/device/dump_field.py`` (CPU).
 
-    python tools/fit_field.py DUMPS cudnn|torchao|sdpa [--rows N] [--models a,b]
+    python tools/fit_field.py DUMPS cudnn|torchao|sdpa|fixture|fixture-sdpa [--rows N] [--models a,b]
 
 For each dumped case it prints F = RMSE(model, kernel) / RMSE(kernel, float64) and the share of
 bit-identical outputs for each candidate model; for cuDNN also the share of outputs whose float32
@@ -338,43 +338,82 @@ def run_torchao(a) -> int:
 OLD_SDPA = "fa3-bf16-bwd-bf16,bm=128,bn=64,order=forward,bwd.bm=64,bwd.bn=128"  # reports/h200/backward's check
 
 
-def sdpa_end_to_end(t: dict, c, spec: str) -> dict:
+def sdpa_end_to_end(t: dict, c, spec: str, bwd_spec: str | None = None) -> dict:
     """F of O, dQ, dK, dV of the recipe's own forward and backward (as backward_h200.py's check) against
-    the kernel's: {name: fidelity dict}."""
-    from fa3_numerics.numerics.backward import emulate_backward
+    the kernel's: {name: fidelity dict}. ``bwd_spec``: the backward's recipe where it differs."""
+    from fa3_numerics.numerics.backward import backward_from, run_forward
     from fa3_numerics.numerics.backward_reference import reference_gradients
     from fa3_numerics.numerics.recipe import Recipe
 
     q, k, v, do = (t[x].double() for x in ("q", "k", "v", "do"))
     ref = dict(zip(("o", "dq", "dk", "dv"), reference_gradients(q, k, v, do, causal=c.causal)))
-    gr = emulate_backward(Recipe.from_str(spec), q, k, v, do, causal=c.causal)
+    fwd = run_forward(Recipe.from_str(spec), q, k, v, causal=c.causal)
+    gr = backward_from(Recipe.from_str(bwd_spec or spec), q, k, v, fwd, do, causal=c.causal)
     got = {"o": gr.forward.o, "dq": gr.dq, "dk": gr.dk, "dv": gr.dv}
-    return {nm: fidelity(got[nm], t[nm], ref[nm]) for nm in got}
+    out = {nm: fidelity(got[nm], t[nm], ref[nm]) for nm in got}
+    for nm in ("dq", "dk", "dv"):
+        out[nm]["worst_row"] = worst_row(got[nm], t[nm], ref[nm])
+    return out
+
+
+def worst_row(model: torch.Tensor, kernel: torch.Tensor, ref: torch.Tensor) -> dict:
+    """The row (over heads and positions) that holds the most of RMSE(model, kernel), and F without it:
+    one BF16 flip of a large dS moves a whole dQ row (and a dK row), so F over a few hundred thousand
+    values can be one row's"""
+    e = (model.double() - kernel.double()).pow(2).sum(-1).flatten()
+    top = int(e.argmax())
+    d = model.shape[-1]
+    rest = ((e.sum() - e[top]) / (model.numel() - d)).sqrt().item()
+    r = (kernel.double() - ref.double()).pow(2).mean().sqrt().item()
+    return {"row": top, "share": (e[top] / e.sum()).item() if e.sum() else 0.0,
+            "F_without": rest / r if r else math.nan,
+            "differing": int((model.double() != kernel.double()).sum())}
+
+
+def sdpa_meta(folder: Path) -> dict:
+    """Each SDPA case's metadata from the folder's dump_field*.json (parts sdpa and sdpa-more)."""
+    out: dict = {}
+    for f in sorted(folder.glob("dump_field*.json")):
+        m = json.loads(f.read_text())
+        for part in ("sdpa", "sdpa-more"):
+            out.update(m.get(part, {}).get("cases", {}))
+    return out
 
 
 def run_sdpa(a) -> int:
-    from dump_field import SDPA_FIT, SDPA_GQA, SDPA_HOLDOUT
+    from dump_field import SDPA_FIT, SDPA_GQA, SDPA_HOLDOUT, SDPA_MORE
     from fa3_numerics.numerics.backward import Forward, backward_from, run_forward
     from fa3_numerics.numerics.backward_reference import reference_gradients
     from fa3_numerics.numerics.recipe import Recipe
 
-    meta = json.loads((a.dumps / "dump_field.json").read_text())["sdpa"]["cases"]
+    meta = sdpa_meta(a.dumps)
     models = a.models.split(";") if a.models else [
         "fa3-bf16-bwd-bf16,bm=128,bn=64,order=forward,bwd.bm=64,bwd.bn=128"]
-    sets = (("sdpa_bwd_fit.safetensors", SDPA_FIT), ("sdpa_bwd_holdout.safetensors", SDPA_HOLDOUT + [SDPA_GQA]))
+    sets = tuple((f, cs) for f, cs in (("sdpa_bwd_fit.safetensors", SDPA_FIT),
+                                       ("sdpa_bwd_holdout.safetensors", SDPA_HOLDOUT + [SDPA_GQA]),
+                                       ("sdpa_bwd_more.safetensors", SDPA_MORE))
+                 if (a.dumps / f).exists() or f != "sdpa_bwd_more.safetensors")
     if a.cases:
         sets = tuple((f, [c for c in cs if c.name in a.cases.split(",")]) for f, cs in sets)
     if a.table:
         from fa3_numerics.numerics.recipe import get_recipe
 
-        specs = {"before": OLD_SDPA, "after": get_recipe("sdpa-flash-bf16").recipe.short_str()}
+        specs = {"before": (OLD_SDPA, None), "after": (get_recipe("sdpa-flash-bf16").recipe.short_str(), None)}
+        if a.fa2math:
+            # fa2math in the forward and in the backward separately (the preset's choice of both)
+            base = "sdpa-flash-bf16,fa2math="
+            specs = {f"fwd_{f}_bwd_{b}": (base + f, base + b) for f in ("torch", "fa3") for b in ("torch", "fa3")}
         rows = []
         for fname, cases in sets:
             g = groups(load(a.dumps / fname)[0])
             for c in cases:
                 row = {"case": c.name, "seed": c.seed, "file": fname}
-                for label, spec in specs.items():
-                    for nm, fid in sdpa_end_to_end(g[c.name], c, spec).items():
+                for label, (spec, bwd_spec) in specs.items():
+                    for nm, fid in sdpa_end_to_end(g[c.name], c, spec, bwd_spec).items():
+                        if nm != "o":
+                            w = fid.pop("worst_row")
+                            row[f"F_{nm}_{label}_without_worst_row"] = w["F_without"]
+                            row[f"differing_{nm}_{label}"] = w["differing"]
                         row[f"F_{nm}_{label}"] = fid["F"]
                         row[f"identical_{nm}_{label}"] = fid["identical"]
                         row[f"rmse_{nm}_kernel"] = fid["rmse_kernel"]
@@ -385,7 +424,7 @@ def run_sdpa(a) -> int:
     for fname, cases in sets:
         g = groups(load(a.dumps / fname)[0])
         for c in cases:
-            t, info = g[c.name], meta[c.name]
+            t, info = g[c.name], meta.get(c.name, {})
             q, k, v, do = (t[x].double() for x in ("q", "k", "v", "do"))
             o_ref, dq_ref, dk_ref, dv_ref = reference_gradients(q, k, v, do, causal=c.causal)
             ref = {"o": o_ref, "dq": dq_ref, "dk": dk_ref, "dv": dv_ref}
@@ -441,18 +480,57 @@ def write_fixture(a) -> int:
     return 0
 
 
+# heads 0 (it holds the row whose one dS flip is most of dQ's and dK's F end to end) and 2 (fa2math=fa3
+# is far off there)
+FIXTURE_SDPA_MORE = ("b_n768_d64_causal_s3", (0, 2))
+
+
+def write_fixture_sdpa(a) -> int:
+    """tests/fixtures/field_h200_sdpa_n768.safetensors: two heads of SDPA's flash forward and backward
+    on n 768 causal d 64 (sdpa_bwd_more: three splits in the forward), inputs, the kernel's O, LSE and
+    gradients, with the case's metadata in the header. The forward's split count is the same for two
+    heads as for the four dumped (fa2_loop.fa2_num_splits), so the emulator's forward on it is the
+    dumped case's."""
+    from safetensors.torch import save_file
+
+    from fa3_numerics.numerics.fa2_loop import fa2_num_splits
+
+    name, heads = FIXTURE_SDPA_MORE
+    meta = sdpa_meta(a.dumps)[name]
+    c = meta["case"]
+    shape = dict(seqlen_q=c["seqlen"], seqlen_k=c["seqlen"], head_dim=c["head_dim"])
+    if fa2_num_splits(batch=c["batch"], heads=len(heads), **shape) != fa2_num_splits(batch=c["batch"],
+                                                                                     heads=c["heads"], **shape):
+        raise SystemExit(f"{heads} head(s) of {name} would split the forward differently from the dump's")
+    t = groups(load(a.dumps / "sdpa_bwd_more.safetensors")[0])[name]
+    out = {f"{name}/{k}": t[k][:, list(heads)].contiguous()
+           for k in ("q", "k", "v", "do", "o", "lse", "dq", "dk", "dv")}
+    info = {"source": "tools/device/dump_field.py --parts sdpa-more on an H200 (reports/h200/backward/README.md)",
+            name: {**meta, "heads_kept": list(heads)}}
+    out_path = a.out if a.out != DEFAULT_FIXTURE else Path("tests/fixtures/field_h200_sdpa_n768.safetensors")
+    save_file(out, str(out_path), metadata={"info": json.dumps(info)})
+    print(f"wrote {out_path} ({out_path.stat().st_size / 2**20:.2f} MiB)")
+    return 0
+
+
+DEFAULT_FIXTURE = Path("tests/fixtures/field_h200.safetensors")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dumps", type=Path)
-    ap.add_argument("part", choices=("cudnn", "torchao", "sdpa", "fixture"))
-    ap.add_argument("--out", type=Path, default=Path("tests/fixtures/field_h200.safetensors"))
+    ap.add_argument("part", choices=("cudnn", "torchao", "sdpa", "fixture", "fixture-sdpa"))
+    ap.add_argument("--out", type=Path, default=DEFAULT_FIXTURE)
     ap.add_argument("--models", default="")
     ap.add_argument("--rows", type=int, default=0)
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--table", action="store_true", help="F before/after the fit per case (the README's table)")
+    ap.add_argument("--fa2math", action="store_true",
+                    help="with --table: the preset with fa2math=torch/fa3 in the forward and the backward separately")
     a = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
-    return {"cudnn": run_cudnn, "torchao": run_torchao, "sdpa": run_sdpa, "fixture": write_fixture}[a.part](a)
+    return {"cudnn": run_cudnn, "torchao": run_torchao, "sdpa": run_sdpa, "fixture": write_fixture,
+            "fixture-sdpa": write_fixture_sdpa}[a.part](a)
 
 
 if __name__ == "__main__":

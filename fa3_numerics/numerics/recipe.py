@@ -297,7 +297,14 @@ _BACKWARD = [
            "dV 0.006-0.016 (99.8-99.99% identical; F 0.008-0.035 with fa2math=fa3, 0.34-0.95 before the fit); the "
            "backward from the kernel's O and LSE F 0.000-0.008 (99.96-100%). What remains is the LSE: 86-90% of its "
            "values identical (the hardware's ex2 and lg2 are not bit-reproduced), and one differing P moves a "
-           "row's dK/dV; dQ's atomicAdd order is not modelled. Requires: sm80+"),
+           "row's dK/dV; dQ's atomicAdd order is not modelled. fa2math=torch is kept in both passes although on the "
+           "H200 hold-out at n 768 causal it gave dQ F 0.051 and dK 0.069 (0.011 / 0.021 with fa2math=fa3): 99% of "
+           "that is one row, whose LSE is an ulp below the kernel's and whose dS at its dominant key (P 0.23) flips a "
+           "BF16 ulp (without that row 0.009 / 0.009; 12% of LSE rows an ulp off at random gives dQ/dK F 0.004-0.02 "
+           "with everything else the kernel's); over 7 dumped cases torch in both passes misses the fewest values "
+           "of every gradient (dQ 1235, dK 2046, dV 691 against 2767, 5079, 1797 with fa3; fa2math=torch in one "
+           "pass only is in between) and has the lower F in 24 of 28 case-outputs "
+           "(tools/fit_field.py DUMPS sdpa --table --fa2math). Requires: sm80+"),
     Preset("cudnn-fp8", dataclasses.replace(_CUDNN_FWD, **_FP8_BWD),
            "cuDNN's FP8 attention, forward and backward, as TransformerEngine runs it (TE #768, NVTE_FP8_DPA_BWD=1; "
            "cudnn-frontend sdpa_fp8 / sdpa_fp8_backward, docs/operations/Attention.md): Q, K, V, O, dO, S (= P) and "

@@ -128,3 +128,50 @@ def test_sdpa_flash_torch_math_gives_the_kernels_lse_and_gradients(dump):
     assert ctl["alone"]["dq"] > 0.01  # P's exp2 correctly rounded misses the kernel's dQ
     assert max(got["e2e"].values()) <= 0.01, got["e2e"]  # the bar, forward and backward end to end
     assert ctl["e2e"]["dq"] > 0.01
+
+
+FIX_N768 = Path(__file__).resolve().parents[1] / "fixtures" / "field_h200_sdpa_n768.safetensors"
+
+
+def test_sdpa_flash_torch_math_on_three_splits_and_one_dS_flip():
+    # two heads of SDPA's flash forward and backward at n 768 causal d 64 (three splits in the forward, the
+    # H200 holdout's shape; tools/fit_field.py fixture-sdpa). Under fa2math=torch the end-to-end dQ and dK
+    # F (0.071 and 0.092 on these heads) are one row's: row 759's LSE is one float32 ulp below the kernel's,
+    # which flips the BF16 rounding of its dS at its dominant key (P 0.23, dS ~1.5) and so moves the whole
+    # dQ row and that key's dK row by an ulp (|K| up to 26). fa2math=fa3 is the negative control: its
+    # LSE is further from the kernel's, and it misses more of every output's values.
+    from safetensors.torch import load_file
+
+    from fa3_numerics.numerics.backward import emulate_backward
+
+    t = {key.split("/", 1)[1]: x for key, x in load_file(str(FIX_N768)).items()}
+    q, k, v, do = (t[x].double() for x in ("q", "k", "v", "do"))
+    ref = dict(zip(("o", "dq", "dk", "dv"), reference_gradients(q, k, v, do, causal=True)))
+    res = {}
+    for math_ in ("torch", "fa3"):
+        r = Recipe.from_str(f"sdpa-flash-bf16,fa2math={math_}")
+        g = emulate_backward(r, q, k, v, do, causal=True)
+        got = {"o": g.forward.o, "dq": g.dq, "dk": g.dk, "dv": g.dv}
+        res[math_] = {"g": g, "r": r, "lse": (g.forward.lse == t["lse"]).double().mean().item(),
+                      "F": {nm: _fid(x, t[nm], ref[nm]) for nm, x in got.items()},
+                      "differing": {nm: int((x != t[nm].double()).sum()) for nm, x in got.items()}}
+    got, ctl = res["torch"], res["fa3"]
+    assert got["lse"] >= 0.87 and ctl["lse"] <= 0.8  # 88% against 75%
+    assert got["F"]["o"] <= 0.002 < ctl["F"]["o"]  # 0.0006 against 0.0042
+    for nm in ("dq", "dk", "dv"):  # dQ 65 against 103, dK 59 against 126, dV 16 against 62 of 98,304
+        assert got["differing"][nm] < 0.8 * ctl["differing"][nm], (nm, got["differing"], ctl["differing"])
+    assert got["F"]["dv"] <= 0.01
+    # the flip: dQ's error is row 759 of head 0, dK's the row of its dominant key
+    g = got["g"]
+    err_q = (g.dq - t["dq"].double()).pow(2).sum(-1)[0]
+    err_k = (g.dk - t["dk"].double()).pow(2).sum(-1)[0]
+    s_759 = q[0, 0, 759] @ k[0, 0, :760].T
+    assert int(err_q.flatten().argmax()) == 759 and err_q[0, 759] > 0.9 * err_q.sum()
+    assert int(err_k.flatten().argmax()) == int(s_759.argmax()) and err_k.flatten().max() > 0.9 * err_k.sum()
+    lse = g.forward.lse.clone()
+    assert torch.nextafter(lse[0, 0, 759], torch.tensor(float("inf"))) == t["lse"][0, 0, 759]
+    assert max(got["F"]["dq"], got["F"]["dk"]) > 0.05  # the flip, as measured
+    lse[0, 0, 759] = t["lse"][0, 0, 759]
+    fixed = backward_from(got["r"], q, k, v, Forward(g.forward.o, lse), do, causal=True)
+    for nm in ("dq", "dk", "dv"):  # the kernel's LSE on that one row: every gradient within the bar
+        assert _fid(getattr(fixed, nm), t[nm], ref[nm]) <= 0.01, nm
