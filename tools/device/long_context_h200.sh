@@ -8,8 +8,8 @@
 # Expected (estimated from the emulator's ~260 PyTorch ops per KV tile at ~7 us each on the GPU and
 # the tile counts): setup ~40 s, stage 1 ~25 s, stage 2 ~50 s, stage 3 (256K) ~160 s: about 4.5 min.
 # The study runs in stages into one cache (/tmp/lc/.cells), so each stage computes only its new
-# lengths; after every stage the dataset and report are copied to $OUT/long-context (6 files:
-# long_context.nc, report.md, report.html, needle_share.png/.svg, run.log). A stage cut by the time
+# lengths; after every stage the dataset and report are copied to $OUT/long-context (7 files:
+# long_context.nc, report.md, report.html, needle_share.png/.svg, run.log; and cells.tgz, the cell cache). A stage cut by the time
 # budget (LC_BUDGET seconds for the whole call, default 330) leaves the previous stage's files.
 # CPU rehearsal (no GPU, a stand-in kernel, tiny sizes): LC_DRY=1 bash tools/device/long_context_h200.sh
 set -o pipefail
@@ -49,6 +49,9 @@ COMMON+=(${LC_ARGS:-})
 # the seconds a stage must have left to start: the last (256K) needs about twice the 128K stage
 NEED=(30 60 150)
 
+if [ -n "${LC_CELLS:-}" ] && [ -f "$LC_CELLS" ]; then
+  mkdir -p /tmp/lc && tar -xzf "$LC_CELLS" -C /tmp/lc && echo "[long-context] resumed the cell cache of $LC_CELLS"
+fi
 for i in "${!STAGES[@]}"; do
   t=$(left)
   if [ "$t" -lt "${NEED[$i]}" ]; then echo "[long-context] ${t}s left: stage ${STAGES[$i]} skipped"; break; fi
@@ -62,5 +65,13 @@ for i in "${!STAGES[@]}"; do
 done
 # the copied report.md points at figures/: the figure lies beside it in $DEST
 sed -i 's#(figures/needle_share#(needle_share#; s#`figures/needle_share#`needle_share#' "$DEST/report.md" 2>/dev/null
+# The cell cache comes back too (when it fits one returned file): cells a stage finished before the
+# time budget cut it are then not lost with the machine. To resume from it in a later call, carry it
+# and unpack it first: tar -xzf cells.tgz -C /tmp/lc (LC_CELLS=path/cells.tgz does that).
+if [ -d /tmp/lc/.cells ]; then
+  tar -C /tmp/lc -czf /tmp/lc-cells.tgz .cells && size=$(stat -c %s /tmp/lc-cells.tgz) && \
+    if [ "$size" -lt $((15 * 1024 * 1024)) ]; then cp /tmp/lc-cells.tgz "$DEST/cells.tgz"; \
+    else echo "[long-context] the cell cache is $((size / 1048576)) MiB: over what a returned file may be, not copied"; fi
+fi
 step "done"
 ls -la "$DEST"
