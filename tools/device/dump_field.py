@@ -164,7 +164,7 @@ def _stride(shape):
 SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
 
 
-def _train_graph(dev, b, h, n, nk, d, causal, scale, handle):
+def _train_graph(dev, b, h, hk, n, nk, d, causal, scale, handle):
     """sdpa_fp8 with is_inference=False: the stats (per-row log-sum-exp, float32 [B, H, N, 1])
     beside O, in the backend's layout and data types, on the backend's cuDNN ``handle``."""
     from fa3_numerics.kernels.cudnn import load_kernel
@@ -174,7 +174,8 @@ def _train_graph(dev, b, h, n, nk, d, causal, scale, handle):
     graph = cudnn.pygraph(io_data_type=dt.FP8_E4M3, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT,
                           handle=handle)
     t = {}
-    for name, shape in (("q", [b, h, n, d]), ("k", [b, h, nk, d]), ("v", [b, h, nk, d])):
+    # K and V with their own head count (hk < h: grouped-query attention)
+    for name, shape in (("q", [b, h, n, d]), ("k", [b, hk, nk, d]), ("v", [b, hk, nk, d])):
         t[name] = graph.tensor(name=name, dim=shape, stride=_stride(shape), data_type=dt.FP8_E4M3)
     for name in SCALARS:
         t[name] = graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.FLOAT)
@@ -259,11 +260,12 @@ def cudnn_run_case(tag, q, k, v, causal, dev, dry, *, scale=None, scale_s_list=N
         run_train = run
         info["engine"] = "dry stand-in"
     else:
-        entry = kc.build_graph(dev, b, h, h, n, nk, d, d, causal, scale, "e4m3")
+        # the graphs take K and V's own head count: declared as h, a GQA case reads past K and V
+        entry = kc.build_graph(dev, b, h, k.shape[1], n, nk, d, d, causal, scale, "e4m3")
         run = lambda i, so: kc.run_graph(entry, i, so, "e4m3")  # noqa: E731
         info["engine"] = entry["engine"]
         try:
-            run_train = _train_graph(dev, b, h, n, nk, d, causal, scale, entry["handle"])
+            run_train = _train_graph(dev, b, h, k.shape[1], n, nk, d, causal, scale, entry["handle"])
         except Exception as exc:  # noqa: BLE001 - cuDNN's refusals are its own types; the rest still counts
             info["train_graph_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             run_train = None
