@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     from fa3_numerics.engine.backends import get_backend
     from fa3_numerics.engine.inputs import DistInputs
     from fa3_numerics.numerics.emulator import emulate
+    from fa3_numerics.numerics.metrics import fidelity
+    from fa3_numerics.numerics.reference import reference_attention
     from fa3_numerics.studies.validate import case_recipe, grid
 
     kernel = get_backend(args.backend)
@@ -64,13 +66,11 @@ def main(argv=None) -> int:
         o_k = kernel.attention(r, q, k, v, causal=c.causal, q_index=idx, rotation_seed=c.seed, cache={},
                                softmax_scale=scale)
         o_e = emulate(r, q, k, v, causal=c.causal, softmax_scale=scale, q_index=idx, rotation_seed=c.seed, cache={})
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            q.double(), k.double().repeat_interleave(c.heads // c.kv_heads, 1),
-            v.double().repeat_interleave(c.heads // c.kv_heads, 1), is_causal=c.causal, scale=scale)
+        ref = reference_attention(q, k, v, causal=c.causal, softmax_scale=scale)
         hk = h // (c.heads // c.kv_heads)
         ok, oe, rf = o_k[0, h], o_e[0, h], ref[0, h]
-        f = float((oe - ok).pow(2).mean().sqrt() / (ok - rf).pow(2).mean().sqrt())
-        ident = float((oe == ok).double().mean())
+        fid = fidelity(oe, ok, rf)
+        f, ident = fid["F"], fid["identical"]
         print(f"{args.backend} {name} head {h}: F {f:.4f}, identical {ident:.1%}", flush=True)
         p = f"{name}/h{h}/"
         out_dtype = torch.float16 if r.inp == "fp16" else torch.bfloat16
