@@ -10,8 +10,8 @@
 #   holdout    field_holdout.sh (cudnn-fp8, torchao-fp8, SDPA backward on unseen data)
 #   gpus       benchmarks/bench_gpus.py --gpus 1 (the one pinned dask worker path; .whl/dask/), GPUS_ARGS added
 #   cudnnbwd   tools/device/cudnn_bwd_h200.py (cuDNN's FP8 backward against cudnn-fp8-kernel)
-#   sdpahold   SDPA flash BF16 fwd+bwd against sdpa-flash-bf16 on field_holdout.sh's two unseen cases
-#   cudnnval   validate --backend cudnn-fp8 --grid small
+#   sdpahold   field_holdout.sh's SDPA part (flash BF16 fwd+bwd against sdpa-flash-bf16, two unseen cases)
+#   cudnnval   field_holdout.sh's cuDNN part (validate --backend cudnn-fp8 --grid small)
 #   dumpfield  tools/device/dump_field.py --parts $DUMP_PARTS (default cudnn-more)
 # Device tool, from the checkout's root, e.g.
 #   run(command="PARTS='sage1 sage2 sagedump' bash tools/device/batch_h200.sh", carry=[".whl", ".sage2build"])
@@ -29,7 +29,7 @@ export TRITON_CACHE_DIR=/tmp/tcache
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 python3 -c "import torch; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version())"
 git log -1 --format='commit %H %s' 2>/dev/null || true
-SAGE2_PKG=/tmp/sage2/pkg
+SAGE2_PKG=/tmp/sage2/pkg  # where sage2_h200.sh unpacks it too
 sage2_ready() {
   [ -d "$SAGE2_PKG" ] || timeout 60 python3 tools/device/sage2_build.py unpack \
     --tar "${SAGE2_TAR:-.sage2build/sage2-sm90.tar.gz}" --pkg "$SAGE2_PKG"
@@ -49,8 +49,8 @@ for part in ${PARTS:-sage1 sage2}; do
   case $part in
     sage1) SAGE_GRIDS="small stress" SAGE_KEEP=1 SAGE_TIMEOUT=150 OUT="$W/sage1" bash tools/device/sage_h200.sh ;;
     sage1cap) SAGE_GRIDS=captured SAGE_KEEP=1 SAGE_TIMEOUT=200 OUT="$W/sage1" bash tools/device/sage_h200.sh ;;
-    sage2) sage2_ready && SAGE2_VAL_TIMEOUT=120 OUT="$W/sage2" bash tools/device/sage2_h200.sh ;;
-    sage2cap) sage2_ready && SAGE2_GRIDS=captured SAGE2_VAL_TIMEOUT=200 OUT="$W/sage2" bash tools/device/sage2_h200.sh ;;
+    sage2) SAGE2_VAL_TIMEOUT=120 OUT="$W/sage2" bash tools/device/sage2_h200.sh ;;
+    sage2cap) SAGE2_GRIDS=captured SAGE2_VAL_TIMEOUT=200 OUT="$W/sage2" bash tools/device/sage2_h200.sh ;;
     sagedump)
       [ -n "${SAGE1_DUMP:-}" ] && dump sage1 $SAGE1_DUMP
       [ -n "${SAGE2_DUMP:-}" ] && sage2_ready && FA3N_SAGE2_PATH=$SAGE2_PKG dump sage2 $SAGE2_DUMP ;;
@@ -73,12 +73,8 @@ EOF
     cudnnval) timeout 120 fa3-numerics validate --backend cudnn-fp8 --device cuda --grid small --out "$W/cudnn-val" \
         2>&1 | tail -n 30 ;;
     cudnnbwd) timeout 120 python3 tools/device/cudnn_bwd_h200.py --out "$W/cudnn-bwd" ;;
-    sdpahold)
-      mkdir -p "$W/sdpa-gqa" "$W/sdpa-causal"
-      timeout 60 python3 tools/device/backward_h200.py --checks sdpa --seqlen 1024 --heads 8 --kv-heads 2 \
-        --head-dim 128 --seeds 2 --sdpa-recipe sdpa-flash-bf16 --out "$W/sdpa-gqa"
-      timeout 60 python3 tools/device/backward_h200.py --checks sdpa --seqlen 768 --heads 4 --kv-heads 4 \
-        --head-dim 64 --causal --seeds 3 --sdpa-recipe sdpa-flash-bf16 --out "$W/sdpa-causal" ;;
+    sdpahold) HOLDOUT_PARTS=sdpa OUT="$W/sdpa-hold" bash tools/device/field_holdout.sh ;;
+    cudnnval) HOLDOUT_PARTS=cudnn OUT="$W/cudnn-val" bash tools/device/field_holdout.sh ;;
     dumpfield) timeout 200 python3 tools/device/dump_field.py --parts "${DUMP_PARTS:-cudnn-more}" --out "$W/field" ;;
     *) echo "[batch] unknown part $part" ;;
   esac

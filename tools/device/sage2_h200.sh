@@ -19,7 +19,9 @@ T0=$(date +%s)
 PKG=/tmp/sage2/pkg
 if [ -n "${SAGE2_BUILD:-}" ]; then
   OUT="$OUT/build" bash tools/device/sage2_build.sh || { echo "sage2 build failed: see $OUT/build/build.log"; exit 3; }
-else
+elif [ ! -d "$PKG" ]; then
+  # a warm machine keeps /tmp: a package an earlier call unpacked serves this one (then .sage2build
+  # need not be carried again)
   timeout 60 python3 tools/device/sage2_build.py unpack --tar "${SAGE2_TAR:-.sage2build/sage2-sm90.tar.gz}" --pkg "$PKG" || exit 3
 fi
 echo "== package ready at +$(( $(date +%s) - T0 ))s"
