@@ -46,8 +46,7 @@ import math
 import torch
 
 from ..errors import UsageError
-from .emulator import emulate
-from .fa2_loop import exp2_toward_zero
+from .emulator import emulate, exp2_rz
 from .families import family
 from .formats import cast, get_format, quantize_dequantize
 from .granularity import PerBlock, PerHead, PerTensor, PerToken
@@ -371,7 +370,7 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
         # subtract (two roundings where FFMA has one: both are ~|x| 2^-24 in the exponent) and torch's
         # exp2, in place; an infinite LSE (a row that saw no key) gives 0
         if torch_exp2:
-            p = exp2_toward_zero(s.mul_(sl2).sub_(lse2))  # fa2math=torch: exp2f as the forward's
+            p = exp2_rz(s.mul_(sl2).sub_(lse2))  # fa2math=torch: exp2f as the forward's
         else:
             p = torch.exp2(s.mul_(sl2).sub_(lse2), out=s)
         if causal:

@@ -1,7 +1,7 @@
 """FlashAttention-2's forward as PyTorch SDPA's flash kernel runs it on Hopper (``loop=fa2``).
 
 Exposed: ``FA2_FWD_TILES``, ``FA2_BWD_TILES``, ``fa2_tiles``, ``fa2_bwd_tiles``, ``fa2_num_splits``,
-``split_block_n``, ``exp2_toward_zero``, ``flash_fa2``.
+``split_block_n``, ``flash_fa2``.
 
 torch's ``_scaled_dot_product_flash_attention`` is FlashAttention-2 (aten/src/ATen/native/transformers/
 cuda/flash_attn/), compiled for sm80 and run as mma.sync on an H100/H200. What it computes, from its
@@ -34,7 +34,7 @@ Modelling choices, stated: the combine's exp and log are correctly rounded float
 - torch defines ``UNFUSE_FMA`` (pytorch #121558), so softmax.h ``scale_apply_exp2`` computes
   exp2f(__fmul_rn(S, scale_log2) - max_scaled): S scaled with its own rounding, then the subtract
   (FA3: one FFMA). Forward O F 0.0106 -> 0.0048 on the causal d 64 dump;
-- exp2f's result taken rounded toward zero: the hardware's ex2 lands below the correctly rounded
+- exp2f's result taken rounded toward zero (``emulator.exp2_rz``): the hardware's ex2 lands below the correctly rounded
   value more often than above it (the backward alone from the kernel's O and LSE: dV F 0.0079 ->
   0.0005 at head dim 128);
 - the LSE is ``normalize_softmax_lse``'s row_max * softmax_scale + __logf(row_sum): the plain scale
@@ -98,21 +98,10 @@ def fa2_num_splits(*, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head
     return next((s for s in range(1, most + 1) if eligible(s) and eff[s] >= 0.85 * best), 1)
 
 
-def exp2_toward_zero(x: torch.Tensor) -> torch.Tensor:
-    """float32 exp2 rounded toward zero (``fa2math=torch``'s model of exp2f)."""
-    r = torch.exp2(x.double())
-    y = r.to(torch.float32)
-    return torch.where(y.double() > r, torch.nextafter(y, torch.zeros_like(y)), y)
-
-
 def _log2_toward_zero(x: torch.Tensor) -> torch.Tensor:
     r = torch.log2(x.double())
     y = r.to(torch.float32)
     return torch.where(y.double().abs() > r.abs(), torch.nextafter(y, torch.zeros_like(y)), y)
-
-
-def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    return (a.double() * b.double() + c.double()).to(torch.float32)
 
 
 def _flash_torch(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float, stats: dict | None,
@@ -122,7 +111,7 @@ def _flash_torch(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float,
     (+inf where a row saw no key)."""
     from ..errors import UsageError
     from .accumulators import accumulator_for, hopper_mma_on
-    from .emulator import _quad_row_sum, _quad_total, write_out
+    from .emulator import _fma32, _quad_row_sum, _quad_total, exp2_rz, write_out
     from .families import element_format, family, mma_format
     from .formats import get_format, quantize_dequantize
     from .mma import hopper_mma
@@ -165,10 +154,10 @@ def _flash_torch(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float,
         m_cur = torch.where(finite, m, torch.zeros_like(m))
         if t != t_hi - 1:
             # softmax_rescale_o: exp2f((m_prev - m_cur) * scale_log2), the row sum and O rescaled
-            alpha = exp2_toward_zero(((m_prev - m_cur) * sl2).to(f32))
+            alpha = exp2_rz(((m_prev - m_cur) * sl2).to(f32))
             rs4, acc = rs4 * alpha, acc * alpha
         max_scaled = torch.where(finite, (m * sl2).to(f32), torch.zeros_like(m))
-        p = exp2_toward_zero(((s * sl2).to(f32) - max_scaled).to(f32))  # UNFUSE_FMA: two roundings
+        p = exp2_rz(((s * sl2).to(f32) - max_scaled).to(f32))  # UNFUSE_FMA: two roundings
         rs4 = _quad_row_sum(rs4, p)
         acc = accumulate(acc, quantize_dequantize(p, p_fmt), vn[:, :, s0:s1].to(f32), acc_fmts)
     row_sum = _quad_total(rs4)
@@ -200,19 +189,17 @@ def flash_fa2(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float, st
               *, num_sms: int = H200_SMS) -> torch.Tensor:
     """The forward of torch's FA2 (module docstring) on the emulator's prepared inputs: [B, H, R, Dv]
     float64 holding values of the output format; ``stats["lse"]`` the LSE its backward reads."""
-    from .emulator import _flash, write_out  # noqa: F811
+    from .emulator import _flash, write_out
 
     b, h = pre.q.values.shape[:2]
     d = pre.q.values.shape[-1]
     nk = pre.seqlen_k
     rev = dataclasses.replace(recipe, order="reverse")
     torch_math = getattr(recipe, "fa2math", "fa3") == "torch"
-    if torch_math:
-        def _flash(rec, p, qi, c, sc, st, tile_range=None):  # noqa: F811 - torch's tile step
-            return _flash_torch(rec, p, qi, c, sc, st, tile_range)
+    tile_pass = _flash_torch if torch_math else _flash  # torch's tile step, or FA3's
     splits = fa2_num_splits(batch=b, heads=h, seqlen_q=pre.seqlen_q, seqlen_k=nk, head_dim=d, num_sms=num_sms)
     if splits <= 1:
-        return _flash(rev, pre, q_index, causal, scale, stats)
+        return tile_pass(rev, pre, q_index, causal, scale, stats)
     bn = split_block_n(d)
     ps = dataclasses.replace(pre, block_m=_SPLIT_BLOCK_M, block_n=bn)
     n_tiles = -(-nk // bn)
@@ -225,7 +212,7 @@ def flash_fa2(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float, st
         if t1 <= t0:
             continue  # an empty split writes O = 0 and lse = -inf: it adds nothing
         st: dict = {}
-        o_parts.append(_flash(part, ps, q_index, causal, scale, st, tile_range=(t0, t1)).to(f32))
+        o_parts.append(tile_pass(part, ps, q_index, causal, scale, st, tile_range=(t0, t1)).to(f32))
         lse = st["lse"]
         lse_parts.append(torch.where(torch.isfinite(lse), lse, torch.full_like(lse, -math.inf)))
     lse_all = torch.stack(lse_parts)  # [S, B, H, R]
@@ -249,4 +236,4 @@ def flash_fa2(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float, st
 
 
 __all__ = ["FA2_FWD_TILES", "FA2_BWD_TILES", "fa2_tiles", "fa2_bwd_tiles", "fa2_num_splits", "split_block_n",
-           "exp2_toward_zero", "flash_fa2"]
+           "flash_fa2"]
