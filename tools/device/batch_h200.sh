@@ -13,6 +13,8 @@
 #   sdpahold   field_holdout.sh's SDPA part (flash BF16 fwd+bwd against sdpa-flash-bf16, two unseen cases)
 #   cudnnval   field_holdout.sh's cuDNN part (validate --backend cudnn-fp8 --grid small)
 #   dumpfield  tools/device/dump_field.py --parts $DUMP_PARTS (default cudnn-more)
+#   val        fa3-numerics validate for each BACKEND:GRID in VAL (fp22: the presets' accumulator; VAL_S seconds each)
+#   mufu       tools/device/mufu_probe.py (exact outputs of ex2/lg2.approx for bit-exact CPU models)
 # Device tool, from the checkout's root, e.g.
 #   run(command="PARTS='sage1 sage2 sagedump' bash tools/device/batch_h200.sh", carry=[".whl", ".sage2build"])
 # A warm machine keeps what earlier calls carried and installed, so a later call may carry other paths.
@@ -70,11 +72,18 @@ EOF
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(cat /tmp/dask-wheels.txt) || true
       fi
       timeout "${GPUS_S:-240}" python3 benchmarks/bench_gpus.py --gpus 1 --out "$W/gpus" ${GPUS_ARGS:-} ;;
-    cudnnval) timeout 120 fa3-numerics validate --backend cudnn-fp8 --device cuda --grid small --out "$W/cudnn-val" \
-        2>&1 | tail -n 30 ;;
-    cudnnbwd) timeout 120 python3 tools/device/cudnn_bwd_h200.py --out "$W/cudnn-bwd" ;;
+    cudnnbwd) timeout 120 python3 tools/device/cudnn_bwd_h200.py --out "$W/cudnn-bwd" ${CUDNNBWD_ARGS:-} ;;
     sdpahold) HOLDOUT_PARTS=sdpa OUT="$W/sdpa-hold" bash tools/device/field_holdout.sh ;;
     cudnnval) HOLDOUT_PARTS=cudnn OUT="$W/cudnn-val" bash tools/device/field_holdout.sh ;;
+    val)  # VAL="BACKEND:GRID ..." (GRID small, stress or captured: .capture/smollm2.safetensors), the preset's fp22 only
+      for bg in ${VAL:-torchao-fp8:stress}; do
+        b=${bg%%:*}; g=${bg#*:}
+        if [ "$g" = captured ]; then args=(--dist "captured:.capture/smollm2.safetensors"); else args=(--grid "$g"); fi
+        timeout "${VAL_S:-150}" fa3-numerics validate --backend "$b" --device cuda "${args[@]}" --acc "${VAL_ACC:-fp22}" \
+          --format md --out "$W/val/$b-$g" 2>&1 | grep -v "^\s*$" | tail -n 40
+        echo "[batch] val $b $g exit ${PIPESTATUS[0]}"
+      done ;;
+    mufu) timeout 120 python3 tools/device/mufu_probe.py --out "$W/mufu" ;;
     dumpfield) timeout 200 python3 tools/device/dump_field.py --parts "${DUMP_PARTS:-cudnn-more}" --out "$W/field" ;;
     *) echo "[batch] unknown part $part" ;;
   esac
