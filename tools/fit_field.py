@@ -1,6 +1,9 @@
 """Fit the arithmetic of the field's kernels from the dumps of ``tools/device/dump_field.py`` (CPU).
 
-    python tools/fit_field.py DUMPS cudnn|torchao|sdpa|fixture|fixture-sdpa [--rows N] [--models a,b]
+    python tools/fit_field.py DUMPS cudnn|cudnn-tie|torchao|sdpa|fixture|fixture-sdpa [--rows N] [--models a,b]
+
+``cudnn-tie`` (part cudnn-tie's constructed one-key rows): per run and scale_o, the model's O codes on the
+probe rows against the kernel's, and for each row that differs where its O sits from the E4M3 tie.
 
 For each dumped case it prints F = RMSE(model, kernel) / RMSE(kernel, float64) and the share of
 bit-identical outputs for each candidate model; for cuDNN also the share of outputs whose float32
@@ -87,9 +90,9 @@ def bracket(o8s: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torc
 # ----------------------------------------------------------------------------- cuDNN
 
 def cudnn_cases(dumps: Path):
-    """The cuDNN forward cases of a dump folder: part ``cudnn`` (one file) and part ``cudnn-more``
-    (one file per case), whichever the folder holds."""
-    from dump_field import CUDNN_CASES, CUDNN_MORE
+    """The cuDNN forward cases of a dump folder: part ``cudnn`` (one file), parts ``cudnn-more`` and
+    ``cudnn-gqa`` (one file per case), whichever the folder holds."""
+    from dump_field import CUDNN_CASES, CUDNN_GQA, CUDNN_MORE
 
     meta = json.loads((dumps / "dump_field.json").read_text())
     if "cudnn" in meta:
@@ -102,8 +105,15 @@ def cudnn_cases(dumps: Path):
         for c in CUDNN_MORE:
             t, _ = load(dumps / f"cudnn_{c.name}.safetensors")
             yield c, groups(t)[c.name], info[c.name]
-    if "cudnn" not in meta and "cudnn-more" not in meta:
-        raise SystemExit(f"error: {dumps} holds no cuDNN forward dump (parts cudnn or cudnn-more of dump_field.py)")
+    if "cudnn-gqa" in meta:
+        info = meta["cudnn-gqa"]["cases"]
+        for c, _, _ in CUDNN_GQA:
+            if c.name in info:
+                t, _ = load(dumps / f"cudnn_{c.name}.safetensors")
+                yield c, groups(t)[c.name], info[c.name]
+    if not {"cudnn", "cudnn-more", "cudnn-gqa"} & set(meta):
+        raise SystemExit(f"error: {dumps} holds no cuDNN forward dump (parts cudnn, cudnn-more or cudnn-gqa of "
+                         "dump_field.py)")
 
 
 def cudnn_ref_inputs(c, case: dict):
@@ -265,6 +275,105 @@ def run_cudnn(a) -> int:
             fid = score_o32(o32, case, info, lo, hi, ref)
             print(f"  {m:40s} F {fid['F']:.4f} codes {fid['codes']:.1%} inside {fid['inside']:.1%} "
                   f"|o-mid|/width {fid['rel_to_mid']:.2f} rmse kernel {fid['rmse_kernel']:.3e} model {fid['rmse_model']:.3e}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- cuDNN tie probes
+
+def _e4m3_midpoints() -> torch.Tensor:
+    return (_VALS[1:] + _VALS[:-1]) / 2
+
+
+def tie_distance(x: torch.Tensor) -> torch.Tensor:
+    """|x| minus the nearest E4M3 midpoint (a tie of round-to-nearest), in float32 ulps of x: 0 on a
+    tie, +-1 one ulp above or below it."""
+    mids = _e4m3_midpoints()
+    ax = x.abs().double()
+    i = torch.searchsorted(mids, ax.contiguous()).clamp(1, len(mids) - 1)
+    lo, hi = mids[i - 1], mids[i]
+    near = torch.where((ax - lo).abs() <= (hi - ax).abs(), lo, hi)
+    ulp = (torch.nextafter(x.abs().float(), torch.tensor(math.inf)) - x.abs().float()).double()
+    return (ax - near) / ulp.clamp_min(1e-45)
+
+
+def tie_runs(dumps: Path):
+    """(tag, tensors, info) of each run of part cudnn-tie that the folder holds."""
+    meta = json.loads((dumps / "dump_field.json").read_text())
+    if "cudnn-tie" not in meta:
+        raise SystemExit(f"error: {dumps} holds no cudnn-tie dump (part cudnn-tie of dump_field.py)")
+    cache: dict = {}
+    for tag, info in meta["cudnn-tie"]["cases"].items():
+        if "error" in info:
+            print(f"{tag}: not run on the device: {info['error']}")
+            continue
+        f = info["file"]
+        if f not in cache:
+            cache[f] = groups(load(dumps / f)[0])
+        yield tag, cache[f][tag], info
+
+
+def run_cudnn_tie(a) -> int:
+    """Per tie run: the regenerated inputs checked against the dump's bytes, the model's float32 O
+    (the preset, or --models) on the 128 probe rows, its codes at every dumped scale_o against the
+    kernel's; per row that differs anywhere: its margin, level, spread, the dominant key's position, how
+    far the model's O scale_o sits from the tie (float32 ulps) and both codes. Stats: the kernel's LSE
+    against the model's."""
+    from dump_field import TIE_ROWS, tie_inputs
+    from fa3_numerics.numerics.emulator import emulate
+    from fa3_numerics.numerics.recipe import Recipe, get_recipe
+
+    import dataclasses
+
+    models = a.models.split(";") if a.models else ["preset"]
+    total: dict = {}
+    for tag, t, info in tie_runs(a.dumps):
+        if a.cases and tag not in a.cases.split(","):
+            continue
+        q, k, v, intended, rows = tie_inputs(info["nk"], info["positions"], info["attn_scale"],
+                                             info["descale_v_requested"], info["seed"])
+        for name, ref in (("q8", intended["q8"][:, :, :TIE_ROWS]), ("k8", intended["k8"]), ("v8", intended["v8"])):
+            if not torch.equal(f8(t[name]), ref):
+                raise SystemExit(f"error: {tag}: the regenerated inputs do not give the dump's {name} bytes")
+        idx = torch.arange(TIE_ROWS)
+        kernel = t["o8"]  # [scales, B, H, rows, D] uint8
+        print(f"{tag}: nk {info['nk']} positions {info['positions']} attn_scale {info['attn_scale']:.9g} "
+              f"descale_v {info['descale_v']:.9g} amax_s(kernel) {info['amax_s_first']:.9g} "
+              f"amax_o {info['amax_o_first']:.9g}; repeats equal {all(info['repeat_rows_equal'])}, "
+              f"train O = inference O {info.get('train_o_equals_inference_o')}")
+        for m in models:
+            r = get_recipe("cudnn-fp8-fwd").recipe if m == "preset" else Recipe.from_str(m)
+            r = dataclasses.replace(r, out="fp32", oscale="none")
+            st: dict = {}
+            o32 = emulate(r, q, k, v, softmax_scale=info["attn_scale"], q_index=idx, stats=st).float()
+            diff_rows: dict = {}
+            line = []
+            for j, (so, label) in enumerate(zip(info["scale_o"], info["scale_o_labels"])):
+                x = o32 * torch.tensor(so, dtype=torch.float32)
+                codes = x.clamp(-448, 448).to(E4M3).view(torch.uint8)
+                d = codes != kernel[j]
+                near = tie_distance(x).abs() <= 2  # the cells l's last bits decide
+                line.append(f"{label} {int(d.sum())} (near a tie {int(near.sum())}, of them differing "
+                            f"{int((d & near).sum())})")
+                total[(m, label)] = total.get((m, label), 0) + int(d.sum())
+                for bi, h, i, c in d.nonzero().tolist():
+                    diff_rows.setdefault((h, i), []).append(
+                        (label, c, float(x[bi, h, i, c]), float(tie_distance(x[bi, h, i, c:c + 1])[0]),
+                         float(f8(codes[bi, h, i, c])), float(f8(kernel[j, bi, h, i, c]))))
+            print(f"  {m}: codes differing per scale_o: " + ", ".join(line))
+            if "stats" in t and "lse" in st:
+                dl = (st["lse"].double() - t["stats"][:, :, :TIE_ROWS].double())
+                print(f"  {m}: LSE model - kernel: max |d| {dl.abs().max():.3e}, rows equal "
+                      f"{(dl == 0).double().mean():.1%}")
+            # rows whose differing codes sit nearest a tie first: those are what phase 2 fits
+            order = sorted(diff_rows.items(), key=lambda kv: min(abs(it[3]) for it in kv[1]))
+            for (h, i), items in order[: a.rows or 40]:
+                rw = rows[i]
+                lab, c, x, dist, mc, kc = min(items, key=lambda it: abs(it[3]))
+                print(f"    head {h} (dominant key {info['positions'][h]}) row {i}: margin {rw['margin_log2']:.4g} "
+                      f"level {rw['level_log2']:.4g} spread {rw['spread']}; {len(items)} codes differ, nearest a tie "
+                      f"{lab} col {c}: model O*scale_o {x:.9g} ({dist:+.2f} ulp from a tie) -> {mc:g}, kernel {kc:g}")
+    if total:
+        print("codes differing over all runs: " + ", ".join(f"{m} {lab} {n}" for (m, lab), n in total.items()))
     return 0
 
 
@@ -519,7 +628,7 @@ DEFAULT_FIXTURE = Path("tests/fixtures/field_h200.safetensors")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dumps", type=Path)
-    ap.add_argument("part", choices=("cudnn", "torchao", "sdpa", "fixture", "fixture-sdpa"))
+    ap.add_argument("part", choices=("cudnn", "cudnn-tie", "torchao", "sdpa", "fixture", "fixture-sdpa"))
     ap.add_argument("--out", type=Path, default=DEFAULT_FIXTURE)
     ap.add_argument("--models", default="")
     ap.add_argument("--rows", type=int, default=0)
@@ -529,7 +638,8 @@ def main(argv=None) -> int:
                     help="with --table: the preset with fa2math=torch/fa3 in the forward and the backward separately")
     a = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
-    return {"cudnn": run_cudnn, "torchao": run_torchao, "sdpa": run_sdpa, "fixture": write_fixture,
+    return {"cudnn": run_cudnn, "cudnn-tie": run_cudnn_tie, "torchao": run_torchao, "sdpa": run_sdpa,
+            "fixture": write_fixture,
             "fixture-sdpa": write_fixture_sdpa}[a.part](a)
 
 
