@@ -47,6 +47,9 @@ dump() {  # backend, "grid=CASE:HEAD ..."
 }
 for part in ${PARTS:-sage1 sage2}; do
   t=$(date +%s)
+  # BATCH_BUDGET: no part starts past this many seconds, so the packing still runs inside the call's limit
+  if [ -n "${BATCH_BUDGET:-}" ] && [ $(( t - T0 )) -gt "$BATCH_BUDGET" ]; then
+    echo "[batch] SKIPPED part $part: past BATCH_BUDGET=${BATCH_BUDGET}s"; continue; fi
   step "part $part"
   case $part in
     sage1) SAGE_GRIDS="small stress" SAGE_KEEP=1 SAGE_TIMEOUT=150 OUT="$W/sage1" bash tools/device/sage_h200.sh ;;
@@ -84,12 +87,22 @@ EOF
         echo "[batch] val $b $g exit ${PIPESTATUS[0]}"
       done ;;
     mufu) timeout 120 python3 tools/device/mufu_probe.py --out "$W/mufu" ;;
-    dumpfield) timeout 200 python3 tools/device/dump_field.py --parts "${DUMP_PARTS:-cudnn-more}" --out "$W/field" ;;
+    dumpfield) timeout "${DUMP_S:-200}" python3 tools/device/dump_field.py --parts "${DUMP_PARTS:-cudnn-more}" --out "$W/field" ;;
     *) echo "[batch] unknown part $part" ;;
   esac
   echo "[batch] part $part rc=$? in $(( $(date +%s) - t ))s"
+  # the folders each part wrote, in the order the parts ran (the packing below keeps that priority)
+  for d in "$W"/*/; do d=$(basename "$d"); grep -qx "$d" "$W/.order" 2>/dev/null || echo "$d" >> "$W/.order"; done
 done
 step "pack"
 ls -lR "$W" | head -80
+# A call brings back 64 MiB at most: folders are packed in the order their parts ran while they fit
+# PACK_MAX_MB (raw size: FP8 dumps hardly compress); a folder left out is named in the log.
+keep=(batch.log); total=0; max=$(( ${PACK_MAX_MB:-60} * 1048576 ))
+for d in $(cat "$W/.order" 2>/dev/null); do
+  sz=$(du -sb "$W/$d" | cut -f1)
+  if [ $(( total + sz )) -le $max ]; then keep+=("$d"); total=$(( total + sz )); else echo "[batch] LEFT OUT $d ($sz bytes): over ${PACK_MAX_MB:-60} MiB"; fi
+done
+echo "[batch] packing ${keep[*]} ($total bytes)"
 # split: a file over 16 MiB does not come back (cat batch.tgz.* | tar -xz)
-tar -C "$W" -cz . | split -b 15m - "$OUT/batch.tgz." && ls -la "$OUT"
+tar -C "$W" -cz "${keep[@]}" | split -b 15m - "$OUT/batch.tgz." && ls -la "$OUT"

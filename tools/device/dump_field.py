@@ -407,7 +407,11 @@ CUDNN_GQA = [
 def part_cudnn_gqa(out: Path, dev, dry, meta):
     """CUDNN_GQA, one file per case."""
     info, files = {}, {}
+    # DUMP_CASES (names, comma separated) keeps a call's files inside the 64 MiB a device call brings back
+    keep = {x for x in os.environ.get("DUMP_CASES", "").split(",") if x}
     for c, steps, lean in CUDNN_GQA:
+        if keep and c.name not in keep:
+            continue
         tensors = {}
         q, k, v = c.qkv()
         cudnn_run_case(c.name, q, k, v, c.causal, dev, dry, out_tensors=tensors, meta=info, steps=steps, lean=lean)
