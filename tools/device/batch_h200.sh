@@ -82,7 +82,7 @@ EOF
       for bg in ${VAL:-torchao-fp8:stress}; do
         b=${bg%%:*}; g=${bg#*:}
         if [ "$g" = captured ]; then args=(--dist "captured:.capture/smollm2.safetensors"); else args=(--grid "$g"); fi
-        timeout "${VAL_S:-150}" fa3-numerics validate --backend "$b" --device cuda "${args[@]}" --acc "${VAL_ACC:-fp22}" \
+        timeout "${VAL_S:-150}" python3 -m fa3_numerics.cli validate --backend "$b" --device cuda "${args[@]}" --acc "${VAL_ACC:-fp22}" \
           --format md --out "$W/val/$b-$g" 2>&1 | grep -v "^\s*$" | tail -n 40
         echo "[batch] val $b $g exit ${PIPESTATUS[0]}"
       done ;;
@@ -92,17 +92,17 @@ EOF
   esac
   echo "[batch] part $part rc=$? in $(( $(date +%s) - t ))s"
   # the folders each part wrote, in the order the parts ran (the packing below keeps that priority)
-  for d in "$W"/*/; do d=$(basename "$d"); grep -qx "$d" "$W/.order" 2>/dev/null || echo "$d" >> "$W/.order"; done
+  for d in "$W"/*/; do [ -d "$d" ] || continue; d=$(basename "$d"); grep -qxF "$d" "$W/.order" 2>/dev/null || echo "$d" >> "$W/.order"; done
 done
 step "pack"
 ls -lR "$W" | head -80
 # A call brings back 64 MiB at most: folders are packed in the order their parts ran while they fit
 # PACK_MAX_MB (raw size: FP8 dumps hardly compress); a folder left out is named in the log.
 keep=(batch.log); total=0; max=$(( ${PACK_MAX_MB:-60} * 1048576 ))
-for d in $(cat "$W/.order" 2>/dev/null); do
+while IFS= read -r d; do
   sz=$(du -sb "$W/$d" | cut -f1)
   if [ $(( total + sz )) -le $max ]; then keep+=("$d"); total=$(( total + sz )); else echo "[batch] LEFT OUT $d ($sz bytes): over ${PACK_MAX_MB:-60} MiB"; fi
-done
+done < <(cat "$W/.order" 2>/dev/null)
 echo "[batch] packing ${keep[*]} ($total bytes)"
 # split: a file over 16 MiB does not come back (cat batch.tgz.* | tar -xz)
 tar -C "$W" -cz "${keep[@]}" | split -b 15m - "$OUT/batch.tgz." && ls -la "$OUT"
