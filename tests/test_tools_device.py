@@ -286,3 +286,34 @@ def test_explain_cudnn_dq_refuses_a_missing_file_and_an_arm_the_file_lacks(tmp_p
         sys.path.remove(str(REPO / "tools"))
         sys.modules.pop("explain_cudnn_dq", None)
         sys.modules.pop("fit_cudnn_bwd", None)
+
+
+def test_explain_cudnn_dkdv_finds_the_code_it_was_given(tmp_path, capsys):
+    # The stand-in kernel is the float32 emulator: at --acc fp32 the tool finds its codes equal, and one dV
+    # byte moved by the test comes out as the one differing code, in its row; a missing file is refused.
+    import numpy as np
+
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        explain = importlib.import_module("explain_cudnn_dkdv")
+        assert explain.main([str(tmp_path / "missing.npz")]) == 2
+        mod = _load("cudnn_bwd_h200")
+        assert mod.main(["--dry", "--out", str(tmp_path), "--cases", "1", "--arms", "e4m3:e4m3", "--variants",
+                         "kfwd/fp32"]) == 0
+        path = tmp_path / "cudnn_bwd_cases.npz"
+        capsys.readouterr()
+        assert explain.main([str(path), "--acc", "fp32"]) == 0
+        assert capsys.readouterr().out.count("as the preset casts: 0 of ") == 2
+        with np.load(path) as z:
+            arrays = {k: z[k] for k in z.files}
+        key = next(k for k in arrays if k.endswith("/dv_raw"))
+        arrays[key] = arrays[key].copy()
+        arrays[key][0, 1, 5, 7] ^= 1
+        np.savez_compressed(path, **arrays)
+        assert explain.main([str(path), "--acc", "fp32"]) == 0
+        out = capsys.readouterr().out
+        assert "as the preset casts: 1 of " in out and "h1 key 5: 1 differ" in out
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+        sys.modules.pop("explain_cudnn_dkdv", None)
+        sys.modules.pop("fit_cudnn_bwd", None)
