@@ -214,6 +214,35 @@ def test_cudnn_backward_dry_run_decodes_what_the_stand_in_wrote(tmp_path):
         assert "scale_dQ" in json.loads(str(z[f"{name}/e4m3:e4m3/scalars"]))
 
 
+def test_cudnn_backward_saves_exactly_the_chosen_case_arms(tmp_path, monkeypatch):
+    # --only/--seeds/--save-cases: each chosen case at each seed in its own .npz with only the chosen arms;
+    # past the size limit the arms go to one file each, none dropped
+    import numpy as np
+
+    mod = _load("cudnn_bwd_h200")
+    args = ["--dry", "--out", str(tmp_path), "--only", "k-bias-n1024-d128-full", "--seeds", "0,3", "--arms",
+            "e4m3:e4m3,e5m2:e5m2", "--variants", "kfwd/fp32", "--save-cases", "k-bias-n1024-d128-full@e5m2:e5m2"]
+    assert mod.main(args) == 0
+    rows = json.loads((tmp_path / "cudnn_bwd_h200.json").read_text())["rows"]
+    assert [(r["family"], r["causal"], r["seed"]) for r in rows] == [("k-bias", False, 0), ("k-bias", False, 3)]
+    for r in rows:
+        with np.load(tmp_path / f"cudnn_bwd_{mod.file_slug(r['case'])}.npz") as z:
+            meta = json.loads(str(z["meta"]))
+            assert [c["seed"] for c in meta["cases"]] == [r["seed"]]
+            arms = {k.split("/")[-2] for k in z.files if ":" in k}
+            assert arms == {"e5m2:e5m2"}
+    monkeypatch.setattr(mod, "NPZ_LIMIT", 600_000)  # one arm fits, two do not
+    split = tmp_path / "split"
+    args[args.index("--out") + 1] = str(split)
+    args[args.index("--save-cases") + 1] = "all"
+    assert mod.main(args[:args.index("--seeds")] + args[args.index("--arms"):]) == 0
+    names = sorted(f.name for f in split.glob("*.npz"))
+    assert len(names) == 2 and all(n.endswith(("_e4m3-e4m3.npz", "_e5m2-e5m2.npz")) for n in names)
+    assert mod.main(["--dry", "--out", str(tmp_path), "--only", "no-such-case"]) == 2
+    assert mod.main(["--dry", "--out", str(tmp_path), "--only", "k-bias-n1024-d128-full", "--save-cases",
+                     "outliers-n1024-d128-full"]) == 2
+
+
 def test_cudnn_backward_dry_run_fails_when_decoding_is_wrong(tmp_path, monkeypatch):
     # negative control: a decoder that forgets the kernel's scale moves F far from 0
     from fa3_numerics.kernels import cudnn as kc
@@ -256,4 +285,35 @@ def test_explain_cudnn_dq_refuses_a_missing_file_and_an_arm_the_file_lacks(tmp_p
     finally:
         sys.path.remove(str(REPO / "tools"))
         sys.modules.pop("explain_cudnn_dq", None)
+        sys.modules.pop("fit_cudnn_bwd", None)
+
+
+def test_explain_cudnn_dkdv_finds_the_code_it_was_given(tmp_path, capsys):
+    # The stand-in kernel is the float32 emulator: at --acc fp32 the tool finds its codes equal, and one dV
+    # byte moved by the test comes out as the one differing code, in its row; a missing file is refused.
+    import numpy as np
+
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        explain = importlib.import_module("explain_cudnn_dkdv")
+        assert explain.main([str(tmp_path / "missing.npz")]) == 2
+        mod = _load("cudnn_bwd_h200")
+        assert mod.main(["--dry", "--out", str(tmp_path), "--cases", "1", "--arms", "e4m3:e4m3", "--variants",
+                         "kfwd/fp32"]) == 0
+        path = tmp_path / "cudnn_bwd_cases.npz"
+        capsys.readouterr()
+        assert explain.main([str(path), "--acc", "fp32"]) == 0
+        assert capsys.readouterr().out.count("as the preset casts: 0 of ") == 2
+        with np.load(path) as z:
+            arrays = {k: z[k] for k in z.files}
+        key = next(k for k in arrays if k.endswith("/dv_raw"))
+        arrays[key] = arrays[key].copy()
+        arrays[key][0, 1, 5, 7] ^= 1
+        np.savez_compressed(path, **arrays)
+        assert explain.main([str(path), "--acc", "fp32"]) == 0
+        out = capsys.readouterr().out
+        assert "as the preset casts: 1 of " in out and "h1 key 5: 1 differ" in out
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+        sys.modules.pop("explain_cudnn_dkdv", None)
         sys.modules.pop("fit_cudnn_bwd", None)

@@ -28,6 +28,14 @@ Written to ``--out`` after every case: ``cudnn_bwd_h200.json`` (every number, sc
 descales, the kernel's O / Stats / dQ / dK / dV bytes and scales, per arm; <= 12 MB, checked) so the
 preset can be fitted offline. A cuDNN refusal of an arm or case is recorded, not fatal.
 
+``--only NAME,...`` runs chosen cases, ``--seeds 0,1`` each at several seeds (seed s > 0 adds ``-s<s>`` to
+the name), and ``--save-cases NAME[@ARM+ARM],...`` (or ``all``) saves exactly those case-arms, one file per
+case (``cudnn_bwd_<case>.npz``, '/' written '-'; one file per arm where a case's arms together pass the
+limit) instead of ``--save``'s one file. E.g. the bytes of the re-run's misses, at its seed and a new one::
+
+    python3 tools/device/cudnn_bwd_h200.py --out "$OUT" --only k-bias-n1024-d128-full,outliers-n2048-d128-full \
+        --seeds 0,1 --arms e4m3:e4m3,e5m2:e5m2 --save-cases all
+
 Device call (from the checkout's root, .whl/ carried; ~1-2 minutes after the wheels install)::
 
     source tools/device/setup_device.sh && python3 tools/device/cudnn_bwd_h200.py --out "$OUT"
@@ -71,9 +79,17 @@ class Case:
     seed: int = 0
 
     @property
+    def base(self) -> str:
+        return f"{self.family}-n{self.seqlen}-d{self.head_dim}-{'causal' if self.causal else 'full'}"
+
+    @property
     def name(self) -> str:
-        gqa = f"h{self.heads}/{self.kv_heads}"
-        return f"{self.family}-n{self.seqlen}-d{self.head_dim}-{'causal' if self.causal else 'full'}-{gqa}"
+        # seed 0 keeps the name the first runs' files carry
+        return f"{self.base}-h{self.heads}/{self.kv_heads}" + (f"-s{self.seed}" if self.seed else "")
+
+    def matches(self, spec: str) -> bool:
+        """``spec`` names this case: its base (``k-bias-n1024-d128-full``, every seed), with the heads, or whole."""
+        return spec in (self.base, f"{self.base}-h{self.heads}/{self.kv_heads}", self.name)
 
 
 # the first three (two heads, n = 1024) are the ones saved to the .npz
@@ -118,6 +134,46 @@ def arm_recipe(arm: Arm, acc: str, preset: str = "cudnn-fp8-kernel"):
     from fa3_numerics.numerics.recipe import get_recipe
 
     return dataclasses.replace(get_recipe(preset).recipe, **bwd_formats(arm.do, arm.grad), bwd_acc=acc)
+
+
+def select_cases(only: str, seeds: str, save_cases: str, n_cases: int, arms: list[Arm]):
+    """The cases to run (``--only`` or the first ``n_cases``, each at every seed) and, for ``--save-cases``,
+    {case name: arms to save, [] = every arm}. Names that match nothing are an error, not a silent skip."""
+    try:
+        seed_list = [int(x) for x in seeds.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --seeds {seeds!r}: integers, comma-separated") from None
+    if not seed_list or any(x < 0 for x in seed_list):
+        raise SystemExit(f"error: --seeds {seeds!r}: one or more integers >= 0")
+    if only:
+        base = []
+        for spec in (x.strip() for x in only.split(",") if x.strip()):
+            hit = [c for c in CASES if c.matches(spec)]
+            if not hit:
+                raise SystemExit(f"error: --only {spec!r} names no case; cases: {', '.join(c.name for c in CASES)}")
+            base += [c for c in hit if c not in base]
+    else:
+        base = list(CASES[:n_cases])
+    cases = [dataclasses.replace(c, seed=sd) for c in base for sd in seed_list]
+    save: dict[str, list[str]] = {}
+    if save_cases == "all":
+        save = {c.name: [] for c in cases}
+    elif save_cases:
+        run_arms = {x.name for x in arms}
+        for spec in (x.strip() for x in save_cases.split(",") if x.strip()):
+            name, _, arm_text = spec.partition("@")
+            chosen = [x for x in arm_text.split("+") if x]
+            bad = [x for x in chosen if x not in run_arms]
+            if bad:
+                raise SystemExit(f"error: --save-cases {spec!r}: arms {bad} are not among --arms {sorted(run_arms)}")
+            hit = [c for c in cases if c.matches(name)]
+            if not hit:
+                raise SystemExit(f"error: --save-cases {spec!r} names no case that runs; running: "
+                                 f"{', '.join(c.name for c in cases)}")
+            for c in hit:
+                every = not chosen or save.get(c.name, None) == []
+                save[c.name] = [] if every else sorted(set(save.get(c.name, [])) | set(chosen))
+    return cases, save
 
 
 # -- inputs ---------------------------------------------------------------------------------------
@@ -259,29 +315,69 @@ def _np(x):
     return x.numpy()
 
 
+NPZ_LAYOUT = ("[B, H, N, D] contiguous; FP8 as uint8 (float8_e4m3fn / float8_e5m2 bytes: dO and the "
+              "gradients in the arm's format, key '<arm>/...'), BF16 as int16 bits; stats float32 "
+              "[B, H, N, 1] natural-log LSE; true value = code * descale (inputs) or code / scale "
+              "(kernel outputs, scales in '<arm>/scalars')")
+
+
+def _npz_bytes(items: list[tuple[Case, dict]], rows: list[dict]) -> bytes:
+    meta = {"cases": [dataclasses.asdict(c) | {"name": c.name} for c, _ in items], "layout": NPZ_LAYOUT,
+            "rows": rows}
+    arrays = {"meta": np.array(json.dumps(meta, default=str))}
+    for c, d in items:
+        arrays.update({f"{c.name}/{k}": _np(v) for k, v in d.items()})
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    return buf.getvalue()
+
+
+def _arms_of(d: dict) -> list[str]:
+    return sorted({k.split("/")[0] for k in d if ":" in k.split("/")[0]})
+
+
+def file_slug(text: str) -> str:
+    # the device tool brings back only names of letters, digits, '.', '_' and '-'
+    return "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in text)
+
+
+def write_case_npz(folder: Path, case: Case, d: dict, row: dict) -> list[tuple[str, int]]:
+    """One saved case as ``cudnn_bwd_<case>.npz`` (the layout of ``write_npz``, one case), written whole;
+    past NPZ_LIMIT one file per arm instead (``..._<arm>.npz``, the inputs in each), so that no arm is
+    dropped to fit. Returns (file name, bytes) of what was written."""
+    from fa3_numerics.files import atomic_write
+
+    whole = _npz_bytes([(case, d)], [row])
+    arms = _arms_of(d)
+    if len(whole) <= NPZ_LIMIT or len(arms) < 2:
+        parts = [(f"cudnn_bwd_{file_slug(case.name)}.npz", whole)]
+    else:
+        inputs = {k: v for k, v in d.items() if ":" not in k.split("/")[0]}
+        parts = [(f"cudnn_bwd_{file_slug(case.name)}_{file_slug(arm)}.npz",
+                  _npz_bytes([(case, inputs | {k: v for k, v in d.items() if k.startswith(arm + "/")})], [row]))
+                 for arm in arms]
+    written = []
+    for fname, data in parts:
+        if len(data) > NPZ_LIMIT:
+            log(f"NOT SAVED: {fname} is {len(data)} bytes, over the {NPZ_LIMIT}-byte limit")
+            continue
+        atomic_write(folder / fname, data)
+        written.append((fname, len(data)))
+    return written
+
+
 def write_npz(path: Path, saved: list[tuple[Case, dict]], rows: list[dict]) -> int:
     """The saved cases as one compressed .npz (keys ``<case>/<name>``; FP8 as uint8 bytes, BF16 as int16
     bits), written whole; arms are dropped from the last case backwards past NPZ_LIMIT. Returns bytes."""
     from fa3_numerics.files import atomic_write
 
-    meta = {"cases": [dataclasses.asdict(c) | {"name": c.name} for c, _ in saved],
-            "layout": "[B, H, N, D] contiguous; FP8 as uint8 (float8_e4m3fn / float8_e5m2 bytes: dO and the "
-                      "gradients in the arm's format, key '<arm>/...'), BF16 as int16 bits; stats float32 "
-                      "[B, H, N, 1] natural-log LSE; true value = code * descale (inputs) or code / scale "
-                      "(kernel outputs, scales in '<arm>/scalars')",
-            "rows": rows}
     items = [(c, dict(d)) for c, d in saved]
     while True:
-        arrays = {"meta": np.array(json.dumps(meta, default=str))}
-        for c, d in items:
-            arrays.update({f"{c.name}/{k}": _np(v) for k, v in d.items()})
-        buf = io.BytesIO()
-        np.savez_compressed(buf, **arrays)
-        data = buf.getvalue()
+        data = _npz_bytes(items, rows)
         if len(data) <= NPZ_LIMIT or not items:
             break
         c, d = items[-1]
-        arm_keys = sorted({k.split("/")[0] for k in d if ":" in k.split("/")[0]})
+        arm_keys = _arms_of(d)
         if len(arm_keys) > 1:
             drop = arm_keys[-1]
             items[-1] = (c, {k: v for k, v in d.items() if not k.startswith(drop + "/")})
@@ -320,6 +416,12 @@ def main(argv=None) -> int:
                     help="emulator variants: kfwd (from the kernel's O and Stats) or own (its own forward) / bwd.acc")
     ap.add_argument("--cases", type=int, default=len(CASES), help="how many of the cases, in order")
     ap.add_argument("--save", type=int, default=3, help="how many of the first cases go to the .npz")
+    ap.add_argument("--only", default="", help="run only these cases, comma-separated, in the table's order: a "
+                    "name without heads and seed (k-bias-n1024-d128-full), with heads (...-h2/2) or whole")
+    ap.add_argument("--seeds", default="0", help="each chosen case at each of these seeds, comma-separated")
+    ap.add_argument("--save-cases", default="", help="save exactly these case-arms, each to its own .npz "
+                    "(cudnn_bwd_<case>.npz, per arm past the size limit) instead of --save's one file: "
+                    "NAME (every arm run) or NAME@ARM[+ARM], comma-separated, NAME as for --only, or 'all'")
     ap.add_argument("--budget", type=float, default=110.0, help="seconds; no emulator variant starts after it")
     ap.add_argument("--dry", action="store_true", help="CPU plumbing check with a stand-in kernel, small sizes")
     a = ap.parse_args(argv)
@@ -328,17 +430,19 @@ def main(argv=None) -> int:
         variants = [tuple(v.split("/")) for v in a.variants.split(",")]
         if any(len(v) != 2 or v[0] not in ("kfwd", "own") or v[1] not in ("fp32", "fp22") for v in variants):
             raise SystemExit(f"error: --variants {a.variants!r}: kfwd|own / fp32|fp22, comma-separated")
+        cases, save_arms = select_cases(a.only, a.seeds, a.save_cases, a.cases, arms)
     except SystemExit as exc:
         print(exc, file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
     out = Out(Path(a.out), ["head", "table", "errors"], numbers="cudnn_bwd_h200.json")
-    cases = list(CASES[:a.cases])
     if a.dry:
         dev, kernel = "cpu", standin_kernel
-        cases = [dataclasses.replace(c, seqlen=256, heads=min(c.heads, 2), kv_heads=min(c.kv_heads, 2))
-                 for c in cases[:3]]
+        small = [dataclasses.replace(c, seqlen=256, heads=min(c.heads, 2), kv_heads=min(c.kv_heads, 2))
+                 for c in (cases if a.only else cases[:3])]
+        save_arms = {s.name: save_arms[c.name] for c, s in zip(cases, small) if c.name in save_arms}
+        cases = small
         device = "cpu (dry run, stand-in kernel)"
     else:
         if not torch.cuda.is_available():
@@ -368,7 +472,17 @@ def main(argv=None) -> int:
             continue
         out.timings["rows"].append(row)
         nonfinite += sum(sum(e.get("nonfinite_kernel", {}).values()) for e in row["arms"].values())
-        if i < a.save:
+        if a.save_cases:
+            if case.name in save_arms:
+                chosen = save_arms[case.name] or [x.name for x in arms]
+                d = {k: v for k, v in keep.items() if ":" not in k.split("/")[0] or k.split("/")[0] in chosen}
+                missing = [x for x in chosen if x not in _arms_of(d)]
+                if missing:
+                    log(f"{case.name}: arms {missing} not saved (the kernel refused them)")
+                for fname, size in write_case_npz(Path(a.out), case, d, row):
+                    out.timings.setdefault("npz_files", {})[fname] = size
+                    log(f"saved {fname}: {size} bytes")
+        elif i < a.save:
             saved.append((case, keep))
             size = write_npz(Path(a.out) / "cudnn_bwd_cases.npz", saved, out.timings["rows"])
             out.timings["npz_bytes"] = size
@@ -381,9 +495,10 @@ def main(argv=None) -> int:
         worst = [var["fidelity"][g]["F"] for row in out.timings["rows"] for e in row["arms"].values()
                  for vn, var in e.get("variants", {}).items() if vn == "kfwd/fp32" and "fidelity" in var
                  for g in ("dq", "dk", "dv")]
-        ok = bool(worst) and max(worst) < 0.01 and out.timings.get("npz_bytes", NPZ_LIMIT + 1) <= NPZ_LIMIT
+        sizes = list(out.timings.get("npz_files", {}).values()) or [out.timings.get("npz_bytes", NPZ_LIMIT + 1)]
+        ok = bool(worst) and max(worst) < 0.01 and max(sizes) <= NPZ_LIMIT
         log(f"dry run: kfwd/fp32 against its own stand-in: max F {max(worst) if worst else 'none'} "
-            f"(must be < 0.01: codes written x * scale_dX by the stand-in and x / descale by the emulator differ by one code in a few positions), npz {out.timings.get('npz_bytes')} bytes: {'OK' if ok else 'FAILED'}")
+            f"(must be < 0.01: codes written x * scale_dX by the stand-in and x / descale by the emulator differ by one code in a few positions), npz {sizes} bytes: {'OK' if ok else 'FAILED'}")
         return 0 if ok else 1
     return 0
 
