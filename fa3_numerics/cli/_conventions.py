@@ -86,6 +86,11 @@ def apply(app: typer.Typer, list_options: set[str] = frozenset(), level_flags: s
                                                                                name in list_options)
                     if mv is not None:
                         info.metavar = mv
+                        # typer 0.27-0.28 name an option without declarations after its metavar
+                        # when the metavar is the parameter's name upper-cased (--backend became
+                        # --BACKEND): declare the name, so every typer the range admits parses it.
+                        if not info.param_decls and _base(annotation) is not bool:
+                            info.param_decls = (f"--{name.replace('_', '-')}",)
 
 
 __all__ = ["apply", "BY_NAME"]

@@ -73,3 +73,48 @@ def test_json_text_is_strict_json_for_non_finite_numbers():
     doc = _strict(json_text({"nan": math.nan, "inf": np.float64(math.inf), "neg": -math.inf, "arr": np.arange(2),
                              "t": (1, "a"), "path": __import__("pathlib").Path("x")}))
     assert doc == {"nan": None, "inf": "inf", "neg": "-inf", "arr": [0, 1], "t": [1, "a"], "path": "x"}
+
+
+def _options(cmd, path=()):
+    """(command path, click option) for every option of every command under ``cmd``."""
+    if hasattr(cmd, "commands"):  # a group (typer's own click or the installed one)
+        for name, sub in cmd.commands.items():
+            yield from _options(sub, path + (name,))
+    else:
+        for p in cmd.params:
+            if type(p).__name__.endswith("Option"):
+                yield " ".join(path), p
+
+
+def test_every_option_is_spelled_in_lower_case():
+    # typer 0.27-0.28 (pyproject admits >= 0.27; the H200 image has 0.27.2) named an option without
+    # declarations after its metavar when that was its name upper-cased: `validate --backend`
+    # became `--BACKEND` and the documented spelling was refused there
+    import typer
+
+    from fa3_numerics.cli import build_app
+
+    bad = [(path, p.name, p.opts) for path, p in _options(typer.main.get_command(build_app()))
+           if any(o.startswith("--") and o != o.lower() for o in p.opts + p.secondary_opts)]
+    assert not bad, bad
+
+
+def test_an_option_given_a_metavar_has_its_name_declared():
+    # the same property independent of the installed typer: a metavar'd, non-flag option carries
+    # its own `--name`, so no typer release can derive a name from the metavar
+    import inspect
+
+    from typer.models import OptionInfo
+
+    from fa3_numerics.cli import build_app
+
+    app = build_app()
+    missing = []
+    for a in [app] + [g.typer_instance for g in app.registered_groups]:
+        for cmd in a.registered_commands:
+            for name, param in inspect.signature(cmd.callback).parameters.items():
+                info = param.default
+                if isinstance(info, OptionInfo) and info.metavar and info.metavar == name.upper() \
+                        and not info.param_decls:
+                    missing.append((cmd.name, name))
+    assert not missing, missing
