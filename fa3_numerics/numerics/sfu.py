@@ -83,68 +83,82 @@ def table(name: str) -> torch.Tensor:
     return t
 
 
+def _joined(name: str, a: str, b: str, fn) -> torch.Tensor:
+    """A 2^24-entry int32 table: [a | fn(b)], so one int32 gather serves both halves of a reduction
+    (index_select with int32 indices: the cheapest gather torch has on the CPU)."""
+    t = _CACHE.get(name)
+    if t is None:
+        t = _CACHE[name] = torch.cat([table(a), fn(table(b))])
+    return t
+
+
+def _ex2_neg_half(e: torch.Tensor) -> torch.Tensor:
+    # x < 0 with fraction F: E[2^23 - 1 - F] / 2 (the one's complement), and 1 at F = 0
+    n = torch.flip(e, (0,)) - (1 << 23)
+    n[0] = 127 << 23
+    return n
+
+
 def _bits(x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.float32:
         raise TypeError(f"SFU models take float32, got {x.dtype}")
     return x.contiguous().view(torch.int32)
 
 
+def _on(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return t if t.device == x.device else t.to(x.device)
+
+
 def ex2(x: torch.Tensor) -> torch.Tensor:
     """``ex2.approx.ftz.f32`` of float32 x, bit for bit as the H200."""
-    E = table("ex2").to(x.device)
+    T = _on(_joined("ex2_pm", "ex2", "ex2", _ex2_neg_half), x)
     b = _bits(x)
-    neg = b < 0
+    neg = b >> 31  # -1 where the sign bit is set, else 0
     # |x| >= 200 saturates either way (+inf or +0); the clamp keeps X = |x| 2^23 inside int32.
-    ax = x.abs().clamp(max=200.0)
-    X = (ax * 8388608.0).to(torch.int32)  # exact product, truncation toward zero = the unit's cut
-    I, F = X >> 23, X & MANT
-    idx = torch.where(neg, MANT - F, F)
-    m = E[idx.long()]  # float32 bits in [1, 2): exponent field 127
-    exact = neg & (F == 0)
-    shift = torch.where(neg, torch.where(exact, -I, -I - 1), I)
-    m = torch.where(exact, torch.full_like(m, 127 << 23), m)
-    ef = shift + 127
-    y = m + (shift << 23)
-    y = torch.where(ef <= 0, torch.zeros_like(y), y)
-    y = torch.where(ef >= 255, torch.full_like(y, 0x7F800000), y)
-    y = torch.where(torch.isnan(x), torch.full_like(y, NAN_BITS), y)
+    X = x.abs().clamp_(max=200.0).mul_(8388608.0).to(torch.int32)  # exact; the cast truncates as the unit
+    idx = (X & MANT) | (neg & (1 << 23))
+    s = (X >> 23).bitwise_xor_(neg).sub_(neg)  # the power of two: +I or -I
+    y = torch.index_select(T, 0, idx.view(-1)).view_as(idx)
+    ef = (y >> 23).add_(s)  # the result's exponent field (table entries are positive, in [0.5, 2))
+    y.add_(s << 23)
+    y.masked_fill_(ef <= 0, 0)  # below 2^-126: +0 (ftz); -inf lands here
+    y.masked_fill_(ef >= 255, 0x7F800000)
+    y.masked_fill_(x.isnan(), NAN_BITS)
     return y.view(torch.float32)
 
 
 def rcp(x: torch.Tensor) -> torch.Tensor:
     """``rcp.approx.ftz.f32`` of float32 x, bit for bit as the H200."""
-    R = table("rcp").to(x.device)
+    R = _on(table("rcp"), x)
     b = _bits(x)
     sign = b & -0x80000000
-    e = ((b >> 23) & 0xFF) - 127
-    r = R[(b & MANT).long()]  # in (0.5, 1]: exponent field 126 (127 for m = 1)
-    ef = ((r >> 23) & 0xFF) - e
-    y = (r - (e << 23)) | sign
-    y = torch.where(ef <= 0, sign, y)  # flushed result (also x = +-inf: e = 128)
-    y = torch.where(e == -127, sign | 0x7F800000, y)  # +-0 and (ftz) subnormal inputs
-    y = torch.where(torch.isnan(x), torch.full_like(y, NAN_BITS), y)
+    e = (b >> 23).bitwise_and_(0xFF).sub_(127)
+    r = torch.index_select(R, 0, (b & MANT).view(-1)).view_as(b)  # in (0.5, 1]: exponent field 126 or 127
+    ef = (r >> 23).sub_(e)
+    y = r.sub_(e << 23).bitwise_or_(sign)
+    flushed = ef <= 0  # result below 2^-126 (x = +-inf too: e = 128)
+    y = torch.where(flushed, sign, y)
+    y = torch.where(e == -127, sign | 0x7F800000, y)  # +-0 and (ftz) subnormal inputs: +-inf
+    y.masked_fill_(x.isnan(), NAN_BITS)
     return y.view(torch.float32)
-
-
-def _rz32(v: torch.Tensor) -> torch.Tensor:
-    """float64 -> float32 rounded toward zero (v finite and far from float32's range ends)."""
-    r = v.to(torch.float32)
-    over = r.to(torch.float64).abs() > v.abs()
-    return torch.where(over, (r.view(torch.int32) - 1).view(torch.float32), r)
 
 
 def lg2(x: torch.Tensor) -> torch.Tensor:
     """``lg2.approx.ftz.f32`` of float32 x, bit for bit as the H200."""
-    H, W = table("lg2_hi").to(x.device), table("lg2_lo").to(x.device)
+    T = _on(_joined("lg2_hl", "lg2_hi", "lg2_lo", lambda t: t), x)
     b = _bits(x)
-    e = ((b >> 23) & 0xFF) - 127
-    mi = (b & MANT).long()
-    hi = e >= 0
-    t = torch.where(hi, H[mi], W[mi]).view(torch.float32).to(torch.float64)
-    v = torch.where(hi, e, e + 1).to(torch.float64) + t
-    y = _rz32(v).view(torch.int32)
-    y = torch.where(e == -127, torch.full_like(y, -0x800000), y)  # +-0, subnormals: -inf
-    y = torch.where((b < 0) & (e > -127), torch.full_like(y, NAN_BITS), y)  # x < 0, -inf
-    y = torch.where(b == 0x7F800000, b, y)
-    y = torch.where(torch.isnan(x), torch.full_like(y, NAN_BITS), y)
+    e = (b >> 23).bitwise_and_(0xFF).sub_(127)
+    lo = e < 0
+    zero = e == -127  # +-0 and (ftz) subnormals
+    bad = (b < 0) & ~zero  # x < 0 or -inf
+    idx = (b & MANT).bitwise_or_(lo.to(torch.int32) << 23)
+    t = torch.index_select(T, 0, idx.view(-1)).view_as(b).view(torch.float32)
+    v = t.double().add_(e.add_(lo))  # e + H[m] or (e + 1) + W[m], exact in float64
+    r = v.float()
+    # toward zero: step back one ulp where rounding to nearest went away from zero
+    y = r.view(torch.int32).sub_((r.double().abs_() > v.abs_()).to(torch.int32))
+    y.masked_fill_(zero, -0x800000)  # -inf
+    y.masked_fill_(bad, NAN_BITS)
+    y.masked_fill_(b == 0x7F800000, 0x7F800000)
+    y.masked_fill_(x.isnan(), NAN_BITS)
     return y.view(torch.float32)
