@@ -1,0 +1,123 @@
+"""The bit-exact SFU models (fa3_numerics/numerics/sfu.py) against the H200's own outputs
+(tests/fixtures/sfu_h200.npz: pairs cut by tools/sfu_fixture.py from tools/device/mufu_probe.py's
+random samples, hard cases included), plus invariants of the reductions they claim."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fa3_numerics.numerics import sfu
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "sfu_h200.npz"
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int32).numpy().view(np.uint32)
+
+
+def f32(u) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(u, dtype=np.uint32).view(np.float32).copy())
+
+
+@pytest.mark.parametrize("op", ["ex2", "lg2", "rcp"])
+def test_device_samples_bit_exact(op):
+    with np.load(FIXTURE) as z:
+        ib, ob = z[f"{op}/in"], z[f"{op}/out"]
+        prov = json.loads(bytes(z["provenance"]).decode())
+    assert prov["device"] == "NVIDIA H200" and len(ib) > 3000
+    got = bits(getattr(sfu, op)(f32(ib)))
+    bad = np.flatnonzero(got != ob)
+    assert not len(bad), f"{op}: {len(bad)} of {len(ib)} differ, first in={ib[bad[0]]:#x} " \
+                         f"device={ob[bad[0]]:#x} model={got[bad[0]]:#x}"
+
+
+def test_fixture_holds_the_cases_the_old_models_miss():
+    # the fixture is only a test if the stand-ins it replaces fail on it
+    from fa3_numerics.numerics.emulator import exp2_rz, flush_subnormals
+    with np.load(FIXTURE) as z:
+        ib, ob = z["ex2/in"], z["ex2/out"]
+    old = bits(flush_subnormals(exp2_rz(f32(ib))))
+    assert np.mean(old != ob) > 0.1
+
+
+def test_specials():
+    inf, nan = math.inf, math.nan
+    x = torch.tensor([0.0, -0.0, 1e-40, -1e-40, inf, -inf, nan, 1.0, -1.0, 200.0, -200.0, 127.99, -126.0, -127.0],
+                     dtype=torch.float32)
+    e = bits(sfu.ex2(x))
+    assert e[:4].tolist() == [0x3F800000] * 4  # ftz inputs are zeros: 2^0
+    assert e[4] == 0x7F800000 and e[5] == 0 and e[6] == sfu.NAN_BITS
+    assert e[7] == 0x40000000 and e[8] == 0x3F000000 and e[9] == 0x7F800000 and e[10] == 0
+    assert np.isfinite(e[11].view(np.float32)) and e[12] == 0x00800000 and e[13] == 0  # 2^-127 flushes
+    lg = bits(sfu.lg2(x))
+    assert lg[:4].tolist() == [0xFF800000] * 4 and lg[4] == 0x7F800000
+    assert lg[5] == sfu.NAN_BITS and lg[6] == sfu.NAN_BITS and lg[7] == 0 and lg[8] == sfu.NAN_BITS
+    r = bits(sfu.rcp(x))
+    assert r[:4].tolist() == [0x7F800000, 0xFF800000, 0x7F800000, 0xFF800000]
+    assert r[4] == 0 and r[5] == 0x80000000 and r[6] == sfu.NAN_BITS and r[7] == 0x3F800000 and r[8] == 0xBF800000
+    big = torch.tensor([2.0 ** 127, -(2.0 ** 127), 2.0 ** 126], dtype=torch.float32)
+    assert bits(sfu.rcp(big)).tolist() == [0, 0x80000000, 0x00800000]
+
+
+def test_ex2_reduction_invariants():
+    g = torch.Generator().manual_seed(7)
+    f = torch.rand(20000, generator=g, dtype=torch.float64).float()  # [0, 1)
+    # 23 fraction bits cut toward zero: the 24th bit of |x| in [0.5, 1) never matters
+    half = f[f >= 0.5]
+    low = (half.view(torch.int32) & ~1).view(torch.float32)
+    assert np.array_equal(bits(sfu.ex2(half)), bits(sfu.ex2(low)))
+    assert np.array_equal(bits(sfu.ex2(-half)), bits(sfu.ex2(-low)))
+    # the integer part only scales: ex2(x + i) = 2^i ex2(x) for x in [0, 1) (16 fraction bits: x + 100 exact)
+    f23 = (f * 2 ** 16).floor() / 2 ** 16
+    for i in (1, 5, 100, -3):
+        xi = f23 + i if i > 0 else -(f23 + (-i))
+        base = sfu.ex2(f23) if i > 0 else sfu.ex2(-f23)
+        assert torch.equal(sfu.ex2(xi), base * 2.0 ** i)
+    # negative fractions are the one's complement of the positive table, halved
+    k = torch.randint(1, 2 ** 23, (5000,), generator=g)
+    neg = sfu.ex2(-(k.double() / 2 ** 23).float())
+    pos = sfu.ex2(((2 ** 23 - 1 - k).double() / 2 ** 23).float())
+    assert torch.equal(neg, pos / 2)
+
+
+def test_error_bounds_and_monotone_tables():
+    g = torch.Generator().manual_seed(3)
+    x = (torch.rand(200000, generator=g, dtype=torch.float64) * 250 - 125).float()
+    y, ref = sfu.ex2(x).double(), torch.exp2(x.double())
+    assert ((y - ref).abs() / ref).max() < 2.5 * 2.0 ** -23
+    m = (1 + torch.rand(200000, generator=g, dtype=torch.float64)).float()
+    r = sfu.rcp(m).double()
+    assert ((r * m.double() - 1).abs()).max() < 2.0 ** -23
+    assert torch.equal(sfu.rcp(-m), -sfu.rcp(m)) and torch.equal(sfu.rcp(m * 8), sfu.rcp(m) / 8)
+    lx = (torch.rand(200000, generator=g, dtype=torch.float64) * 2 - 1).mul(60).exp2().float()
+    lref = torch.log2(lx.double())  # absolute error near 1, one rounding toward zero elsewhere
+    assert ((sfu.lg2(lx).double() - lref).abs() - lref.abs() * 2.0 ** -23).max() < 2.0 ** -21
+    for name, sign in (("ex2", 1), ("lg2_hi", 1), ("lg2_lo", 1), ("rcp", -1)):
+        t = sfu.table(name).view(torch.float32)
+        assert ((t[1:] - t[:-1]) * sign >= 0).all(), name
+
+
+def test_float32_only():
+    with pytest.raises(TypeError):
+        sfu.ex2(torch.zeros(3, dtype=torch.float64))
+
+
+def test_corrupt_table_is_an_error(tmp_path, monkeypatch):
+    bad = tmp_path / "sfu_h200.npz"
+    with np.load(sfu.TABLES) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["rcp/code"] = arrays["rcp/code"].copy()
+    arrays["rcp/code"][12345] += 1
+    np.savez(bad, **arrays)
+    monkeypatch.setattr(sfu, "TABLES", bad)
+    monkeypatch.setattr(sfu, "_CACHE", {})
+    with pytest.raises(RuntimeError, match="SHA-256"):
+        sfu.table("rcp")
+    shutil.rmtree(tmp_path)
