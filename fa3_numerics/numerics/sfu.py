@@ -83,6 +83,12 @@ def table(name: str) -> torch.Tensor:
     return t
 
 
+def wanted(recipe) -> bool:
+    """Whether the recipe asks for these models (``sfu=h200``, keys/sfu.py) at the emulators'
+    exp2/lg2 call sites; objects without the key keep the stand-ins."""
+    return getattr(recipe, "sfu", "rz") == "h200"
+
+
 def _joined(name: str, a: str, b: str, fn) -> torch.Tensor:
     """A 2^24-entry int32 table: [a | fn(b)], so one int32 gather serves both halves of a reduction
     (index_select with int32 indices: the cheapest gather torch has on the CPU)."""

@@ -121,3 +121,68 @@ def test_corrupt_table_is_an_error(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="SHA-256"):
         sfu.table("rcp")
     shutil.rmtree(tmp_path)
+
+
+# -- the recipe key sfu=h200 routes the emulators' exp2/lg2 call sites to these models -------------
+
+def _qkv(seed=0, n=96, d=64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 2, n, d, generator=g) for _ in range(3)]
+
+
+class _Count:
+    """Wraps sfu.ex2 and sfu.lg2, counting the elements each model is called on."""
+
+    def __init__(self, monkeypatch):
+        self.n = {"ex2": 0, "lg2": 0}
+        for name in self.n:
+            real = getattr(sfu, name)
+            monkeypatch.setattr(sfu, name, self._wrap(name, real))
+
+    def _wrap(self, name, real):
+        def f(x):
+            self.n[name] += x.numel()
+            return real(x)
+        return f
+
+
+@pytest.mark.parametrize("spec,lse", [("fa3-fp8-kernel", True), ("fa3-bf16", True), ("fa1-fp16", False),
+                                      ("sage1", False), ("sage2-sm90", False),
+                                      ("sdpa-flash-bf16,fa2math=torch", True)])
+def test_key_routes_the_forward(spec, lse, monkeypatch):
+    from fa3_numerics.numerics.emulator import emulate
+    from fa3_numerics.numerics.recipe import Recipe
+    q, k, v = _qkv()
+    base_stats, hw_stats = ({}, {}) if lse else (None, None)
+    base = emulate(Recipe.from_str(spec), q, k, v, causal=True, stats=base_stats)
+    count = _Count(monkeypatch)
+    hw = emulate(Recipe.from_str(spec + ",sfu=h200"), q, k, v, causal=True, stats=hw_stats)
+    assert count.n["ex2"] >= q.shape[1] * q.shape[2] * k.shape[2] // 2  # every visible score's P~
+    if lse:
+        assert count.n["lg2"] > 0
+        assert torch.allclose(hw_stats["lse"], base_stats["lse"], atol=1e-5, rtol=0)
+    assert torch.isfinite(hw).all()
+    assert (hw - base).abs().max() <= 0.02 * base.abs().max()  # one-ulp moves of P~, not another model
+
+
+def test_key_routes_the_backward(monkeypatch):
+    from fa3_numerics.numerics.backward import emulate_backward
+    from fa3_numerics.numerics.emulator import emulate
+    from fa3_numerics.numerics.recipe import Recipe
+    q, k, v = _qkv(1, n=64)
+    do = torch.randn_like(q)
+    r = Recipe.from_str("sdpa-flash-bf16,fa2math=torch,sfu=h200")
+    fwd = _Count(monkeypatch)
+    emulate(r, q, k, v, causal=True, stats={})
+    n_fwd = fwd.n["ex2"]
+    both = _Count(monkeypatch)
+    emulate_backward(r, q, k, v, do, causal=True)
+    assert both.n["ex2"] > n_fwd  # the backward's P went through the model too
+
+
+def test_key_needs_ftz():
+    from fa3_numerics.errors import UsageError
+    from fa3_numerics.numerics.recipe import Recipe
+    with pytest.raises(UsageError, match="ftz"):
+        Recipe.from_str("fa3-fp8-kernel,ftz=0,sfu=h200")
+    assert Recipe.from_str("fa3-fp8-kernel").sfu == "rz"
