@@ -18,6 +18,11 @@ tools/sfu_build_tables.py; no analytic interpolator reproduces the bits yet):
   exact in float64, are the unit's outputs. Absolute, not relative, error near x = 1.
 - rcp: sign(x) R[m] 2^-e, R[m] the unit's 1/m in (0.5, 1]; results below 2^-126 flush to signed 0.
 
+Costs (tools' speed check, 10^7 float32 on this project's 2-core CPU): the compiled loops
+(``native.sfu``; ex2 reads a per-segment cubic plus 2-bit codes, 2 MB, instead of its 64 MB
+table) are about as fast as ``emulator.exp2_rz`` or faster; the PyTorch fallbacks (one int32
+index_select into a joined 2^24-entry table: 64 MB each for ex2 and lg2, 32 MB for rcp) 1.5-2x it.
+
 ftz inputs: subnormals are zeros. NaN in -> 0x7FFFFFFF (the unit's canonical NaN); lg2 of x < 0 or
 -inf is that NaN, lg2(+-0) = -inf; ex2(-inf) = +0; rcp(+-0) = +-inf, rcp(+-inf) = +-0.
 """
@@ -29,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from . import native as _native
 
 TABLES = Path(__file__).with_name("sfu_h200.npz")
 SEG_BITS = 6  # the packed tables' base: a cubic per 1/64 of the argument range
@@ -98,6 +105,22 @@ def _joined(name: str, a: str, b: str, fn) -> torch.Tensor:
     return t
 
 
+def _ex2_packed() -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 [64, 4] cubics, uint8 [2^21] 2-bit codes: 0 +0, 1 +1 ulp, 2 -1 ulp) for the compiled
+    ex2, whose 2 MB of codes stay in cache where the 2^24-entry table's random reads do not."""
+    t = _CACHE.get("ex2_packed")
+    if t is None:
+        with np.load(TABLES) as z:
+            coef = np.ascontiguousarray(z["ex2/coef"], dtype=np.float64)
+        d = table("ex2").numpy().astype(np.int64) - base_table(coef, 1 << 23).view(np.int32).astype(np.int64)
+        if np.abs(d).max() > 1:
+            raise RuntimeError(f"{TABLES}: ex2 distances beyond one ulp of the base: the 2-bit packing does not hold")
+        code = np.where(d == 1, 1, np.where(d == -1, 2, 0)).astype(np.uint8).reshape(-1, 4)
+        packed = code[:, 0] | (code[:, 1] << 2) | (code[:, 2] << 4) | (code[:, 3] << 6)
+        t = _CACHE["ex2_packed"] = (torch.from_numpy(coef), torch.from_numpy(packed.astype(np.uint8)))
+    return t
+
+
 def _ex2_neg_half(e: torch.Tensor) -> torch.Tensor:
     # x < 0 with fraction F: E[2^23 - 1 - F] / 2 (the one's complement), and 1 at F = 0
     n = torch.flip(e, (0,)) - (1 << 23)
@@ -115,8 +138,14 @@ def _on(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return t if t.device == x.device else t.to(x.device)
 
 
-def ex2(x: torch.Tensor) -> torch.Tensor:
-    """``ex2.approx.ftz.f32`` of float32 x, bit for bit as the H200."""
+def ex2(x: torch.Tensor, *, compiled: bool = True) -> torch.Tensor:
+    """``ex2.approx.ftz.f32`` of float32 x, bit for bit as the H200 (the compiled loop where it
+    is built, else PyTorch: the same numbers; ``compiled=False`` forces PyTorch, for the tests)."""
+    if compiled and x.device.type == "cpu":
+        coef, packed = _ex2_packed()
+        y = _native.sfu_ex2_packed(_bits(x).view(torch.float32), coef, packed)
+        if y is not None:
+            return y
     T = _on(_joined("ex2_pm", "ex2", "ex2", _ex2_neg_half), x)
     b = _bits(x)
     neg = b >> 31  # -1 where the sign bit is set, else 0
@@ -133,9 +162,14 @@ def ex2(x: torch.Tensor) -> torch.Tensor:
     return y.view(torch.float32)
 
 
-def rcp(x: torch.Tensor) -> torch.Tensor:
-    """``rcp.approx.ftz.f32`` of float32 x, bit for bit as the H200."""
+def rcp(x: torch.Tensor, *, compiled: bool = True) -> torch.Tensor:
+    """``rcp.approx.ftz.f32`` of float32 x, bit for bit as the H200 (the compiled loop where it
+    is built, else PyTorch: the same numbers; ``compiled=False`` forces PyTorch, for the tests)."""
     R = _on(table("rcp"), x)
+    if compiled:
+        y = _native.sfu(2, _bits(x).view(torch.float32), R)
+        if y is not None:
+            return y.view(torch.float32)
     b = _bits(x)
     sign = b & -0x80000000
     e = (b >> 23).bitwise_and_(0xFF).sub_(127)
@@ -149,9 +183,14 @@ def rcp(x: torch.Tensor) -> torch.Tensor:
     return y.view(torch.float32)
 
 
-def lg2(x: torch.Tensor) -> torch.Tensor:
-    """``lg2.approx.ftz.f32`` of float32 x, bit for bit as the H200."""
+def lg2(x: torch.Tensor, *, compiled: bool = True) -> torch.Tensor:
+    """``lg2.approx.ftz.f32`` of float32 x, bit for bit as the H200 (the compiled loop where it
+    is built, else PyTorch: the same numbers; ``compiled=False`` forces PyTorch, for the tests)."""
     T = _on(_joined("lg2_hl", "lg2_hi", "lg2_lo", lambda t: t), x)
+    if compiled:
+        y = _native.sfu(1, _bits(x).view(torch.float32), T)
+        if y is not None:
+            return y.view(torch.float32)
     b = _bits(x)
     e = (b >> 23).bitwise_and_(0xFF).sub_(127)
     lo = e < 0

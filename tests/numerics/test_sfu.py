@@ -26,13 +26,14 @@ def f32(u) -> torch.Tensor:
     return torch.from_numpy(np.asarray(u, dtype=np.uint32).view(np.float32).copy())
 
 
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("op", ["ex2", "lg2", "rcp"])
-def test_device_samples_bit_exact(op):
+def test_device_samples_bit_exact(op, compiled):
     with np.load(FIXTURE) as z:
         ib, ob = z[f"{op}/in"], z[f"{op}/out"]
         prov = json.loads(bytes(z["provenance"]).decode())
     assert prov["device"] == "NVIDIA H200" and len(ib) > 3000
-    got = bits(getattr(sfu, op)(f32(ib)))
+    got = bits(getattr(sfu, op)(f32(ib), compiled=compiled))
     bad = np.flatnonzero(got != ob)
     assert not len(bad), f"{op}: {len(bad)} of {len(ib)} differ, first in={ib[bad[0]]:#x} " \
                          f"device={ob[bad[0]]:#x} model={got[bad[0]]:#x}"
@@ -45,6 +46,20 @@ def test_fixture_holds_the_cases_the_old_models_miss():
         ib, ob = z["ex2/in"], z["ex2/out"]
     old = bits(flush_subnormals(exp2_rz(f32(ib))))
     assert np.mean(old != ob) > 0.1
+
+
+@pytest.mark.parametrize("op", ["ex2", "lg2", "rcp"])
+def test_compiled_loop_equals_torch(op):
+    # the C loops (ex2 from the packed cubics + 2-bit codes) against the PyTorch models on any bits
+    from fa3_numerics.numerics import native
+    if native.status().startswith("PyTorch"):
+        pytest.skip("no compiled fast paths on this machine")
+    g = torch.Generator().manual_seed(11)
+    raw = torch.randint(-2 ** 31, 2 ** 31 - 1, (300000,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = torch.cat([raw.view(torch.float32), torch.rand(300000, generator=g) * 300 - 150,
+                   torch.rand(300000, generator=g) * 4 - 2])
+    f = getattr(sfu, op)
+    assert torch.equal(f(x).view(torch.int32), f(x, compiled=False).view(torch.int32))
 
 
 def test_specials():
