@@ -1,7 +1,8 @@
 """How often the emulators' special-function stand-ins and the bit-exact models (numerics/sfu.py)
 give the H200's bits: on the probe's random samples (tools/device/mufu_probe.py, MUFU_DIR) and,
 with --field, on the kernel dumps in tests/fixtures (cuDNN FP8 forward O codes; PyTorch SDPA flash
-BF16 LSE and gradients under fa2math=torch), sfu=rz (default) against sfu=h200::
+BF16 LSE and gradients under fa2math=torch; FA3 FP8, SageAttention 1 and 2 outputs), sfu=rz
+(default) against sfu=h200::
 
     python3 tools/sfu_compare.py MUFU_DIR [--field]
 """
@@ -89,6 +90,46 @@ def field() -> None:
                   f"F end to end { {nm: round(_fid(x, t[nm], ref[nm]), 4) for nm, x in got.items()} }")
 
 
+def kernels() -> None:
+    """FA3's FP8 forward (tests/fixtures/fa3_h200_s1000_h4_d128), SageAttention 1's n333 case and
+    SageAttention 2's dumped rows: outputs differing from the kernel's, sfu=rz against sfu=h200."""
+    sys.path.insert(0, str(ROOT / "tests" / "numerics"))
+    sys.path.insert(0, str(ROOT / "tests" / "kernels"))
+    import test_mma
+    import test_sage_quant
+    from test_kernels_sage import DATA, Case
+
+    from fa3_numerics.engine.inputs import DistInputs
+    from fa3_numerics.numerics.emulator import emulate
+    from fa3_numerics.numerics.recipe import Recipe
+
+    def show(label, spec, run, want):
+        for sfu in ("rz", "h200"):
+            o = run(Recipe.from_str(f"{spec},sfu={sfu}"))
+            print(f"{label} sfu={sfu}: outputs differing from the kernel's {int((o != want).sum())} of {o.numel()}")
+
+    q, k, v, rows, o_k, _ = test_mma._kernel_case()
+    cache: dict = {}
+    show("fa3-fp8-kernel s1000 h4 d128", "fa3-fp8-kernel", lambda r: emulate(r, q, k, v, q_index=rows, cache=cache), o_k)
+    with np.load(DATA) as z:
+        h = {key: z[key] for key in z.files}
+    c = Case(seqlen=333)
+    dist, params = c.data()
+    q1, k1, v1 = DistInputs(dist, tuple(params.items()), c.batch, c.heads, c.kv_heads, c.seqlen, c.head_dim,
+                            c.seed).draw()
+    r1 = torch.from_numpy(h["n333_rows"])
+    show("sage1 n333", "sage1", lambda r: emulate(r, q1, k1, v1, q_index=r1, rotation_seed=c.seed),
+         torch.from_numpy(h["n333_o"].astype(np.float64)))
+    with np.load(test_sage_quant.FIXTURE) as z:
+        fx = {key: z[key] for key in z.files}
+    meta, q2, k2, v2 = test_sage_quant._rebuild(fx)
+    r2 = torch.from_numpy(fx["rows"].astype(np.int64))
+    show("sage2-sm90 dumped rows", meta["spec"], lambda r: emulate(r, q2, k2, v2, causal=True,
+                                                                    softmax_scale=meta["softmax_scale"],
+                                                                    q_index=r2)[0, 0],
+         torch.from_numpy(fx["o_kernel"].astype(np.float64)))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=Path, nargs="?", help="the probe's --out folder (mufu.json)")
@@ -104,6 +145,7 @@ def main(argv=None) -> int:
         samples(a.folder)
     if a.field:
         field()
+        kernels()
     return 0
 
 
