@@ -18,10 +18,11 @@ tools/sfu_build_tables.py; no analytic interpolator reproduces the bits yet):
   exact in float64, are the unit's outputs. Absolute, not relative, error near x = 1.
 - rcp: sign(x) R[m] 2^-e, R[m] the unit's 1/m in (0.5, 1]; results below 2^-126 flush to signed 0.
 
-Costs (tools' speed check, 10^7 float32 on this project's 2-core CPU): the compiled loops
-(``native.sfu``; ex2 reads a per-segment cubic plus 2-bit codes, 2 MB, instead of its 64 MB
-table) are about as fast as ``emulator.exp2_rz`` or faster; the PyTorch fallbacks (one int32
-index_select into a joined 2^24-entry table: 64 MB each for ex2 and lg2, 32 MB for rcp) 1.5-2x it.
+Cost, 10^7 float32 on the project's 2-core CPU (noisy, best of 3): the compiled loops
+(``native.sfu``; ex2 reads a per-segment cubic plus 2-bit codes, 2 MB that stay in cache, not its
+64 MB table) ex2 0.32-0.36 s, lg2 0.5-0.95 s, rcp 0.35-0.7 s, against emulator.exp2_rz 0.77-0.81 s
+and float32 torch.exp2 0.05-0.09 s; the PyTorch fallbacks (one int32 index_select into a joined
+2^24-entry table: 64 MB each for ex2 and lg2, 32 MB for rcp) 0.85-1.7 s.
 
 ftz inputs: subnormals are zeros. NaN in -> 0x7FFFFFFF (the unit's canonical NaN); lg2 of x < 0 or
 -inf is that NaN, lg2(+-0) = -inf; ex2(-inf) = +0; rcp(+-0) = +-inf, rcp(+-inf) = +-0.

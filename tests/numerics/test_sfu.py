@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -135,7 +134,6 @@ def test_corrupt_table_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(sfu, "_CACHE", {})
     with pytest.raises(RuntimeError, match="SHA-256"):
         sfu.table("rcp")
-    shutil.rmtree(tmp_path)
 
 
 # -- the recipe key sfu=h200 routes the emulators' exp2/lg2 call sites to these models -------------
