@@ -1084,3 +1084,107 @@ int fa3n_mma_model_f64(int64_t L, int64_t M, int64_t K, int64_t N, const float *
     }
     return bad & 2 ? 2 : (bad ? 1 : 0);
 }
+
+/* ---- the H200's ex2/lg2/rcp.approx.ftz.f32 (numerics/sfu.py: the same reductions over the same
+ * measured tables; op 0 ex2 with the joined [x >= 0 | x < 0] table, 1 lg2 with [e >= 0 | e < 0],
+ * 2 rcp). Bits in, bits out: no float compare sees a subnormal, whatever the FPU's DAZ mode. */
+void fa3n_sfu(int64_t n, const uint32_t *x, uint32_t *y, const int32_t *table, int op, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t b = x[i];
+        const int32_t e = (int32_t)((b >> 23) & 0xff) - 127;
+        const uint32_t mant = b & 0x7fffff;
+        const uint32_t neg = b >> 31;
+        uint32_t out;
+        if (e == 128 && mant) {
+            out = 0x7fffffffu; /* NaN in: the unit's canonical NaN */
+        } else if (op == 0) {
+            float ax;
+            uint32_t ab = b & 0x7fffffffu;
+            memcpy(&ax, &ab, 4);
+            if (e == -127) ax = 0.0f;
+            if (ax > 200.0f) ax = 200.0f; /* saturated either way */
+            const int32_t X = (int32_t)(ax * 8388608.0f); /* exact, truncated toward zero */
+            const int32_t m = -(int32_t)neg;
+            const int32_t s = ((X >> 23) ^ m) - m;
+            const int32_t t = table[(X & 0x7fffff) | (m & (1 << 23))];
+            const int32_t ef = (t >> 23) + s;
+            out = ef <= 0 ? 0u : ef >= 255 ? 0x7f800000u : (uint32_t)(t + (s << 23));
+        } else if (op == 1) {
+            if (e == -127) out = 0xff800000u;            /* +-0, subnormals */
+            else if (neg) out = 0x7fffffffu;             /* x < 0, -inf */
+            else if (e == 128) out = 0x7f800000u;        /* +inf */
+            else {
+                const int lo = e < 0;
+                float t;
+                const int32_t tb = table[mant | ((uint32_t)lo << 23)];
+                memcpy(&t, &tb, 4);
+                const double v = (double)(e + lo) + (double)t; /* exact */
+                float r = (float)v;
+                uint32_t rb;
+                memcpy(&rb, &r, 4);
+                if (fabs((double)r) > fabs(v)) rb -= 1; /* toward zero */
+                out = rb;
+            }
+        } else {
+            const uint32_t sign = b & 0x80000000u;
+            if (e == -127) out = sign | 0x7f800000u;
+            else {
+                const int32_t r = table[mant];
+                const int32_t ef = ((r >> 23) & 0xff) - e;
+                out = ef <= 0 ? sign : ((uint32_t)(r - (e << 23)) | sign);
+            }
+        }
+        y[i] = out;
+    }
+}
+
+/* ex2 again, from the packed form instead of the 64 MB table: the entry at fraction F is the
+ * cubic base of its 1/64 segment (Horner in double with the same operations as sfu.base_table,
+ * so the same bits) plus a 2-bit code (0: +0, 1: +1 ulp, 2: -1 ulp) from a 2 MB array that stays
+ * in cache, where the big table's random reads miss it at every element. */
+static inline int32_t sfu_ex2_entry(uint32_t F, const double *coef, const uint8_t *pk) {
+    const double *c = coef + 4 * (F >> 17);
+    const double u = (double)(F & 0x1ffff) / 131072.0;
+    double acc = c[3];
+    acc = acc * u + c[2];
+    acc = acc * u + c[1];
+    acc = acc * u + c[0];
+    const float f = (float)acc;
+    int32_t b;
+    memcpy(&b, &f, 4);
+    const uint32_t code = (pk[F >> 2] >> ((F & 3) * 2)) & 3;
+    return b + (code == 1) - (code == 2);
+}
+
+void fa3n_sfu_ex2_packed(int64_t n, const uint32_t *x, uint32_t *y, const double *coef, const uint8_t *pk,
+                         int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t b = x[i];
+        const int32_t e = (int32_t)((b >> 23) & 0xff) - 127;
+        uint32_t out;
+        if (e == 128 && (b & 0x7fffff)) {
+            out = 0x7fffffffu;
+        } else {
+            float ax;
+            const uint32_t ab = b & 0x7fffffffu;
+            memcpy(&ax, &ab, 4);
+            if (e == -127) ax = 0.0f;
+            if (ax > 200.0f) ax = 200.0f;
+            const int32_t X = (int32_t)(ax * 8388608.0f);
+            const uint32_t F = (uint32_t)X & 0x7fffff;
+            int32_t s, t;
+            if (b >> 31) {
+                s = -(X >> 23);
+                t = F ? sfu_ex2_entry(0x7fffff - F, coef, pk) - (1 << 23) : (127 << 23);
+            } else {
+                s = X >> 23;
+                t = sfu_ex2_entry(F, coef, pk);
+            }
+            const int32_t ef = (t >> 23) + s;
+            out = ef <= 0 ? 0u : ef >= 255 ? 0x7f800000u : (uint32_t)(t + (s << 23));
+        }
+        y[i] = out;
+    }
+}

@@ -47,6 +47,7 @@ import torch
 
 from ..errors import UsageError
 from .emulator import emulate, exp2_rz
+from . import sfu
 from .families import family
 from .formats import cast, get_format, quantize_dequantize
 from .granularity import PerBlock, PerHead, PerTensor, PerToken
@@ -363,13 +364,16 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
     p_fmt, ds_fmt_q, ds_fmt_k = pairs["bwd.dv"][0], pairs["bwd.dq"][0], pairs["bwd.dk"][0]
     tiles = [(s0, min(nk, s0 + bn)) for s0 in range(0, nk, bn)]
     torch_exp2 = getattr(recipe, "fa2math", "fa3") == "torch" and wd == torch.float32
+    hw_exp2 = sfu.wanted(recipe) and wd == torch.float32  # sfu=h200: the measured ex2.approx.ftz
 
     def p_and_ds(s0: int, s1: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = _mm(q_s, _rows(k_s, s0, s1), acc, tb=True)
         # FA3: exp2f(S * scale_log2 - lse_log2), an FFMA then ex2.approx. Here a float32 multiply and
         # subtract (two roundings where FFMA has one: both are ~|x| 2^-24 in the exponent) and torch's
         # exp2, in place; an infinite LSE (a row that saw no key) gives 0
-        if torch_exp2:
+        if hw_exp2:
+            p = sfu.ex2(s.mul_(sl2).sub_(lse2))
+        elif torch_exp2:
             p = exp2_rz(s.mul_(sl2).sub_(lse2))  # fa2math=torch: exp2f as the forward's
         else:
             p = torch.exp2(s.mul_(sl2).sub_(lse2), out=s)

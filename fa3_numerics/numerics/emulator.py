@@ -56,6 +56,7 @@ from .accumulators import accumulator_for, hopper_mma_on
 from .families import element_format, family, mma_format
 from .formats import get_format, quantize_dequantize
 from . import native
+from . import sfu as _sfu
 from .intformats import float32_gemm_is_exact
 from .mma import hopper_mma
 from .granularity import PerHead
@@ -397,6 +398,9 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
     # float32 subnormal that the kernel never holds.
     ftz = bool(getattr(recipe, "ftz", True))
     flush = flush_subnormals if ftz else (lambda x: x)
+    # sfu=h200: the measured ex2.approx.ftz for the rescale factors and P~ (keys/sfu.py)
+    hw = _sfu.wanted(recipe)
+    ex2_resc, ex2_p = (_sfu.ex2, _sfu.ex2) if hw else (exp2_rz, exp2_rn)
     # The softmax step casts P~ to a float format itself; microscaling P is quantized after it
     # from float32 P~ (``operands.cast_p``), so the row sum stays over float32 P~ either way.
     p_float = family(recipe.p) == "float"
@@ -441,7 +445,8 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
     rs4 = torch.zeros((b, h, r, 4), dtype=torch.float32, device=dev)
     l_fa1 = torch.zeros((b, h, r, 1), dtype=torch.float32, device=dev)  # norm=tile: the running row sum
     acc = torch.zeros((b, h, r, vn.shape[-1]), dtype=torch.float32, device=dev)
-    step = native.softmax_step(dev) if mk is None else None  # the C step knows causal masking only
+    # the C step knows causal masking only, and has its own exp2 (not the sfu=h200 model)
+    step = native.softmax_step(dev) if mk is None and not hw else None
     n_tiles = -(-nk // pre.block_n)
     t_lo, t_hi = tile_range if tile_range is not None else (0, n_tiles)  # a split-KV pass visits its own tiles
     tiles = range(t_hi - 1, t_lo - 1, -1) if recipe.order == "reverse" else range(t_lo, t_hi)
@@ -467,9 +472,9 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
         # The kernel uses 0 in place of a -inf max, so fully masked rows give exp2(-inf) = 0.
         finite = torch.isfinite(m_new)
         m_cur = torch.where(finite, m_new, torch.zeros_like(m_new))
-        rescale = flush(exp2_rz(((m_in - m_cur) * sl2).to(torch.float32)))
+        rescale = flush(ex2_resc(((m_in - m_cur) * sl2).to(torch.float32)))
         max_scaled = torch.where(finite, _fma32(m_cur, sl2, -offset), torch.zeros_like(m_cur))
-        p = flush(exp2_rn(_fma32(s, sl2, -max_scaled)))
+        p = flush(ex2_p(_fma32(s, sl2, -max_scaled)))
         rs_out = _quad_row_sum(flush(rs_in * rescale), p)
         p8 = quantize_dequantize(p, p_fmt) if p_fmt is not None else p
         return p8, rescale, m_new, rs_out
@@ -511,8 +516,8 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
             p8 = cast_p(p8, recipe)
         m_new = torch.maximum(m, m_loc)
         m_cur = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        alpha = flush(exp2_rz(((m - m_cur) * sl2).to(torch.float32)))
-        beta = flush(exp2_rz(((m_loc - m_cur) * sl2).to(torch.float32)))
+        alpha = flush(ex2_resc(((m - m_cur) * sl2).to(torch.float32)))
+        beta = flush(ex2_resc(((m_loc - m_cur) * sl2).to(torch.float32)))
         l_new = flush(alpha * l_fa1) + flush(beta * _quad_total(rs_loc))
         pv = accumulate(torch.zeros_like(acc), p8, v_t, acc_fmts)
         acc = flush(acc * flush(l_fa1 * alpha)) + flush(pv * beta)
@@ -531,7 +536,7 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
     if mk is not None and mk.sinks is not None:
         row_sum = _mask.sink_row_sum(row_sum, m, sl2, offset, mk, h)
     if stats is not None:
-        stats["lse"] = _log_sum_exp(m, row_sum, sl2, offset)
+        stats["lse"] = _log_sum_exp(m, row_sum, sl2, offset, lg2=_sfu.lg2 if hw else None)
     inv = torch.where((row_sum > 0) & torch.isfinite(row_sum), 1.0 / row_sum, torch.zeros_like(row_sum))
     o = acc * (inv * v_end).to(torch.float32) if v_end is not None else acc * inv
     return write_out(o, recipe)
@@ -559,16 +564,19 @@ def _amax_scaled_out(recipe: Recipe, q, k, v, *, causal, softmax_scale, q_index,
                      full.fmt).dequantize(torch.float64)
 
 
-def _log_sum_exp(m: torch.Tensor, row_sum: torch.Tensor, sl2: torch.Tensor, offset: float) -> torch.Tensor:
+def _log_sum_exp(m: torch.Tensor, row_sum: torch.Tensor, sl2: torch.Tensor, offset: float,
+                 lg2=None) -> torch.Tensor:
     """The kernel's saved statistic (FA3 ``softmax.finalize``): m * (scale_log2 * ln 2) + ln(row_sum / 2^offset)
     in float32, [B, H, R]; +inf where the row sum is 0 or NaN (a row that sees no key), so that
     a backward's exp(S * scale - lse) is 0 there. ``m`` is the running max of S as the softmax
-    step held it (raw or descaled, matching ``sl2``)."""
+    step held it (raw or descaled, matching ``sl2``). ``lg2`` (sfu=h200): ln as the fast-math build's
+    __logf, lg2.approx(s) times float32 ln 2, in place of ln in float64 rounded once."""
     ln2 = torch.tensor(math.log(2.0), dtype=torch.float32, device=m.device)
     sl = (sl2 * ln2).to(torch.float32)
     # the 2^-offset is exact; ln(row_sum) in float64 rounded once stands in for the kernel's __logf
     s = row_sum * float(2.0 ** -offset)
-    lse = (m * sl).to(torch.float32) + torch.log(s.double()).to(torch.float32)
+    ln_s = (lg2(s) * ln2).to(torch.float32) if lg2 is not None else torch.log(s.double()).to(torch.float32)
+    lse = (m * sl).to(torch.float32) + ln_s
     bad = (s == 0) | torch.isnan(s) | ~torch.isfinite(m)
     return torch.where(bad, torch.full_like(lse, math.inf), lse).squeeze(-1)
 

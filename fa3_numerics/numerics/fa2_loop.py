@@ -116,7 +116,10 @@ def _flash_torch(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float,
     from .formats import get_format, quantize_dequantize
     from .mma import hopper_mma
     from .reference import causal_mask
+    from . import sfu
 
+    # sfu=h200: the measured ex2/lg2.approx.ftz in place of the rounded-toward-zero stand-ins
+    ex2, log2z = (sfu.ex2, sfu.lg2) if sfu.wanted(recipe) else (exp2_rz, _log2_toward_zero)
     uniform = all(t.descale.shape[2] == 1 and t.descale.shape[3] == 1 for t in (pre.q, pre.k, pre.v))
     if pre.bias is not None or not uniform or family(recipe.qk) != "float" or family(recipe.p) != "float":
         raise UsageError(f"recipe {recipe.short_str()}: fa2math=torch models float Q/K/P with one descale per "
@@ -154,16 +157,16 @@ def _flash_torch(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float,
         m_cur = torch.where(finite, m, torch.zeros_like(m))
         if t != t_hi - 1:
             # softmax_rescale_o: exp2f((m_prev - m_cur) * scale_log2), the row sum and O rescaled
-            alpha = exp2_rz(((m_prev - m_cur) * sl2).to(f32))
+            alpha = ex2(((m_prev - m_cur) * sl2).to(f32))
             rs4, acc = rs4 * alpha, acc * alpha
         max_scaled = torch.where(finite, (m * sl2).to(f32), torch.zeros_like(m))
-        p = exp2_rz(((s * sl2).to(f32) - max_scaled).to(f32))  # UNFUSE_FMA: two roundings
+        p = ex2(((s * sl2).to(f32) - max_scaled).to(f32))  # UNFUSE_FMA: two roundings
         rs4 = _quad_row_sum(rs4, p)
         acc = accumulate(acc, quantize_dequantize(p, p_fmt), vn[:, :, s0:s1].to(f32), acc_fmts)
     row_sum = _quad_total(rs4)
     bad = (row_sum == 0) | torch.isnan(row_sum)
     ln2 = torch.tensor(math.log(2.0), dtype=f32, device=dev)
-    logl = (_log2_toward_zero(torch.where(bad, torch.ones_like(row_sum), row_sum)) * ln2).to(f32)  # __logf
+    logl = (log2z(torch.where(bad, torch.ones_like(row_sum), row_sum)) * ln2).to(f32)  # __logf
     lse = _fma32(m, sc, logl)
     if stats is not None:
         stats["lse"] = torch.where(bad, torch.full_like(lse, math.inf), lse).squeeze(-1)

@@ -143,9 +143,12 @@ def _lib():
     lib.fa3n_mt_uniform64.argtypes = [p, p, p, i64, p]
     lib.fa3n_scaled_round_f64.argtypes = [i64, i64, p, p, f64, p, i32, i32, f64, f64, i32, i32]
     lib.fa3n_row_absmax.argtypes = [i64, i64, p, p, i32]
+    lib.fa3n_sfu.argtypes = [i64, p, p, p, i32, i32]
+    lib.fa3n_sfu_ex2_packed.argtypes = [i64, p, p, p, p, i32]
     for fn in (lib.fa3n_softmax_step, lib.fa3n_round_f64, lib.fa3n_round_f32, lib.fa3n_fwht,
                lib.fa3n_decode_u8, lib.fa3n_rescale_rows, lib.fa3n_abs_stats, lib.fa3n_box_muller16,
-               lib.fa3n_mt_uniform64, lib.fa3n_scaled_round_f64, lib.fa3n_row_absmax):
+               lib.fa3n_mt_uniform64, lib.fa3n_scaled_round_f64, lib.fa3n_row_absmax, lib.fa3n_sfu,
+               lib.fa3n_sfu_ex2_packed):
         fn.restype = None
     _STATE["lib"] = lib
     _STATE["why"] = None
@@ -354,6 +357,27 @@ def row_absmax(x: torch.Tensor) -> torch.Tensor | None:
     if out.numel():
         _lib().fa3n_row_absmax(out.numel(), xc.shape[-1], _ptr(xc), _ptr(out), _threads())
     return out
+
+
+def sfu(op: int, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor | None:
+    """``numerics/sfu.py``'s model ``op`` (0 ex2, 1 lg2, 2 rcp) of float32 x through its int32 table,
+    or None when the compiled path does not apply (then the caller runs the PyTorch model)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or table.device.type != "cpu" or _lib() is None:
+        return None
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    _lib().fa3n_sfu(xc.numel(), _ptr(xc), _ptr(y), _ptr(table), op, _threads())
+    return y
+
+
+def sfu_ex2_packed(x: torch.Tensor, coef: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
+    """``sfu.ex2`` from its packed table (float64 cubics [64, 4] and 2-bit codes), or None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or _lib() is None:
+        return None
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    _lib().fa3n_sfu_ex2_packed(xc.numel(), _ptr(xc), _ptr(y), _ptr(coef), _ptr(packed), _threads())
+    return y
 
 
 def rescale_rows(acc: torch.Tensor, scale: torch.Tensor, ftz: bool) -> torch.Tensor | None:

@@ -45,6 +45,7 @@ import math
 import torch
 
 from .accumulators import get_accumulator
+from . import sfu
 from .emulator import PROGRESS, Prepared, _fma32, exp2_rn, exp2_rz, flush_subnormals
 from .families import mma_format
 from .formats import quantize_dequantize
@@ -107,6 +108,8 @@ def flash_sage2(recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, scal
     fmts = (mma_format(recipe.p), mma_format(recipe.v))
     sl = torch.tensor(_f32(_f32(scale) * LOG2E_F32), dtype=torch.float32, device=dev)
     off = -_f32(float(recipe.p_offset))
+    # sfu=h200 (keys/sfu.py): the measured ex2.approx.ftz for P~ and the rescale, else the stand-ins
+    ex2_p, ex2_a = (sfu.ex2, sfu.ex2) if sfu.wanted(recipe) else (exp2_rn, exp2_rz)
     n_it = iterations(q_index, nk, bm, bn, causal).to(dev)
 
     m = torch.full((b, h, r, 1), _NEG, dtype=torch.float32, device=dev)
@@ -130,9 +133,9 @@ def flash_sage2(recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, scal
             s_last = s_last.masked_fill(~causal_mask(q_index, s0, s1, pre.seqlen_q, nk), _NEG)
         m_tile = torch.where(last, _fma32(s_last, sl, off), _fma32(s, c, off)).amax(dim=-1, keepdim=True)
         m_new = torch.where(active, torch.maximum(m, m_tile), m)
-        o_scale = flush_subnormals(exp2_rz((m - m_new).to(torch.float32)))
+        o_scale = flush_subnormals(ex2_a((m - m_new).to(torch.float32)))
         x = torch.where(last, _fma32(s_last, sl, -m_new), _fma32(s, c, -m_new))
-        p = flush_subnormals(exp2_rn(x))
+        p = flush_subnormals(ex2_p(x))
         p = torch.where(active, p, torch.zeros_like(p))
         if width < bn:  # keys past N_k: masked to 0 (and V padded with zeros: core.py)
             p = torch.nn.functional.pad(p, (0, bn - width))

@@ -36,6 +36,7 @@ import math
 import torch
 
 from .accumulators import get_accumulator
+from . import sfu
 from .emulator import PROGRESS, Prepared, _fma32, _quad_row_sum, _quad_total, exp2_rn, exp2_rz, flush_subnormals
 from .families import family, mma_format
 from .formats import quantize_dequantize
@@ -62,6 +63,8 @@ def flash_triton(recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, sca
     accumulate = get_accumulator(recipe.acc)
     fmts = (mma_format(recipe.p), mma_format(recipe.v))
     pad_zero = recipe.kpad == "zero" and not causal
+    # sfu=h200 (keys/sfu.py): the measured ex2.approx.ftz for P~ and the rescale, else the stand-ins
+    ex2_p, ex2_a = (sfu.ex2, sfu.ex2) if sfu.wanted(recipe) else (exp2_rn, exp2_rz)
     # First key of each row's query block: tiles from there on are the causal kernel's stage 2.
     block_start = torch.div(q_index, bm, rounding_mode="floor") * bm
 
@@ -96,10 +99,10 @@ def flash_triton(recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, sca
         if causal:
             stage2 = (s0 >= block_start)[:, None]  # [R, 1]
             x = torch.where(stage2, (qk - m_new).to(torch.float32), x)
-        p = flush_subnormals(exp2_rn(x))
+        p = flush_subnormals(ex2_p(x))
         if vis is not None:
             p = p.masked_fill(~vis, 0.0)
-        alpha = flush_subnormals(exp2_rz((m - m_new).to(torch.float32)))
+        alpha = flush_subnormals(ex2_a((m - m_new).to(torch.float32)))
         row = _quad_total(_quad_row_sum(torch.zeros((b, h, r, 4), dtype=torch.float32, device=dev), p))
         l = _fma32(l, alpha, row)
         p16 = quantize_dequantize(p[..., :width], recipe.p)  # cvt.rn.f16x2.f32 for p=fp16
