@@ -162,7 +162,7 @@ _FIELD = [
            "Requires: sm75+ (FP16 tensor cores)"),
     Preset("sage1", Recipe(qk="int8", gran=PerBlock(), bm=128, bn=64, smooth="k", ties="away", p="fp16",
                            p_offset=0.0, v="fp16", acc="fp16-hopper", order="forward", out="fp16", inp="fp16",
-                           iquant="triton", loop="triton", kpad="zero"),
+                           iquant="triton", loop="triton", kpad="zero", sfu="h200"),
            "SageAttention 1 (arXiv 2410.02367; sageattention 1.0.6 sageattn, Triton) as the kernel computes it on an "
            "H200 (reports/h200/sage1/; validate --backend sage1: max F 0.0064 small grid, 0.0039 captured, stress 0.0013 "
            "but one MQA case 0.091). Findings, each with its evidence: (1) FP16/BF16 inputs (in=), K smoothed in them: "
@@ -277,7 +277,7 @@ _BACKWARD = [
            "forward). Requires: sm90"),
     Preset("sdpa-flash-bf16", dataclasses.replace(_FLASH16, qk="bf16", v="bf16", p="bf16", out="bf16", loop="fa2",
                                                   fa2math="torch", acc="fp22", **_BF16_BWD, bwd_acc="fp22",
-                                                  bwd_order="reverse", bwd_gqa="expand"),
+                                                  bwd_order="reverse", bwd_gqa="expand", sfu="h200"),
            "PyTorch SDPA's flash kernel in BF16, forward and backward (FlashAttention-2 inside torch, "
            "aten/src/ATen/native/transformers/cuda/flash_attn/, mma.sync on Hopper), fitted to its outputs on an H200 "
            "(tools/device/dump_field.py, tools/fit_field.py; reports/h200/backward/): forward loop=fa2 (FA2's sm90 "

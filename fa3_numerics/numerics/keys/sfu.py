@@ -21,6 +21,10 @@ register_key(RecipeKey(
     "nearest as each call site had it, log2 toward zero, ln rounded once) or h200 (bit-exact models of the "
     "H200's ex2/lg2.approx.ftz.f32, numerics/sfu.py)",
     choices=("rz", "h200"), cost=lambda v: 0,
+    # a GPU kernel runs the instructions themselves: h200 names what those backends compute, so a
+    # kernel preset carrying it still runs on its kernel (the CPU stand-in fa3-mock does not)
+    backends=("fa3", "sage1", "sage2", "cudnn-fp8", "torchao-fp8", "sdpa", "sdpa-flash", "sdpa-cudnn",
+              "sdpa-efficient", "sdpa-math", "triton", "triton-two-level", "triton-fused"),
 ))
 
 
