@@ -135,8 +135,19 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32)
 
 
+_ON_DEVICE: dict = {}
+
+
 def _on(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return t if t.device == x.device else t.to(x.device)
+    # a table is 32-64 MB: copied to a GPU once per table and device, not once per call (the
+    # emulator calls these per KV tile)
+    if t.device == x.device:
+        return t
+    key = (t.data_ptr(), t.numel(), str(x.device))
+    got = _ON_DEVICE.get(key)
+    if got is None:
+        got = _ON_DEVICE[key] = t.to(x.device)
+    return got
 
 
 def ex2(x: torch.Tensor, *, compiled: bool = True) -> torch.Tensor:
