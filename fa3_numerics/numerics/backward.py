@@ -161,10 +161,11 @@ def _quantize(x: torch.Tensor, fmt: str, gran, rows: int, wd: torch.dtype) -> _O
 
 
 def _cast_tile(x: torch.Tensor, fmt: str, descale: torch.Tensor | None, wd: torch.dtype,
-               via: torch.dtype | None = None) -> _Operand:
+               via: torch.dtype | None = None, scale: torch.Tensor | None = None) -> _Operand:
     """P or dS of one KV tile ([B, H, N, bn] float32) cast to ``fmt``; ``descale`` broadcasts
     against it (None: the format is used unscaled). ``via``: the scaled value is first rounded to
-    that dtype (float16 under ``bwd.dqcast=fp16``), then cast: two roundings."""
+    that dtype (float16 under ``bwd.dqcast=fp16``), then cast: two roundings. ``scale``: the tile is
+    multiplied by it (float32) instead of divided by ``descale`` (cuDNN's scale_S on P)."""
     if descale is None:
         vals = cast(x if via is None else x.to(via).to(x.dtype), fmt).to(wd)
         return _Operand(vals, fmt, vals, None)
@@ -172,7 +173,7 @@ def _cast_tile(x: torch.Tensor, fmt: str, descale: torch.Tensor | None, wd: torc
         codes = round_to_int(x / descale.to(x.dtype), get_int_format(fmt), "even")
         return _Operand((codes * descale).to(wd), fmt)
     # the kernel scales the float32 tile in float32 and casts it (cvt.rn.satfinite): one rounding each
-    scaled = x / descale.to(x.dtype)
+    scaled = x / descale.to(x.dtype) if scale is None else x * scale.to(x.dtype)
     if via is not None:
         # beyond FP16's range the value becomes inf, which the saturating cast takes to the format's max
         scaled = scaled.to(via).to(x.dtype)
@@ -336,7 +337,7 @@ def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def _cudnn_p(q_s: _Operand, k_t: _Operand, acc: str, scale: float, lse: torch.Tensor) -> torch.Tensor:
-    """P of one KV tile as cuDNN's Hopper FP8 backward forms it (``bwd.pexp=cudnn``), float32: the
+    """P of one KV tile as cuDNN's Hopper FP8 backward forms it (``bwd.pexp=cudnn``), float32 (its cast then multiplies by scale_s): the
     graph's S descale_Q descale_K attn_scale - Stats, then exp, compiled as x = FFMA(S', c, -LSE) on
     the MMA's raw S' with c = (attn_scale descale_Q) descale_K in float32, then __expf(x) =
     ex2.approx.ftz(x log2e) (the product rounded to float32; MUFU.EX2 bit for bit, ``sfu.ex2``).
@@ -456,6 +457,7 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
     p_fixed = None
     if recipe.bwd_pscale == "offset" and _scaled_fmt(p_fmt):
         p_fixed = torch.tensor(2.0 ** -recipe.p_offset, dtype=torch.float32, device=q.device).reshape(1, 1, 1, 1)
+        p_scale_s = torch.tensor(2.0 ** recipe.p_offset, dtype=torch.float32, device=q.device)
     needs = [fmt for fmt in (p_fmt, ds_fmt_q, ds_fmt_k) if _scaled_fmt(fmt)]
     if needs and isinstance(gran, (PerTensor, PerHead)):
         dims = (0, 1, 2, 3) if isinstance(gran, PerTensor) else (2, 3)
@@ -481,8 +483,10 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
     dv = torch.zeros((b, h, nk, v.shape[-1]), dtype=wd, device=q.device)
     for s0, s1 in tiles:
         p, ds = kept.pop(s0) if s0 in kept else p_and_ds(s0, s1)
+        # bwd.pexp=cudnn: the graph's scale_S, P times scale_s = float32(2^poff) for its cast
         p_op = _cast_tile(p, p_fmt, p_fixed if p_fixed is not None else _tile_descale(p, p_fmt, gran, bm,
-                                                                                      whole.get("p")), wd)
+                                                                                      whole.get("p")), wd,
+                          scale=p_scale_s if cudnn_exp and p_fixed is not None else None)
         dv[:, :, s0:s1] = _mm(_take_rows(p_op, order), do_dv_o, acc, ta=True)
         if ds_cudnn:
             # attn_scale folded into dS before its cast (the graph's mul_dS_attn_scale)

@@ -36,7 +36,8 @@ that is not FP8 is cast as it is, so per-product attribution can set bwd.dq's fo
 ``bwd.pexp`` how P's exponent is recomputed from S and the saved natural-log LSE (``fa3``: exp2(S (scale
 log2e) - LSE log2e), a float32 multiply and subtract, then exp2 correctly rounded; ``cudnn``: x = S' c - LSE
 as one FFMA on the MMA's raw S' with c = (scale descale_Q) descale_K in float32, then CUDA's __expf,
-ex2.approx.ftz(x log2e), bit for bit as the H200's MUFU.EX2 (``numerics.sfu``): cuDNN's Hopper kernel);
+ex2.approx.ftz(x log2e), bit for bit as the H200's MUFU.EX2 (``numerics.sfu``), and under
+``bwd.pscale=offset`` P cast as the float32 product P scale_s, scale_s = float32(2^poff): cuDNN's Hopper kernel);
 ``bwd.dsform`` how dS is formed for its FP8 casts (``fa3``: P (dP - D) cast as x / descale, the softmax
 scale applied to dQ and dK at the end; ``cudnn``: cuDNN's graph order, D from the FP8 codes' products
 times the descales, dS = P (dP - D) attn_scale times scale_dP = max / amax in float32: a what-if, it wins
@@ -170,7 +171,8 @@ __all__ = ["PRODUCTS", "operand_pair", "backward_pairs"]
 register_key(RecipeKey("bwd.pexp", "fa3", "P's exponent in the backward: fa3 (exp2(S scale log2e - LSE log2e), "
                        "multiply then subtract, exp2 rounded to nearest) or cudnn (FFMA(S', (scale descale_Q) "
                        "descale_K, -LSE) on the raw S', then ex2.approx.ftz of it times log2e, the H200's MUFU.EX2 "
-                       "bit for bit: cuDNN's sdpa_fp8_backward)", field="bwd_pexp", choices=("fa3", "cudnn")))
+                       "bit for bit, P cast as P times float32(2^poff) under bwd.pscale=offset: cuDNN's "
+                       "sdpa_fp8_backward)", field="bwd_pexp", choices=("fa3", "cudnn")))
 register_key(RecipeKey("bwd.outscale", "descale", "how an FP8 gradient is written: descale (the cast of x / (amax / "
                        "max) in float64) or scale (the cast of the float32 product x scale, scale = max / amax "
                        "rounded to float32: cuDNN's scale_dQ/dK/dV, which its epilogue multiplies by)",
