@@ -42,9 +42,10 @@ def traced_backward(d: dict, acc: str = "fp22") -> dict:
     casts, prods = [], []
     cast0, mm0 = bw._cast_tile, bw._mm
 
-    def cast_spy(x, fmt, descale, wd, via=None):
-        op = cast0(x, fmt, descale, wd, via)
-        casts.append((x, fmt, descale, via, op))
+    def cast_spy(x, fmt, descale, wd, via=None, scale=None):
+        op = cast0(x, fmt, descale, wd, via, scale=scale)
+        # a tile multiplied by ``scale`` (P under bwd.pexp=cudnn) is recorded as divided by its inverse
+        casts.append((x, fmt, descale if scale is None else 1.0 / scale, via, op))
         return op
 
     def mm_spy(a, b, acc, *, ta=False, tb=False):

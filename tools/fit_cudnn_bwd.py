@@ -101,8 +101,9 @@ def score(d: dict, extra: str, ref0: dict | None = None) -> dict:
         s = d["scalars"][f"scale_d{g[1].upper()}"]
         ker = decode(d["raw"][g], s)
         codes = cast(emu * s, d["grad_fmt"])
-        same = float((codes.view(torch.uint8) == d["raw"][g].view(torch.uint8)).double().mean())
-        out[g] = {"F_q": fidelity(emu, ker, ref[g])["F"], "codes_equal": same}
+        eq = codes.view(torch.uint8) == d["raw"][g].view(torch.uint8)
+        same = float(eq.double().mean())
+        out[g] = {"F_q": fidelity(emu, ker, ref[g])["F"], "codes_equal": same, "codes_differ": int((~eq).sum())}
         if ref0 is not None:
             out[g]["F"] = fidelity(emu, ker, ref0[g])["F"]
     return out
@@ -130,7 +131,8 @@ def main(argv=None) -> int:
             rows.append({"case": name, "arm": arm, "candidate": cand, **res})
             print(f"{name:32} {arm:10} {cand:48} " + "  ".join(
                 f"{g}" + (f" F {res[g]['F']:.4f}" if "F" in res[g] else "") +
-                f" F_q {res[g]['F_q']:.4f} codes {100 * res[g]['codes_equal']:6.2f}%" for g in ("dq", "dk", "dv")),
+                f" F_q {res[g]['F_q']:.4f} codes {100 * res[g]['codes_equal']:6.2f}% ({res[g]['codes_differ']} differ)"
+                for g in ("dq", "dk", "dv")),
                 flush=True)
     return 0
 

@@ -162,10 +162,11 @@ def _quantize(x: torch.Tensor, fmt: str, gran, rows: int, wd: torch.dtype) -> _O
 
 
 def _cast_tile(x: torch.Tensor, fmt: str, descale: torch.Tensor | None, wd: torch.dtype,
-               via: torch.dtype | None = None) -> _Operand:
+               via: torch.dtype | None = None, scale: torch.Tensor | None = None) -> _Operand:
     """P or dS of one KV tile ([B, H, N, bn] float32) cast to ``fmt``; ``descale`` broadcasts
     against it (None: the format is used unscaled). ``via``: the scaled value is first rounded to
-    that dtype (float16 under ``bwd.dqcast=fp16``), then cast: two roundings."""
+    that dtype (float16 under ``bwd.dqcast=fp16``), then cast: two roundings. ``scale``: the tile is
+    multiplied by it (float32) instead of divided by ``descale`` (cuDNN's scale_S on P)."""
     if descale is None:
         vals = cast(x if via is None else x.to(via).to(x.dtype), fmt).to(wd)
         return _Operand(vals, fmt, vals, None)
@@ -173,7 +174,7 @@ def _cast_tile(x: torch.Tensor, fmt: str, descale: torch.Tensor | None, wd: torc
         codes = round_to_int(x / descale.to(x.dtype), get_int_format(fmt), "even")
         return _Operand((codes * descale).to(wd), fmt)
     # the kernel scales the float32 tile in float32 and casts it (cvt.rn.satfinite): one rounding each
-    scaled = x / descale.to(x.dtype)
+    scaled = x / descale.to(x.dtype) if scale is None else x * scale.to(x.dtype)
     if via is not None:
         # beyond FP16's range the value becomes inf, which the saturating cast takes to the format's max
         scaled = scaled.to(via).to(x.dtype)
@@ -181,6 +182,22 @@ def _cast_tile(x: torch.Tensor, fmt: str, descale: torch.Tensor | None, wd: torc
     if descale.shape[2] == 1 and descale.shape[3] == 1:
         return _Operand(None, fmt, vals, descale)
     return _Operand((vals * descale).to(wd), fmt)
+
+
+def _cast_by_scale(x: torch.Tensor, fmt: str, amax: torch.Tensor, wd: torch.dtype,
+                   via: torch.dtype | None = None) -> _Operand:
+    """dS of one KV tile cast as cuDNN does (``bwd.dsform=cudnn``): scale_dP = max / amax rounded to
+    float32, the cast of the float32 product x scale_dP (``via``: through that dtype first), and
+    descale_dP = 1 / scale_dP rounded to float32 for the products (kernels/cudnn.py forms both so)."""
+    f = get_format(fmt)
+    a = float(amax.max())
+    s = torch.tensor(f.max / a if 0 < a < math.inf else 1.0, dtype=torch.float64).to(torch.float32)
+    scaled = x * s.to(x.dtype)
+    if via is not None:
+        scaled = scaled.to(via).to(x.dtype)
+    vals = quantize_dequantize(scaled, fmt, wd)
+    d = torch.tensor(1.0 / float(s), dtype=torch.float64).to(torch.float32).reshape(1, 1, 1, 1)
+    return _Operand(None, fmt, vals, d.to(x.device))
 
 
 def _fmt_max(fmt: str) -> object:
@@ -296,14 +313,51 @@ def _group_sum(x: torch.Tensor, hkv: int) -> torch.Tensor:
     return x.reshape(b, hkv, h // hkv, *x.shape[2:]).sum(dim=2, dtype=x.dtype)
 
 
-def _write(x: torch.Tensor, fmt: str) -> torch.Tensor:
+def _write(x: torch.Tensor, fmt: str, outscale: str = "descale") -> torch.Tensor:
     """A gradient in ``bwd.out``: FP8 with one scale per tensor (cuDNN's scale_dQ/dK/dV from the
-    amax), wider formats as they are; float64 holding the values."""
+    amax), wider formats as they are; float64 holding the values. ``outscale=scale``: the code is the
+    cast of the float32 product x scale with scale = max / amax rounded to float32, the value code /
+    scale (cuDNN: its epilogue multiplies by scale_dX, which the caller forms so); ``descale``: the
+    cast of x / (amax / max) in float64, the value code descale."""
     f = get_format(fmt)
     if not f.saturate:
         return cast(x, f).to(torch.float64) if f.dtype is not None else x.to(torch.float64)
+    if outscale == "scale":
+        a = float(x.abs().amax())
+        s = torch.tensor(f.max / a if 0 < a < math.inf else 1.0, dtype=torch.float64).to(torch.float32)
+        return cast(x.to(torch.float32) * s, f).to(torch.float64) / s.to(torch.float64)
     d = amax_to_scale(x.abs().amax(), f).to(torch.float64)
     return cast(x.to(torch.float64) / d, f).to(torch.float64) * d
+
+
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 a b + c rounded once (FFMA): the product of two float32 is exact in float64, the sum is
+    rounded to float64 and then to float32; that double rounding differs from FFMA's single one only
+    when the float64 sum lands on a float32 midpoint (about 2^-29 of inputs)."""
+    return (a.double() * b.double() + c.double()).to(torch.float32)
+
+
+def _cudnn_p(q_s: _Operand, k_t: _Operand, acc: str, scale: float, lse: torch.Tensor) -> torch.Tensor:
+    """P of one KV tile as cuDNN's Hopper FP8 backward forms it (``bwd.pexp=cudnn``), float32 (its cast then multiplies by scale_s): the
+    graph's S descale_Q descale_K attn_scale - Stats, then exp, compiled as x = FFMA(S', c, -LSE) on
+    the MMA's raw S' with c = (attn_scale descale_Q) descale_K in float32, then __expf(x) =
+    ex2.approx.ftz(x log2e) (the product rounded to float32; MUFU.EX2 bit for bit, ``sfu.ex2``).
+    Fitted on the kernel's bytes: every differing dV code of 12 saved case-arms goes
+    (reports/h200/backward/cudnn.md). Descales that vary along the contraction leave no raw S': then
+    S is the descaled product and c the softmax scale alone."""
+    from .sfu import ex2
+
+    one = torch.tensor(1.0, dtype=torch.float32)
+    if q_s.raw is not None and k_t.raw is not None:
+        s = _mm(_Operand(None, q_s.fmt, q_s.raw, None), _Operand(None, k_t.fmt, k_t.raw, None), acc, tb=True)
+        dq = q_s.d if q_s.d is not None else one
+        dk = k_t.d if k_t.d is not None else one
+        c = (torch.tensor(scale, dtype=torch.float32) * dq.to(torch.float32)) * dk.to(torch.float32)
+    else:
+        s = _mm(q_s, k_t, acc, tb=True)
+        c = torch.tensor(scale, dtype=torch.float32)
+    x = _fma32(s, c, -lse.to(torch.float32).unsqueeze(-1))
+    return ex2(x * torch.tensor(LOG2E, dtype=torch.float32))
 
 
 # -- the backward --------------------------------------------------------------------------------
@@ -353,30 +407,46 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
     q_dk = op(q64, "bwd.dk", 1, rows_q)
     # D: FA3's preprocess reads dO and O as stored and sums their product in float32.
     do_d, o_d = op(do64, "bwd.ds", 0, rows_q), op(o64, "bwd.ds", 1, rows_q)
-    if recipe.loop == "fa2" and wd == torch.float32:
+    # bwd.dsform=cudnn: cuDNN's graph, dS = (dP - D) P attn_scale times scale_dP = max / amax of that, with
+    # D = rowsum of the FP8 codes' products times descale_dO, then descale_O; FP8 dS at one scale per tensor only
+    ds_cudnn = (recipe.bwd_dsform == "cudnn" and wd == torch.float32 and isinstance(gran, PerTensor)
+                and all(f in ("e4m3", "e5m2") for f in (pairs["bwd.dq"][0], pairs["bwd.dk"][0]))
+                and do_d.raw is not None and o_d.raw is not None)
+    if ds_cudnn:
+        dsum = (do_d.raw * o_d.raw).sum(dim=-1, keepdim=True, dtype=wd)
+        for t in (do_d.d, o_d.d):
+            dsum = dsum if t is None else dsum * t.to(wd)
+    elif recipe.loop == "fa2" and wd == torch.float32:
         dsum = _fa2_dot_do_o(do_d.value(), o_d.value())
     else:
         dsum = (do_d.value() * o_d.value()).sum(dim=-1, keepdim=True, dtype=wd)
 
     sl2 = torch.tensor(scale * LOG2E, dtype=wd)
+    scale_t = torch.tensor(scale, dtype=wd)
     lse2 = (fwd.lse.to(wd) * torch.tensor(LOG2E, dtype=wd)).unsqueeze(-1)
     q_pos = torch.arange(n, device=q.device)
     p_fmt, ds_fmt_q, ds_fmt_k = pairs["bwd.dv"][0], pairs["bwd.dq"][0], pairs["bwd.dk"][0]
     tiles = [(s0, min(nk, s0 + bn)) for s0 in range(0, nk, bn)]
     torch_exp2 = getattr(recipe, "fa2math", "fa3") == "torch" and wd == torch.float32
     hw_exp2 = sfu.wanted(recipe) and wd == torch.float32  # sfu=h200: the measured ex2.approx.ftz
+    # bwd.pexp=cudnn: cuDNN's natural-log FFMA and __expf (ex2.approx); float32 arithmetic only
+    cudnn_exp = recipe.bwd_pexp == "cudnn" and wd == torch.float32
 
     def p_and_ds(s0: int, s1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = _mm(q_s, _rows(k_s, s0, s1), acc, tb=True)
-        # FA3: exp2f(S * scale_log2 - lse_log2), an FFMA then ex2.approx. Here a float32 multiply and
-        # subtract (two roundings where FFMA has one: both are ~|x| 2^-24 in the exponent) and torch's
-        # exp2, in place; an infinite LSE (a row that saw no key) gives 0
-        if hw_exp2:
-            p = sfu.ex2(s.mul_(sl2).sub_(lse2))
-        elif torch_exp2:
-            p = exp2_rz(s.mul_(sl2).sub_(lse2))  # fa2math=torch: exp2f as the forward's
+        k_t = _rows(k_s, s0, s1)
+        if cudnn_exp:
+            p = _cudnn_p(q_s, k_t, acc, scale, fwd.lse)
         else:
-            p = torch.exp2(s.mul_(sl2).sub_(lse2), out=s)
+            s = _mm(q_s, k_t, acc, tb=True)
+            # FA3: exp2f(S * scale_log2 - lse_log2), an FFMA then ex2.approx. Here a float32 multiply and
+            # subtract (two roundings where FFMA has one: both are ~|x| 2^-24 in the exponent) and torch's
+            # exp2, in place; an infinite LSE (a row that saw no key) gives 0
+            if hw_exp2:
+                p = sfu.ex2(s.mul_(sl2).sub_(lse2))
+            elif torch_exp2:
+                p = exp2_rz(s.mul_(sl2).sub_(lse2))  # fa2math=torch: exp2f as the forward's
+            else:
+                p = torch.exp2(s.mul_(sl2).sub_(lse2), out=s)
         if causal:
             vis = causal_mask(q_pos, s0, s1, n, nk)
             p = p.masked_fill(~vis, 0.0)
@@ -391,20 +461,21 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
     p_fixed = None
     if recipe.bwd_pscale == "offset" and _scaled_fmt(p_fmt):
         p_fixed = torch.tensor(2.0 ** -recipe.p_offset, dtype=torch.float32, device=q.device).reshape(1, 1, 1, 1)
+        p_scale_s = torch.tensor(2.0 ** recipe.p_offset, dtype=torch.float32, device=q.device)
     needs = [fmt for fmt in (p_fmt, ds_fmt_q, ds_fmt_k) if _scaled_fmt(fmt)]
     if needs and isinstance(gran, (PerTensor, PerHead)):
         dims = (0, 1, 2, 3) if isinstance(gran, PerTensor) else (2, 3)
-        amax = {"p": None, "ds": None}
+        amax = {"p": None, "ds": None, "dsf": None}
         room = _KEEP_BYTES
         for s0, s1 in tiles:
             p, ds = p_and_ds(s0, s1)
-            for name, t in (("p", p), ("ds", ds)):
+            for name, t in (("p", p), ("ds", ds)) + ((("dsf", ds * scale_t),) if ds_cudnn else ()):
                 a = _absmax(t, dims).to(torch.float64)
                 amax[name] = a if amax[name] is None else torch.maximum(amax[name], a)
             size = 2 * p.numel() * p.element_size()
             if size <= room:
                 kept[s0], room = (p, ds), room - size
-        whole = {"p": amax["p"], "dsq": amax["ds"], "dsk": amax["ds"]}
+        whole = {"p": amax["p"], "dsq": amax["ds"], "dsk": amax["ds"], "dsf": amax["dsf"]}
 
     # bwd.dqcast=fp16: dQ's FP8 dS is rounded to FP16 before its cast (cuDNN's Hopper kernel); dK's is cast
     # directly. Other dS formats have no such step (the key then changes nothing)
@@ -416,23 +487,31 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
     dv = torch.zeros((b, h, nk, v.shape[-1]), dtype=wd, device=q.device)
     for s0, s1 in tiles:
         p, ds = kept.pop(s0) if s0 in kept else p_and_ds(s0, s1)
+        # bwd.pexp=cudnn: the graph's scale_S, P times scale_s = float32(2^poff) for its cast
         p_op = _cast_tile(p, p_fmt, p_fixed if p_fixed is not None else _tile_descale(p, p_fmt, gran, bm,
-                                                                                      whole.get("p")), wd)
+                                                                                      whole.get("p")), wd,
+                          scale=p_scale_s if cudnn_exp and p_fixed is not None else None)
         dv[:, :, s0:s1] = _mm(_take_rows(p_op, order), do_dv_o, acc, ta=True)
-        dsq = _cast_tile(ds, ds_fmt_q, _tile_descale(ds, ds_fmt_q, gran, bm, whole.get("dsq")), wd, via_q)
-        dsk = dsq if ds_fmt_k == ds_fmt_q and via_q is None else \
-            _cast_tile(ds, ds_fmt_k, _tile_descale(ds, ds_fmt_k, gran, bm, whole.get("dsk")), wd)
+        if ds_cudnn:
+            # attn_scale folded into dS before its cast (the graph's mul_dS_attn_scale)
+            dsf = ds * scale_t
+            dsq = _cast_by_scale(dsf, ds_fmt_q, whole["dsf"], wd, via_q)
+            dsk = dsq if ds_fmt_k == ds_fmt_q and via_q is None else _cast_by_scale(dsf, ds_fmt_k, whole["dsf"], wd)
+        else:
+            dsq = _cast_tile(ds, ds_fmt_q, _tile_descale(ds, ds_fmt_q, gran, bm, whole.get("dsq")), wd, via_q)
+            dsk = dsq if ds_fmt_k == ds_fmt_q and via_q is None else \
+                _cast_tile(ds, ds_fmt_k, _tile_descale(ds, ds_fmt_k, gran, bm, whole.get("dsk")), wd)
         dq += _mm(dsq, _rows(k_dq, s0, s1), acc)  # float32 across KV tiles (FA3's dQaccum)
         dk[:, :, s0:s1] = _mm(_take_rows(dsk, order), q_dk_o, acc, ta=True)
     scale_w = torch.tensor(scale, dtype=wd)
-    dq = dq * scale_w
-    dk, dv = dk * scale_w, dv
+    if not ds_cudnn:  # bwd.dsform=cudnn folded the softmax scale into dS
+        dq, dk = dq * scale_w, dk * scale_w
     if recipe.bwd_gqa == "expand" and h != hkv:
         # every query head's gradient is written first; their sum is then rounded again below
-        dk, dv = (_write(g, recipe.bwd_out).to(wd) for g in (dk, dv))
+        dk, dv = (_write(g, recipe.bwd_out, recipe.bwd_outscale).to(wd) for g in (dk, dv))
     dk = _group_sum(dk, hkv)
     dv = _group_sum(dv, hkv)
-    dq, dk, dv = (_write(g, recipe.bwd_out) for g in (dq, dk, dv))
+    dq, dk, dv = (_write(g, recipe.bwd_out, recipe.bwd_outscale) for g in (dq, dk, dv))
     if rot is not None:
         mt = rot.matrix().to(dq.device).transpose(0, 1)
         dq, dk, dv = (torch.matmul(g, mt) for g in (dq, dk, dv))

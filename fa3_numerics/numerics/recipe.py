@@ -369,7 +369,8 @@ _KERNEL_FWD = [
            "Requires: sm90, cuDNN 9"),
     Preset("cudnn-fp8-kernel", dataclasses.replace(_CUDNN_HOPPER_FWD, **{**_FP8_BWD, "bwd_acc": "fp22",
                                                                          "bwd_pscale": "offset",
-                                                                         "bwd_dqcast": "fp16"}),
+                                                                         "bwd_dqcast": "fp16", "bwd_pexp": "cudnn",
+                                                                         "bwd_outscale": "scale"}),
            "cuDNN's FP8 attention forward and backward as they run on Hopper (cudnn-frontend 1.32 sdpa_fp8 training "
            "forward + sdpa_fp8_backward, cuDNN 9.19 on an H200: reports/h200/backward/cudnn.md; --backend cudnn-fp8 "
            "runs it). The forward is cudnn-fp8-fwd's recipe (E4M3 O scaled from Amax_O: Hopper writes FP8 O only; KV "
@@ -394,7 +395,12 @@ _KERNEL_FWD = [
            "the saved cases the few dK and dV codes that differ (3-67 of 262,144) sit in a few key rows; each of "
            "the 13 rows with 5 or more (74% of them) is explained by one P (dV) or dS (dK) code whose float32 "
            "value lies within 1.2e-5 of a code step of an FP8 rounding boundary (tools/explain_cudnn_dkdv.py): "
-           "float32-level differences in P and dS at the casts' ties, not modelled. With the emulator's own forward (F of O 0.0014-0.0204, 4 of 14 above "
+           "float32-level differences in P and dS at the casts' ties. P's are modelled since (bwd.pexp=cudnn: x = "
+           "FFMA(S', (scale descale_Q) descale_K, -LSE) on the raw S', then __expf = ex2.approx.ftz(x log2e), the "
+           "H200's MUFU.EX2 bit for bit, P cast as P times float32(2^poff)), with the outputs cast as the float32 "
+           "product with scale = max / amax (bwd.outscale=scale): on 12 saved case-arms (6 cases, among them "
+           "every case-arm that missed on the device) from the kernel's O and Stats, dV's codes all equal the "
+           "kernel's, F of dQ 0.0000-0.0069 and dK 0.0000-0.0048, each at or below the exp2 form's. With the emulator's own forward (F of O 0.0014-0.0204, 4 of 14 above "
            "0.01), dK's F is above 0.01 on 11 of 14 case-arms. Requires: sm90 with head dim 128 only (cuDNN "
            "9.19 declines 64: 'hidden_dim shoud be equal to 128'), FP8 gradients (BF16 ones need Blackwell and "
            "cuDNN >= 9.13)"),

@@ -33,8 +33,19 @@ head's written, then summed and written again);
 ``bwd.dqcast`` how dS reaches its FP8 format for dQ (``direct``: one cast of the float32 value, as
 for dK; ``fp16``: rounded to FP16 first, two roundings, as cuDNN's Hopper kernel does for dQ only; a dS
 that is not FP8 is cast as it is, so per-product attribution can set bwd.dq's formats freely);
+``bwd.pexp`` how P's exponent is recomputed from S and the saved natural-log LSE (``fa3``: exp2(S (scale
+log2e) - LSE log2e), a float32 multiply and subtract, then exp2 correctly rounded; ``cudnn``: x = S' c - LSE
+as one FFMA on the MMA's raw S' with c = (scale descale_Q) descale_K in float32, then CUDA's __expf,
+ex2.approx.ftz(x log2e), bit for bit as the H200's MUFU.EX2 (``numerics.sfu``), and under
+``bwd.pscale=offset`` P cast as the float32 product P scale_s, scale_s = float32(2^poff): cuDNN's Hopper kernel);
+``bwd.dsform`` how dS is formed for its FP8 casts (``fa3``: P (dP - D) cast as x / descale, the softmax
+scale applied to dQ and dK at the end; ``cudnn``: cuDNN's graph order, D from the FP8 codes' products
+times the descales, dS = P (dP - D) attn_scale times scale_dP = max / amax in float32: a what-if, it wins
+on most saved case-arms but not all, so no preset sets it);
 ``bwd.out`` the format dQ, dK, dV are written in (FP8 with a per-tensor scale, as cuDNN's
-outputs); ``bwd.rot`` a random Hadamard along head_dim on Q, K, V and dO before they are
+outputs); ``bwd.outscale`` how an FP8 gradient is scaled (``descale``: x / (amax / max) in
+float64; ``scale``: x times scale = max / amax, both float32, as cuDNN's epilogue multiplies by
+scale_dQ/dK/dV); ``bwd.rot`` a random Hadamard along head_dim on Q, K, V and dO before they are
 quantized (a what-if: no public backward rotates), the gradients rotated back in float64.
 
 Every key defaults to the exact backward (float32 operands, float32 accumulation, float32
@@ -157,3 +168,17 @@ register_key(RecipeKey("bwd.dqcast", "direct", "how dS reaches its format for dQ
 
 
 __all__ = ["PRODUCTS", "operand_pair", "backward_pairs"]
+register_key(RecipeKey("bwd.pexp", "fa3", "P's exponent in the backward: fa3 (exp2(S scale log2e - LSE log2e), "
+                       "multiply then subtract, exp2 rounded to nearest) or cudnn (FFMA(S', (scale descale_Q) "
+                       "descale_K, -LSE) on the raw S', then ex2.approx.ftz of it times log2e, the H200's MUFU.EX2 "
+                       "bit for bit, P cast as P times float32(2^poff) under bwd.pscale=offset: cuDNN's "
+                       "sdpa_fp8_backward)", field="bwd_pexp", choices=("fa3", "cudnn")))
+register_key(RecipeKey("bwd.outscale", "descale", "how an FP8 gradient is written: descale (the cast of x / (amax / "
+                       "max) in float64) or scale (the cast of the float32 product x scale, scale = max / amax "
+                       "rounded to float32: cuDNN's scale_dQ/dK/dV, which its epilogue multiplies by)",
+                       field="bwd_outscale", choices=("descale", "scale")))
+register_key(RecipeKey("bwd.dsform", "fa3", "how dS is formed for its FP8 casts: fa3 (P (dP - D), D = rowsum of dO "
+                       "O's values, cast as x / (amax / max), the softmax scale applied to dQ and dK at the end) or "
+                       "cudnn (cuDNN's graph: D = rowsum of the FP8 codes' products times descale_dO, then "
+                       "descale_O; dS = P (dP - D) attn_scale, cast as the float32 product with scale_dP = max / "
+                       "amax; per-tensor FP8 dS only, otherwise fa3)", field="bwd_dsform", choices=("fa3", "cudnn")))
