@@ -37,6 +37,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/, for mufu_tables
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/device/, for common
+
+from common import log  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -91,10 +94,6 @@ SEEDS = {"ex2": 20261202, "lg2": 20261203, "rcp": 20261204}
 FULL = {"grid_bits": 24, "ex2": 1_500_000, "lg2": 1_000_000, "rcp": 500_000}
 DRY = {"grid_bits": 14, "ex2": 20_000, "lg2": 10_000, "rcp": 5_000}
 FLT_MIN = np.float32(2.0 ** -126)
-
-
-def log(msg: str, t0=time.perf_counter()) -> None:
-    print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
 
 
 # -- the instructions ---------------------------------------------------------------------------
