@@ -14,6 +14,7 @@
 #   cudnnval   field_holdout.sh's cuDNN part (validate --backend cudnn-fp8 --grid small)
 #   dumpfield  tools/device/dump_field.py --parts $DUMP_PARTS (default cudnn-more)
 #   val        fa3-numerics validate for each BACKEND:GRID in VAL (fp22: the presets' accumulator; VAL_S seconds each)
+#   sdpa       backward_h200.py --checks sdpa per case of SDPA_CASES (N:H:HKV:D:CAUSAL:SEED)
 #   mufu       tools/device/mufu_probe.py (exact outputs of ex2/lg2.approx for bit-exact CPU models)
 # Device tool, from the checkout's root, e.g.
 #   run(command="PARTS='sage1 sage2 sagedump' bash tools/device/batch_h200.sh", carry=[".whl", ".sage2build"])
@@ -78,13 +79,23 @@ EOF
     cudnnbwd) timeout 120 python3 tools/device/cudnn_bwd_h200.py --out "$W/cudnn-bwd" ${CUDNNBWD_ARGS:-} ;;
     sdpahold) HOLDOUT_PARTS=sdpa OUT="$W/sdpa-hold" bash tools/device/field_holdout.sh ;;
     cudnnval) HOLDOUT_PARTS=cudnn OUT="$W/cudnn-val" bash tools/device/field_holdout.sh ;;
-    val)  # VAL="BACKEND:GRID ..." (GRID small, stress or captured: .capture/smollm2.safetensors), the preset's fp22 only
+    val)  # VAL="BACKEND:GRID ..." (GRID small, stress or captured: .capture/smollm2.safetensors); VAL_ACC: --acc
+      # (default: the backend's own accumulator models)
       for bg in ${VAL:-torchao-fp8:stress}; do
         b=${bg%%:*}; g=${bg#*:}
         if [ "$g" = captured ]; then args=(--dist "captured:.capture/smollm2.safetensors"); else args=(--grid "$g"); fi
-        timeout "${VAL_S:-150}" python3 -m fa3_numerics.cli validate --backend "$b" --device cuda "${args[@]}" --acc "${VAL_ACC:-fp22}" \
+        [ -n "${VAL_ACC:-}" ] && args+=(--acc "$VAL_ACC")
+        timeout "${VAL_S:-150}" python3 -m fa3_numerics.cli validate --backend "$b" --device cuda "${args[@]}" \
           --format md --out "$W/val/$b-$g" 2>&1 | grep -v "^\s*$" | tail -n 40
         echo "[batch] val $b $g exit ${PIPESTATUS[0]}"
+      done ;;
+    sdpa)  # SDPA_CASES="N:H:HKV:D:CAUSAL(0|1):SEED ...": backward_h200.py's SDPA check against sdpa-flash-bf16
+      for c in ${SDPA_CASES:-2048:8:8:128:0:4}; do
+        IFS=: read -r n h hkv d causal seed <<< "$c"
+        extra=(); [ "$causal" = 1 ] && extra=(--causal)
+        timeout 90 python3 tools/device/backward_h200.py --checks sdpa --seqlen "$n" --heads "$h" --kv-heads "$hkv" \
+          --head-dim "$d" "${extra[@]}" --seeds "$seed" --sdpa-recipe sdpa-flash-bf16 --out "$W/sdpa/n$n-h$h-kv$hkv-d$d-c$causal-s$seed"
+        echo "[batch] sdpa $c exit $?"
       done ;;
     mufu) timeout 120 python3 tools/device/mufu_probe.py --out "$W/mufu" ;;
     dumpfield) timeout "${DUMP_S:-200}" python3 tools/device/dump_field.py --parts "${DUMP_PARTS:-cudnn-more}" --out "$W/field" ;;
