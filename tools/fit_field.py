@@ -348,7 +348,10 @@ def run_cudnn_tie(a) -> int:
             diff_rows: dict = {}
             line = []
             for j, (so, label) in enumerate(zip(info["scale_o"], info["scale_o_labels"])):
-                x = o32 * torch.tensor(so, dtype=torch.float32)
+                if r.smath == "cudnn":  # cuDNN folds scale_o into each row's factor: O * scale_o as it forms it
+                    x = emulate(r, q, k, v, softmax_scale=info["attn_scale"], q_index=idx, scale_o=so).float()
+                else:
+                    x = o32 * torch.tensor(so, dtype=torch.float32)
                 codes = x.clamp(-448, 448).to(E4M3).view(torch.uint8)
                 d = codes != kernel[j]
                 near = tie_distance(x).abs() <= 2  # the cells l's last bits decide

@@ -346,7 +346,7 @@ BACKWARD_PRESETS = tuple(p.name for p in _BACKWARD)
 # cuDNN's Hopper FP8 forward as fitted (cudnn-fp8-fwd); cudnn-fp8-kernel's forward is this one, so that a
 # refit of the forward reaches both
 _CUDNN_HOPPER_FWD = dataclasses.replace(_CUDNN_FWD, acc="fp22", out="e4m3", oscale="amax", tile_table="cudnn",
-                                        order="forward")
+                                        order="forward", smath="cudnn")
 _KERNEL_FWD = [
     Preset("cudnn-fp8-fwd", _CUDNN_HOPPER_FWD,
            "cuDNN's FP8 SDPA forward as it runs on Hopper (cudnn-frontend 1.32 graph.sdpa_fp8, cuDNN 9.19; "
