@@ -1,6 +1,6 @@
 """Fit the arithmetic of the field's kernels from the dumps of ``tools/device/dump_field.py`` (CPU).
 
-    python tools/fit_field.py DUMPS cudnn|cudnn-tie|torchao|sdpa|fixture|fixture-sdpa [--rows N] [--models a,b]
+    python tools/fit_field.py DUMPS cudnn|cudnn-tie|torchao|sdpa|fixture|fixture-sdpa|fixture-tie [--rows N] [--models a,b]
 
 ``cudnn-tie`` (part cudnn-tie's constructed one-key rows): per run and scale_o, the model's O codes on the
 probe rows against the kernel's, and for each row that differs where its O sits from the E4M3 tie.
@@ -625,13 +625,51 @@ def write_fixture_sdpa(a) -> int:
     return 0
 
 
+# (run, head) of part cudnn-tie kept as a test fixture, and its rows: margins of 32 log2 units and more
+# (the distractors' P~ below l's last bit), every level and spread. ln2: the offset lg2.approx(scale_s)
+# decides levels 0 and 3 from 26 and 52; rsqrtd: the unfused S' - (m' - L) and scale_o folded into
+# the row's factor decide level 26.5 from 53.
+FIXTURE_TIE = (("tie_ln2_n256", 2), ("tie_rsqrtd_n256", 2))
+FIXTURE_TIE_MIN_MARGIN = 32.0
+
+
+def write_fixture_tie(a) -> int:
+    """tests/fixtures/cudnn_tie_h200.safetensors: FIXTURE_TIE's FP8 bytes (Q only the kept rows, K and V
+    the head's), the kernel's O codes of those rows at every dumped scale_o, and the metadata."""
+    from safetensors.torch import save_file
+
+    out, info = {}, {"source": "tools/device/dump_field.py part cudnn-tie on an H200 (dump_field.json 'cudnn-tie')"}
+    for (tag, t, m) in tie_runs(a.dumps):
+        keep = dict(FIXTURE_TIE)
+        if tag not in keep:
+            continue
+        h = keep[tag]
+        rows = [i for i, rw in enumerate(m["rows"]) if rw["margin_log2"] >= FIXTURE_TIE_MIN_MARGIN]
+        idx = torch.tensor(rows)
+        out[f"{tag}/q8"] = t["q8"][:, h:h + 1].index_select(2, idx).contiguous()
+        out[f"{tag}/k8"] = t["k8"][:, h:h + 1].contiguous()
+        out[f"{tag}/v8"] = t["v8"][:, h:h + 1].contiguous()
+        out[f"{tag}/o8"] = t["o8"][:, :, h:h + 1].index_select(3, idx).contiguous()
+        out[f"{tag}/scale_o"] = t["scale_o"].contiguous()
+        info[tag] = {k: m[k] for k in ("attn_scale", "descale_q", "descale_k", "descale_v", "scale_s", "descale_s",
+                                        "scale_o_labels", "nk")}
+        info[tag].update(head=h, dominant_key=m["positions"][h], rows=rows,
+                         row_info=[m["rows"][i] for i in rows])
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = a.out.with_name(f".{a.out.name}.tmp")
+    save_file(out, str(tmp), metadata={"info": json.dumps(info)})
+    tmp.replace(a.out)
+    print(f"wrote {a.out} ({a.out.stat().st_size / 2**10:.0f} KiB)")
+    return 0
+
+
 DEFAULT_FIXTURE = Path("tests/fixtures/field_h200.safetensors")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dumps", type=Path)
-    ap.add_argument("part", choices=("cudnn", "cudnn-tie", "torchao", "sdpa", "fixture", "fixture-sdpa"))
+    ap.add_argument("part", choices=("cudnn", "cudnn-tie", "torchao", "sdpa", "fixture", "fixture-sdpa", "fixture-tie"))
     ap.add_argument("--out", type=Path, default=DEFAULT_FIXTURE)
     ap.add_argument("--models", default="")
     ap.add_argument("--rows", type=int, default=0)
@@ -642,8 +680,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     return {"cudnn": run_cudnn, "cudnn-tie": run_cudnn_tie, "torchao": run_torchao, "sdpa": run_sdpa,
-            "fixture": write_fixture,
-            "fixture-sdpa": write_fixture_sdpa}[a.part](a)
+            "fixture": write_fixture, "fixture-sdpa": write_fixture_sdpa,
+            "fixture-tie": write_fixture_tie}[a.part](a)
 
 
 if __name__ == "__main__":
