@@ -201,6 +201,22 @@ def _emulated_o32(recipe_text: str, q, k, v, causal):
     return emulate(r, q, k, v, causal=causal).float()
 
 
+def _codes_at(recipe_text: str, q, k, v, causal, scale_o: float) -> torch.Tensor:
+    """The model's O codes at the kernel's scale_o: with smath=cudnn the scale folded into each row's
+    factor as cuDNN does (keys/smath.py), else the float32 O times scale_o."""
+    from fa3_numerics.numerics.emulator import emulate
+    from fa3_numerics.numerics.recipe import Recipe, get_recipe
+
+    import dataclasses
+
+    r = get_recipe("cudnn-fp8-fwd").recipe if recipe_text == "preset" else Recipe.from_str(recipe_text)
+    if r.smath == "cudnn":
+        y = emulate(dataclasses.replace(r, out="fp32", oscale="none"), q, k, v, causal=causal, scale_o=scale_o)
+    else:
+        y = _emulated_o32(recipe_text, q, k, v, causal) * scale_o
+    return y.float().clamp(-448, 448).to(E4M3).view(torch.uint8)
+
+
 def score_o32(o32: torch.Tensor, case: dict, info: dict, lo, hi, ref) -> dict:
     """A model's float32 O against the kernel: inside the bracket, codes at the backend's scale_o."""
     so = float(case["scale_o"][0])
@@ -235,8 +251,7 @@ def cudnn_table(dumps: Path, specs: dict[str, str]) -> list[dict]:
         for label, spec in specs.items():
             o = emulate(Recipe.from_str(spec), q, k, v, causal=c.causal)
             fid = fidelity(o, kernel, ref)
-            o32 = _emulated_o32(spec, q, k, v, c.causal)
-            codes = (o32 * float(case["scale_o"][0])).clamp(-448, 448).to(E4M3).view(torch.uint8)
+            codes = _codes_at(spec, q, k, v, c.causal, float(case["scale_o"][0]))
             diff = int((codes != case["o8"][0]).sum())
             row.update({f"F_{label}": fid["F"], f"codes_differing_{label}": diff, "codes": codes.numel(),
                         "rmse_kernel": fid["rmse_kernel"]})
