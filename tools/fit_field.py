@@ -1,6 +1,6 @@
 """Fit the arithmetic of the field's kernels from the dumps of ``tools/device/dump_field.py`` (CPU).
 
-    python tools/fit_field.py DUMPS cudnn|cudnn-tie|torchao|sdpa|fixture|fixture-sdpa [--rows N] [--models a,b]
+    python tools/fit_field.py DUMPS cudnn|cudnn-tie|torchao|sdpa|fixture|fixture-sdpa|fixture-tie [--rows N] [--models a,b]
 
 ``cudnn-tie`` (part cudnn-tie's constructed one-key rows): per run and scale_o, the model's O codes on the
 probe rows against the kernel's, and for each row that differs where its O sits from the E4M3 tie.
@@ -201,6 +201,22 @@ def _emulated_o32(recipe_text: str, q, k, v, causal):
     return emulate(r, q, k, v, causal=causal).float()
 
 
+def _codes_at(recipe_text: str, q, k, v, causal, scale_o: float) -> torch.Tensor:
+    """The model's O codes at the kernel's scale_o: with smath=cudnn the scale folded into each row's
+    factor as cuDNN does (keys/smath.py), else the float32 O times scale_o."""
+    from fa3_numerics.numerics.emulator import emulate
+    from fa3_numerics.numerics.recipe import Recipe, get_recipe
+
+    import dataclasses
+
+    r = get_recipe("cudnn-fp8-fwd").recipe if recipe_text == "preset" else Recipe.from_str(recipe_text)
+    if r.smath == "cudnn":
+        y = emulate(dataclasses.replace(r, out="fp32", oscale="none"), q, k, v, causal=causal, scale_o=scale_o)
+    else:
+        y = _emulated_o32(recipe_text, q, k, v, causal) * scale_o
+    return y.float().clamp(-448, 448).to(E4M3).view(torch.uint8)
+
+
 def score_o32(o32: torch.Tensor, case: dict, info: dict, lo, hi, ref) -> dict:
     """A model's float32 O against the kernel: inside the bracket, codes at the backend's scale_o."""
     so = float(case["scale_o"][0])
@@ -235,8 +251,7 @@ def cudnn_table(dumps: Path, specs: dict[str, str]) -> list[dict]:
         for label, spec in specs.items():
             o = emulate(Recipe.from_str(spec), q, k, v, causal=c.causal)
             fid = fidelity(o, kernel, ref)
-            o32 = _emulated_o32(spec, q, k, v, c.causal)
-            codes = (o32 * float(case["scale_o"][0])).clamp(-448, 448).to(E4M3).view(torch.uint8)
+            codes = _codes_at(spec, q, k, v, c.causal, float(case["scale_o"][0]))
             diff = int((codes != case["o8"][0]).sum())
             row.update({f"F_{label}": fid["F"], f"codes_differing_{label}": diff, "codes": codes.numel(),
                         "rmse_kernel": fid["rmse_kernel"]})
@@ -348,7 +363,10 @@ def run_cudnn_tie(a) -> int:
             diff_rows: dict = {}
             line = []
             for j, (so, label) in enumerate(zip(info["scale_o"], info["scale_o_labels"])):
-                x = o32 * torch.tensor(so, dtype=torch.float32)
+                if r.smath == "cudnn":  # cuDNN folds scale_o into each row's factor: O * scale_o as it forms it
+                    x = emulate(r, q, k, v, softmax_scale=info["attn_scale"], q_index=idx, scale_o=so).float()
+                else:
+                    x = o32 * torch.tensor(so, dtype=torch.float32)
                 codes = x.clamp(-448, 448).to(E4M3).view(torch.uint8)
                 d = codes != kernel[j]
                 near = tie_distance(x).abs() <= 2  # the cells l's last bits decide
@@ -622,13 +640,51 @@ def write_fixture_sdpa(a) -> int:
     return 0
 
 
+# (run, head) of part cudnn-tie kept as a test fixture, and its rows: margins of 32 log2 units and more
+# (the distractors' P~ below l's last bit), every level and spread. ln2: the offset lg2.approx(scale_s)
+# decides levels 0 and 3 from 26 and 52; rsqrtd: the unfused S' - (m' - L) and scale_o folded into
+# the row's factor decide level 26.5 from 53.
+FIXTURE_TIE = (("tie_ln2_n256", 2), ("tie_rsqrtd_n256", 2))
+FIXTURE_TIE_MIN_MARGIN = 32.0
+
+
+def write_fixture_tie(a) -> int:
+    """tests/fixtures/cudnn_tie_h200.safetensors: FIXTURE_TIE's FP8 bytes (Q only the kept rows, K and V
+    the head's), the kernel's O codes of those rows at every dumped scale_o, and the metadata."""
+    from safetensors.torch import save_file
+
+    out, info = {}, {"source": "tools/device/dump_field.py part cudnn-tie on an H200 (dump_field.json 'cudnn-tie')"}
+    for (tag, t, m) in tie_runs(a.dumps):
+        keep = dict(FIXTURE_TIE)
+        if tag not in keep:
+            continue
+        h = keep[tag]
+        rows = [i for i, rw in enumerate(m["rows"]) if rw["margin_log2"] >= FIXTURE_TIE_MIN_MARGIN]
+        idx = torch.tensor(rows)
+        out[f"{tag}/q8"] = t["q8"][:, h:h + 1].index_select(2, idx).contiguous()
+        out[f"{tag}/k8"] = t["k8"][:, h:h + 1].contiguous()
+        out[f"{tag}/v8"] = t["v8"][:, h:h + 1].contiguous()
+        out[f"{tag}/o8"] = t["o8"][:, :, h:h + 1].index_select(3, idx).contiguous()
+        out[f"{tag}/scale_o"] = t["scale_o"].contiguous()
+        info[tag] = {k: m[k] for k in ("attn_scale", "descale_q", "descale_k", "descale_v", "scale_s", "descale_s",
+                                        "scale_o_labels", "nk")}
+        info[tag].update(head=h, dominant_key=m["positions"][h], rows=rows,
+                         row_info=[m["rows"][i] for i in rows])
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = a.out.with_name(f".{a.out.name}.tmp")
+    save_file(out, str(tmp), metadata={"info": json.dumps(info)})
+    tmp.replace(a.out)
+    print(f"wrote {a.out} ({a.out.stat().st_size / 2**10:.0f} KiB)")
+    return 0
+
+
 DEFAULT_FIXTURE = Path("tests/fixtures/field_h200.safetensors")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dumps", type=Path)
-    ap.add_argument("part", choices=("cudnn", "cudnn-tie", "torchao", "sdpa", "fixture", "fixture-sdpa"))
+    ap.add_argument("part", choices=("cudnn", "cudnn-tie", "torchao", "sdpa", "fixture", "fixture-sdpa", "fixture-tie"))
     ap.add_argument("--out", type=Path, default=DEFAULT_FIXTURE)
     ap.add_argument("--models", default="")
     ap.add_argument("--rows", type=int, default=0)
@@ -639,8 +695,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     return {"cudnn": run_cudnn, "cudnn-tie": run_cudnn_tie, "torchao": run_torchao, "sdpa": run_sdpa,
-            "fixture": write_fixture,
-            "fixture-sdpa": write_fixture_sdpa}[a.part](a)
+            "fixture": write_fixture, "fixture-sdpa": write_fixture_sdpa,
+            "fixture-tie": write_fixture_tie}[a.part](a)
 
 
 if __name__ == "__main__":

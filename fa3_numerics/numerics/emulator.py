@@ -284,9 +284,14 @@ def _trim(cache: dict, keep) -> None:
 def emulate(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
             softmax_scale: float | None = None, q_index: torch.Tensor | None = None, rotation_seed: int = 0,
             cache: dict | None = None, stats: dict | None = None, window_size: tuple[int, int] | None = None,
-            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+            softcap: float | None = None, sinks: torch.Tensor | None = None,
+            scale_o: float | None = None) -> torch.Tensor:
     """Attention output for the query rows ``q_index``: [B, H, R, Dv], float64 holding values
     of the output format. Pass the same ``cache`` for several recipes on the same inputs.
+
+    ``scale_o`` (``smath=cudnn`` only, with ``oscale=none``): the output is O * scale_o as cuDNN forms it
+    before its FP8 cast, the scale folded into each row's factor (acc * fl(rcp(l) fl(descale_v
+    scale_o))), so that O's codes at a given scale_o are the kernel's, ties included.
 
     ``stats``: a dict that receives ``"lse"``, the log-sum-exp the kernel saves for its
     backward ([B, H, R] float32, natural log of the sum of exp(softmax_scale * S); +inf for a
@@ -334,7 +339,9 @@ def emulate(recipe: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         from .fa3_split import flash_fa3_split
 
         return flash_fa3_split(recipe, pre, q_index, causal, scale, k.shape[1], stats)
-    out = _flash(recipe, pre, q_index, causal, scale, stats, mk)
+    if scale_o is not None and (getattr(recipe, "smath", "fa3") != "cudnn" or recipe.oscale != "none"):
+        raise UsageError(f"recipe {recipe.short_str()}: scale_o is cuDNN's epilogue (smath=cudnn, oscale=none)")
+    out = _flash(recipe, pre, q_index, causal, scale, stats, mk, scale_o=scale_o)
     if stats is not None and recipe.smooth != "none":
         # Smoothing moves every score of row i by -scale Q_i . mean(K) (exact for the output, not for the
         # LSE): the LSE of the scores attention means is the smoothed one plus that shift, in float64
@@ -380,7 +387,7 @@ def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | float) -> torch.T
 
 def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, scale: float,
            stats: dict | None = None, mk: "_mask.Masking | None" = None,
-           tile_range: tuple[int, int] | None = None) -> torch.Tensor:
+           tile_range: tuple[int, int] | None = None, scale_o: float | None = None) -> torch.Tensor:
     dev = pre.q.values.device
     qv = native.to_float32(pre.q.values)
     qd = pre.q.descale
@@ -445,8 +452,17 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
     rs4 = torch.zeros((b, h, r, 4), dtype=torch.float32, device=dev)
     l_fa1 = torch.zeros((b, h, r, 1), dtype=torch.float32, device=dev)  # norm=tile: the running row sum
     acc = torch.zeros((b, h, r, vn.shape[-1]), dtype=torch.float32, device=dev)
-    # the C step knows causal masking only, and has its own exp2 (not the sfu=h200 model)
-    step = native.softmax_step(dev) if mk is None and not hw else None
+    cudnn_math = getattr(recipe, "smath", "fa3") == "cudnn"
+    # the C step knows causal masking and FA3's arithmetic only, with its own exp2 (not the sfu=h200 model)
+    step = native.softmax_step(dev) if mk is None and not hw and not cudnn_math else None
+    if cudnn_math and mk is not None and (mk.sinks is not None or mk.softcap):
+        raise UsageError(f"recipe {recipe.short_str()}: smath=cudnn is cuDNN's measured softmax; sinks and "
+                         "softcap were not measured with it")
+    if cudnn_math:
+        # cuDNN takes scale_s (the float32 2^poff the backend passes) and forms its log2 on the unit,
+        # which rounds toward zero: the offset inside the exponent is lg2.approx(scale_s)
+        scale_s = torch.tensor(2.0 ** offset, dtype=torch.float32, device=dev)
+        lg2_scale_s = _sfu.lg2(scale_s.reshape(1)).reshape(())
     n_tiles = -(-nk // pre.block_n)
     t_lo, t_hi = tile_range if tile_range is not None else (0, n_tiles)  # a split-KV pass visits its own tiles
     tiles = range(t_hi - 1, t_lo - 1, -1) if recipe.order == "reverse" else range(t_lo, t_hi)
@@ -468,6 +484,8 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
             s = s.masked_fill(~vis, -math.inf)
         if mk is not None and mk.windowed:
             s = s.masked_fill(~_mask.visible(mk, q_index, s0, s1, pre.seqlen_q, nk), -math.inf)
+        if cudnn_math:
+            return _cudnn_softmax(s, m_in, rs_in, sl2, scaled_s, lg2_scale_s, flush, p_fmt)
         m_new = torch.maximum(m_in, s.amax(dim=-1, keepdim=True))
         # The kernel uses 0 in place of a -inf max, so fully masked rows give exp2(-inf) = 0.
         finite = torch.isfinite(m_new)
@@ -535,11 +553,59 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
     row_sum = _quad_total(rs4)
     if mk is not None and mk.sinks is not None:
         row_sum = _mask.sink_row_sum(row_sum, m, sl2, offset, mk, h)
+    if cudnn_math:
+        if stats is not None:
+            # Stats as the H200's probes show it (one-tile runs: 94% / 90% of rows bit-equal; a float64 ln 44% / 36%):
+            # fma(m', ln 2, fl(lg2.approx(fl(l descale_s)) ln 2)), m' the scaled max, descale_s = fl(1 / scale_s)
+            ln2 = torch.tensor(math.log(2.0), dtype=torch.float32, device=dev)
+            lg = _sfu.lg2((row_sum * (1.0 / scale_s)).to(torch.float32))
+            lse = _fma32(m, ln2, (lg * ln2).to(torch.float32))
+            bad = (row_sum == 0) | torch.isnan(row_sum) | ~torch.isfinite(m)
+            stats["lse"] = torch.where(bad, torch.full_like(lse, math.inf), lse).squeeze(-1)
+        return write_out(_cudnn_epilogue(acc, row_sum, v_end, scale_o), recipe)
+    if scale_o is not None:
+        raise UsageError(f"recipe {recipe.short_str()}: scale_o folds into the epilogue of smath=cudnn only")
     if stats is not None:
         stats["lse"] = _log_sum_exp(m, row_sum, sl2, offset, lg2=_sfu.lg2 if hw else None)
     inv = torch.where((row_sum > 0) & torch.isfinite(row_sum), 1.0 / row_sum, torch.zeros_like(row_sum))
     o = acc * (inv * v_end).to(torch.float32) if v_end is not None else acc * inv
     return write_out(o, recipe)
+
+
+def _sub32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """float32 a - b, one rounding (FADD), -inf - -inf read as -inf (a row that has seen no key)."""
+    d = (a.double() - b.double()).to(torch.float32)
+    return torch.where(torch.isneginf(a) & torch.isneginf(b), a, d)
+
+
+def _cudnn_softmax(s, m_in, rs_in, sl2, scaled_s, lg2_scale_s, flush, p_fmt):
+    """One tile of cuDNN's online softmax (``smath=cudnn``, keys/smath.py): S' = fl(S scale_log2), the
+    running max m' over S', P~ = ex2.approx(fl(S' - fl(m' - L))) with L = lg2.approx(scale_s), the rescale
+    ex2.approx(fl(m'_old - m'_new)); the row sum over float32 P~ in the quad layout. m is held scaled."""
+    if scaled_s:
+        s = (s * sl2).to(torch.float32)  # FMUL: the scores scaled once, with their own rounding
+    m_new = torch.maximum(m_in, s.amax(dim=-1, keepdim=True))
+    finite = torch.isfinite(m_new)
+    m_cur = torch.where(finite, m_new, torch.zeros_like(m_new))
+    rescale = flush(_sfu.ex2(_sub32(m_in, m_cur)))
+    max_scaled = torch.where(finite, _sub32(m_cur, lg2_scale_s.expand_as(m_cur)), torch.zeros_like(m_cur))
+    p = flush(_sfu.ex2(_sub32(s, max_scaled.expand_as(s))))
+    rs_out = _quad_row_sum(flush(rs_in * rescale), p)
+    p8 = quantize_dequantize(p, p_fmt) if p_fmt is not None else p
+    return p8, rescale, m_new, rs_out
+
+
+def _cudnn_epilogue(acc: torch.Tensor, row_sum: torch.Tensor, v_end, scale_o: float | None) -> torch.Tensor:
+    """cuDNN's O (``smath=cudnn``): acc * fl(rcp.approx(l) * c), c = fl(descale_v * scale_o) folded per
+    tensor (scale_s is inside l, so descale_s has no multiply of its own). On the H200's one-key rows
+    only this order puts O on the kernel's side of every E4M3 tie: acc * fl(fl(rcp(l) descale_v) scale_o)
+    does not. Without ``scale_o``: O itself, acc * fl(rcp(l) descale_v), what Amax_O reads."""
+    c = v_end.to(torch.float32) if v_end is not None else torch.ones((), device=acc.device)
+    if scale_o is not None:
+        c = (c * torch.tensor(scale_o, dtype=torch.float32, device=acc.device)).to(torch.float32)
+    ok = (row_sum > 0) & torch.isfinite(row_sum)
+    r = torch.where(ok, _sfu.rcp(torch.where(ok, row_sum, torch.ones_like(row_sum))), torch.zeros_like(row_sum))
+    return acc * (r * c).to(torch.float32)
 
 
 def write_out(o: torch.Tensor, recipe: Recipe) -> torch.Tensor:
@@ -555,11 +621,21 @@ def _amax_scaled_out(recipe: Recipe, q, k, v, *, causal, softmax_scale, q_index,
     from .granularity import PerTensor
     from .quant import quantize
 
-    o32 = emulate(dataclasses.replace(recipe, out="fp32", oscale="none"), q, k, v, causal=causal,
-                  softmax_scale=softmax_scale, rotation_seed=rotation_seed, cache=cache, stats=stats)
+    plain = dataclasses.replace(recipe, out="fp32", oscale="none")
+    o32 = emulate(plain, q, k, v, causal=causal, softmax_scale=softmax_scale, rotation_seed=rotation_seed,
+                  cache=cache, stats=stats)
     full = quantize(o32, recipe.out, PerTensor())
     if stats is not None:
         stats["lse"] = stats["lse"].index_select(2, q_index.to(stats["lse"].device))
+    if getattr(recipe, "smath", "fa3") == "cudnn":
+        # cuDNN writes O * scale_o with scale_o folded into each row's factor (keys/smath.py), scale_o =
+        # 1 / descale_o in float32 as the backend passes it: the codes are that product's, read back
+        # as codes * descale_o
+        so = float(torch.tensor(1.0 / float(full.descale.reshape(-1)[0]), dtype=torch.float32))
+        y = emulate(plain, q, k, v, causal=causal, softmax_scale=softmax_scale, q_index=q_index,
+                    rotation_seed=rotation_seed, cache=cache, scale_o=so)
+        codes = quantize_dequantize(y.to(torch.float32), recipe.out, torch.float64)
+        return codes * full.descale.reshape(-1)[0].to(torch.float64)
     return Quantized(full.values.index_select(2, q_index.to(o32.device)), full.descale,
                      full.fmt).dequantize(torch.float64)
 

@@ -346,7 +346,7 @@ BACKWARD_PRESETS = tuple(p.name for p in _BACKWARD)
 # cuDNN's Hopper FP8 forward as fitted (cudnn-fp8-fwd); cudnn-fp8-kernel's forward is this one, so that a
 # refit of the forward reaches both
 _CUDNN_HOPPER_FWD = dataclasses.replace(_CUDNN_FWD, acc="fp22", out="e4m3", oscale="amax", tile_table="cudnn",
-                                        order="forward")
+                                        order="forward", smath="cudnn")
 _KERNEL_FWD = [
     Preset("cudnn-fp8-fwd", _CUDNN_HOPPER_FWD,
            "cuDNN's FP8 SDPA forward as it runs on Hopper (cudnn-frontend 1.32 graph.sdpa_fp8, cuDNN 9.19; "
@@ -364,8 +364,14 @@ _KERNEL_FWD = [
            "cases (n 256-1024, d 64 and 128, causal and not, Gaussian and the paper's outliers) 99.99% of O's E4M3 "
            "codes equal the kernel's at its scale_o (0 of 65,536-262,144 differ on three cases; 49 and 51 on two, "
            "whole rows a tie apart, as FA3's ex2.approx leaves them); on 3 more (d 256, causal n 2048, sigma 3) 2, 47 "
-           "and 1 of 262,144-524,288 (the 47 in 17 rows whose P is one key: the kernel rounds O's exact ties down). "
-           "Not modelled: ex2.approx, those tie rows, head dims 96 and 192's tiles (not measured: their neighbours'). "
+           "and 1 of 262,144-524,288 (the 47 in 17 rows whose P is one key: O on an exact E4M3 tie). The softmax "
+           "arithmetic is cuDNN's own (smath=cudnn, keys/smath.py, fitted on the H200's one-key tie probes: S scaled "
+           "first, offset lg2.approx(scale_s), P~ = ex2.approx(S' - (m' - L)) in two subtractions, O = acc "
+           "rcp.approx(l) (descale_v scale_o) with scale_o folded into the row's factor): on 6 probe runs (n 256-1024, "
+           "attn_scale ln 2 and 1/sqrt(128), 16 scale_o on and beside ties) 5,326 of 9.4M codes differ against 280,916 "
+           "with FA3's arithmetic, all in rows whose other keys' P~ sum to l's last bits (margins 26-32 log2 units). "
+           "Not modelled: the row sum's last bit in those rows, head dims 96 and 192's tiles (not measured: their "
+           "neighbours'). "
            "Requires: sm90, cuDNN 9"),
     Preset("cudnn-fp8-kernel", dataclasses.replace(_CUDNN_HOPPER_FWD, **{**_FP8_BWD, "bwd_acc": "fp22",
                                                                          "bwd_pscale": "offset",
