@@ -93,6 +93,7 @@ EOF
       for c in ${SDPA_CASES:-2048:8:8:128:0:4}; do
         IFS=: read -r n h hkv d causal seed <<< "$c"
         extra=(); [ "$causal" = 1 ] && extra=(--causal)
+        mkdir -p "$W/sdpa/n$n-h$h-kv$hkv-d$d-c$causal-s$seed"
         timeout 90 python3 tools/device/backward_h200.py --checks sdpa --seqlen "$n" --heads "$h" --kv-heads "$hkv" \
           --head-dim "$d" "${extra[@]}" --seeds "$seed" --sdpa-recipe sdpa-flash-bf16 --out "$W/sdpa/n$n-h$h-kv$hkv-d$d-c$causal-s$seed"
         echo "[batch] sdpa $c exit $?"
