@@ -164,8 +164,9 @@ _FIELD = [
                            p_offset=0.0, v="fp16", acc="fp16-hopper", order="forward", out="fp16", inp="fp16",
                            iquant="triton", loop="triton", kpad="zero", sfu="h200"),
            "SageAttention 1 (arXiv 2410.02367; sageattention 1.0.6 sageattn, Triton) as the kernel computes it on an "
-           "H200 (reports/h200/sage1/; validate --backend sage1: max F 0.0064 small grid, 0.0039 captured, stress 0.0013 "
-           "but one MQA case 0.091). Findings, each with its evidence: (1) FP16/BF16 inputs (in=), K smoothed in them: "
+           "H200 (reports/h200/sage1/; validate --backend sage1, 2026-12-02 with sfu=h200: max F 0.0012 small grid, "
+           "0.0001 stress, 0.0024 captured, 99.9-100% identical; 0.0022 / 0.0001 / 0.0027 with the exp2 stand-in; the "
+           "first fit: 0.0064 small, 0.0039 captured, one MQA case 0.091). Findings, each with its evidence: (1) FP16/BF16 inputs (in=), K smoothed in them: "
            "mean rounded to FP16, k - mean rounded again (all 2,097,152 smoothed K values reproduced). (2) "
            "sm_scale*1.44269504 folded into Q in float32 before its INT8 quantization, so S is in log2 units "
            "(iquant=triton); scale = max|x|/127 and x/scale are Triton's div.full.f32 = x times the hardware "
@@ -304,7 +305,11 @@ _BACKWARD = [
            "with everything else the kernel's); over 7 dumped cases torch in both passes misses the fewest values "
            "of every gradient (dQ 1235, dK 2046, dV 691 against 2767, 5079, 1797 with fa3; fa2math=torch in one "
            "pass only is in between) and has the lower F in 24 of 28 case-outputs "
-           "(tools/fit_field.py DUMPS sdpa --table --fa2math). Requires: sm80+"),
+           "(tools/fit_field.py DUMPS sdpa --table --fa2math). Since 2026-12-02 the preset takes sfu=h200, the H200's "
+           "ex2/lg2.approx bit for bit (numerics/sfu.py, measured by tools/device/mufu_probe.py): that row's LSE "
+           "is now the kernel's (the n 768 dump end to end: O/dQ/dK/dV F 0.0007/0.0003/0.0011/0.0031, LSE 97.8% "
+           "identical), and on five unseen H200 cases end to end F <= 0.0076 on the three MHA cases, while the two "
+           "GQA cases miss (O 0.0149, dK 0.0148-0.0176: reports/h200/backward/README.md). Requires: sm80+"),
     Preset("cudnn-fp8", dataclasses.replace(_CUDNN_FWD, **_FP8_BWD),
            "cuDNN's FP8 attention, forward and backward, as TransformerEngine runs it (TE #768, NVTE_FP8_DPA_BWD=1; "
            "cudnn-frontend sdpa_fp8 / sdpa_fp8_backward, docs/operations/Attention.md): Q, K, V, O, dO, S (= P) and "
