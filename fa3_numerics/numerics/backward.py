@@ -409,9 +409,12 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
     do_d, o_d = op(do64, "bwd.ds", 0, rows_q), op(o64, "bwd.ds", 1, rows_q)
     # bwd.dsform=cudnn: cuDNN's graph, dS = (dP - D) P attn_scale times scale_dP = max / amax of that, with
     # D = rowsum of the FP8 codes' products times descale_dO, then descale_O; FP8 dS at one scale per tensor only
-    ds_cudnn = (recipe.bwd_dsform == "cudnn" and wd == torch.float32 and isinstance(gran, PerTensor)
+    ds_cudnn = (recipe.bwd_dsform in ("cudnn", "cudnn-ffma") and wd == torch.float32 and isinstance(gran, PerTensor)
                 and all(f in ("e4m3", "e5m2") for f in (pairs["bwd.dq"][0], pairs["bwd.dk"][0]))
                 and do_d.raw is not None and o_d.raw is not None)
+    # the fused form needs dO and V as raw FP8 values with one descale each (per-tensor, checked above)
+    ds_ffma = (ds_cudnn and recipe.bwd_dsform == "cudnn-ffma" and do_dp.raw is not None and v_dp.raw is not None
+               and do_dp.d is not None and v_dp.d is not None)
     if ds_cudnn:
         dsum = (do_d.raw * o_d.raw).sum(dim=-1, keepdim=True, dtype=wd)
         for t in (do_d.d, o_d.d):
@@ -450,8 +453,16 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
         if causal:
             vis = causal_mask(q_pos, s0, s1, n, nk)
             p = p.masked_fill(~vis, 0.0)
-        dp = _mm(do_dp, _rows(v_dp, s0, s1), acc, tb=True)
-        ds = (p * (dp - dsum)).to(wd)
+        v_t = _rows(v_dp, s0, s1)
+        if ds_ffma:
+            # bwd.dsform=cudnn-ffma: the graph's descale_dO, descale_V and "- D" compiled as one FFMA on the
+            # MMA's raw dP', FFMA(dP', descale_dO descale_V, -D), as P's exponent (bwd.pexp=cudnn)
+            dpr = _mm(_Operand(None, do_dp.fmt, do_dp.raw, None), _Operand(None, v_t.fmt, v_t.raw, None), acc, tb=True)
+            c = do_dp.d.to(wd) * v_t.d.to(wd)
+            ds = (p * _fma32(dpr, c, -dsum)).to(wd)
+        else:
+            dp = _mm(do_dp, v_t, acc, tb=True)
+            ds = (p * (dp - dsum)).to(wd)
         return p, ds
 
     # tensor/head scales of P and dS need their amax over the whole call first; the first pass keeps

@@ -181,4 +181,6 @@ register_key(RecipeKey("bwd.dsform", "fa3", "how dS is formed for its FP8 casts:
                        "O's values, cast as x / (amax / max), the softmax scale applied to dQ and dK at the end) or "
                        "cudnn (cuDNN's graph: D = rowsum of the FP8 codes' products times descale_dO, then "
                        "descale_O; dS = P (dP - D) attn_scale, cast as the float32 product with scale_dP = max / "
-                       "amax; per-tensor FP8 dS only, otherwise fa3)", field="bwd_dsform", choices=("fa3", "cudnn")))
+                       "amax; per-tensor FP8 dS only, otherwise fa3) or cudnn-ffma (cudnn with dP' descale_dO descale_V - D "
+                       "as one FFMA on the MMA's raw dP', FFMA(dP', descale_dO descale_V, -D))", field="bwd_dsform",
+                       choices=("fa3", "cudnn", "cudnn-ffma")))
