@@ -40,8 +40,10 @@ ex2.approx.ftz(x log2e), bit for bit as the H200's MUFU.EX2 (``numerics.sfu``), 
 ``bwd.pscale=offset`` P cast as the float32 product P scale_s, scale_s = float32(2^poff): cuDNN's Hopper kernel);
 ``bwd.dsform`` how dS is formed for its FP8 casts (``fa3``: P (dP - D) cast as x / descale, the softmax
 scale applied to dQ and dK at the end; ``cudnn``: cuDNN's graph order, D from the FP8 codes' products
-times the descales, dS = P (dP - D) attn_scale times scale_dP = max / amax in float32: a what-if, it wins
-on most saved case-arms but not all, so no preset sets it);
+times the descales, dS = P (dP - D) attn_scale times scale_dP = max / amax in float32, dP - D as a multiply
+then a subtraction: a what-if, it wins on most saved case-arms but not all; ``cudnn-ffma``: the same with
+dP' descale_dO descale_V - D as one FFMA on the MMA's raw dP', which gives cuDNN's Amax_dP bit for bit on
+every saved case-arm and which cudnn-fp8-kernel sets);
 ``bwd.out`` the format dQ, dK, dV are written in (FP8 with a per-tensor scale, as cuDNN's
 outputs); ``bwd.outscale`` how an FP8 gradient is scaled (``descale``: x / (amax / max) in
 float64; ``scale``: x times scale = max / amax, both float32, as cuDNN's epilogue multiplies by
