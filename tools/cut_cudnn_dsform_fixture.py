@@ -1,4 +1,4 @@
-"""Cut the test fixture of ``bwd.dsform=cudnn-ffma`` from a saved causal ``cudnn_bwd_h200.py`` case (MHA):
+"""Cut the test fixture of ``bwd.dsform=cudnn-ffma`` and ``bwd.dqscale=end`` from a saved causal ``cudnn_bwd_h200.py`` case (MHA):
 one head, the first ``--rows`` query and key rows, and one pin row after them.
 
 Under the causal mask dQ[i] = sum_{j <= i} dS[i, j] K[j] reads only rows <= i, so the kernel's dQ codes of
@@ -8,7 +8,7 @@ assumed). The descales are re-derived from the cut's own amax: the pin row holds
 and O, a row of that tensor with its max code (from any head), and an infinite LSE, so that its P, and so
 every dS it touches, is 0 (its key row is seen only by itself, being last).
 
-    python tools/cut_cudnn_dsform_fixture.py NPZ --case NAME --arm e5m2:e5m2 --rows 160 --out tests/fixtures/X.npz
+    python tools/cut_cudnn_dsform_fixture.py NPZ --case NAME --arm e5m2:e5m2 --rows 300 --out tests/fixtures/X.npz
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ MAXC = {"e4m3": 448.0, "e5m2": 57344.0}
 DTS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
-def dq_codes(t: dict, sc: dict, do_fmt: str, grad_fmt: str, dsform: str) -> torch.Tensor:
-    """uint8 codes of dQ at the kernel's scale_dQ: cudnn-fp8-kernel's backward at ``bwd.dsform`` from the
-    float64 tensors of ``t`` (q, k, v, do, o [1, 1, N, D]; lse [1, 1, N]), causal."""
+def dq_codes(t: dict, sc: dict, do_fmt: str, grad_fmt: str, dsform: str, dqscale: str = "end") -> torch.Tensor:
+    """uint8 codes of dQ at the kernel's scale_dQ: cudnn-fp8-kernel's backward at ``bwd.dsform`` and
+    ``bwd.dqscale`` from the float64 tensors of ``t`` (q, k, v, do, o [1, 1, N, D]; lse [1, 1, N]), causal."""
     from fa3_numerics.numerics.backward import Forward, backward_from
     from fa3_numerics.numerics.formats import cast
     from fa3_numerics.numerics.recipe import get_recipe
     from kernels.cudnn import bwd_formats
 
-    keys = {**bwd_formats(do_fmt, grad_fmt), "bwd_out": "fp32", "bwd_dsform": dsform}
+    keys = {**bwd_formats(do_fmt, grad_fmt), "bwd_out": "fp32", "bwd_dsform": dsform, "bwd_dqscale": dqscale}
     r = dataclasses.replace(get_recipe("cudnn-fp8-kernel").recipe, **keys)
     gr = backward_from(r, t["q"], t["k"], t["v"], Forward(t["o"], t["lse"]), t["do"], causal=True,
                        softmax_scale=1.0 / math.sqrt(t["q"].shape[-1]))
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("--case", required=True)
     ap.add_argument("--arm", default="e5m2:e5m2")
     ap.add_argument("--head", type=int, default=0)
-    ap.add_argument("--rows", type=int, default=160)
+    ap.add_argument("--rows", type=int, default=300)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     from fit_cudnn_bwd import cases
@@ -96,8 +96,8 @@ def main(argv=None) -> int:
     tens = decode(fix, sc, do_fmt)
     ker = d["raw"]["dq"].view(torch.uint8)[:, h:h + 1, :n]
     res = {}
-    for form in ("fa3", "cudnn", "cudnn-ffma"):
-        res[form] = int((dq_codes(tens, sc, do_fmt, grad_fmt, form)[:, :, :n] != ker).sum())
+    for form, where in (("fa3", "end"), ("cudnn", "end"), ("cudnn-ffma", "tile"), ("cudnn-ffma", "end")):
+        res[f"{form}/{where}"] = int((dq_codes(tens, sc, do_fmt, grad_fmt, form, where)[:, :, :n] != ker).sum())
     print(f"{n} rows of head {h}: dQ codes differing from the kernel's {res}")
     meta = {"source": Path(a.npz).name, "case": a.case, "arm": a.arm, "head": h, "rows": n, "scalars": sc,
             "case_meta": d["case"], "differ": res}

@@ -377,7 +377,8 @@ _KERNEL_FWD = [
                                                                          "bwd_pscale": "offset",
                                                                          "bwd_dqcast": "fp16", "bwd_pexp": "cudnn",
                                                                          "bwd_outscale": "scale",
-                                                                         "bwd_dsform": "cudnn-ffma"}),
+                                                                         "bwd_dsform": "cudnn-ffma",
+                                                                         "bwd_dqscale": "end"}),
            "cuDNN's FP8 attention forward and backward as they run on Hopper (cudnn-frontend 1.32 sdpa_fp8 training "
            "forward + sdpa_fp8_backward, cuDNN 9.19 on an H200: reports/h200/backward/cudnn.md; --backend cudnn-fp8 "
            "runs it). The forward is cudnn-fp8-fwd's recipe (E4M3 O scaled from Amax_O: Hopper writes FP8 O only; KV "
