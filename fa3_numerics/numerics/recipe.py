@@ -412,7 +412,8 @@ _KERNEL_FWD = [
            "D = rowsum of the FP8 codes' products times descale_dO then descale_O, dS = FFMA(dP', descale_dO "
            "descale_V, -D) P attn_scale on the MMA's raw dP', cast as its float32 product with scale_dP = max / "
            "amax) gives the kernel's Amax_dP to the float32 bit on all 12 saved case-arms and takes dK to 0 codes off "
-           "on all 12, dQ to 0-4 (from 0-45). With the emulator's own forward (F of O 0.0014-0.0204, 4 of 14 above "
+           "on all 12, dQ to 0-4 (from 0-45); dQ's raw products summed over KV tiles in float32 and descaled once "
+           "(bwd.dqscale=end, cuDNN's matmul_fp8 epilogue) leave 1 dQ code of the 12 arms. With the emulator's own forward (F of O 0.0014-0.0204, 4 of 14 above "
            "0.01), dK's F is above 0.01 on 11 of 14 case-arms. Requires: sm90 with head dim 128 only (cuDNN "
            "9.19 declines 64: 'hidden_dim shoud be equal to 128'), FP8 gradients (BF16 ones need Blackwell and "
            "cuDNN >= 9.13)"),
