@@ -54,16 +54,26 @@ def traced_backward(d: dict, acc: str = "fp22") -> dict:
             prods.append((a, b, out.clone()))
         return out
 
-    bw._cast_tile, bw._mm = cast_spy, mm_spy
+    by0 = bw._cast_by_scale
+
+    def by_spy(x, fmt, amax, wd, via=None):
+        # dS under bwd.dsform=cudnn(-ffma): the product x scale_dP, recorded as x divided by 1 / scale_dP
+        op = by0(x, fmt, amax, wd, via)
+        casts.append((x, fmt, op.d, via, op))
+        return op
+
+    bw._cast_tile, bw._mm, bw._cast_by_scale = cast_spy, mm_spy, by_spy
     try:
         backward_from(r, d["q"], d["k"], d["v"], Forward(d["o"], d["lse"]), d["do"], causal=c["causal"],
                       softmax_scale=1.0 / math.sqrt(c["head_dim"]))
     finally:
-        bw._cast_tile, bw._mm = cast0, mm0
+        bw._cast_tile, bw._mm, bw._cast_by_scale = cast0, mm0, by0
     tiles = len(prods) // 2
     if len(casts) != 3 * tiles:
         raise SystemExit(f"error: {len(casts)} casts for {tiles} tiles: the backward's structure changed")
-    return {"dv": (casts[0::3], prods[0::2]), "dk": (casts[2::3], prods[1::2])}
+    # bwd.dsform=cudnn(-ffma) folds the softmax scale into dS: dK's product is then already scaled
+    folded = r.bwd_dsform in ("cudnn", "cudnn-ffma")
+    return {"dv": (casts[0::3], prods[0::2]), "dk": (casts[2::3], prods[1::2]), "folded": folded}
 
 
 def code_values(fmt: str) -> torch.Tensor:
@@ -119,6 +129,8 @@ def main(argv=None) -> int:
         c = d["case"]
         sc = torch.tensor(1.0 / math.sqrt(c["head_dim"]), dtype=torch.float32)
         tr = traced_backward(d, a.acc)
+        if tr["folded"]:
+            sc = torch.tensor(1.0, dtype=torch.float32)
         fmt = d["grad_fmt"]
         for g, key in (("dv", "scale_dV"), ("dk", "scale_dK")):
             s = torch.tensor(d["scalars"][key], dtype=torch.float32)

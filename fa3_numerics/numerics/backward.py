@@ -14,7 +14,8 @@ forward's LSE, and forms D from the FP8 forward's O. It follows FA3's backward
   fused multiply-add in float32, 0 where masked (bottom-right causal, as the forward);
   dP = dO V^T (``bwd.dp``); dS = P (dP - D) in float32; dV += P^T dO (``bwd.dv``, P cast
   to its format); dQ += dS K (``bwd.dq``, dS cast; under ``bwd.dqcast=fp16`` through FP16 first, as
-  cuDNN's Hopper kernel); dK += dS^T Q (``bwd.dk``);
+  cuDNN's Hopper kernel; under ``bwd.dqscale=end`` the raw products are summed over KV tiles and
+  descaled once, as cuDNN's); dK += dS^T Q (``bwd.dk``);
 - dQ accumulates across KV tiles in float32 (FA3's dQaccum, atomics in float32) and is multiplied
   by the softmax scale at the end (its postprocess kernel); dK is multiplied by the scale, dV not;
 - grouped-query attention: dK and dV of every query head of a KV head are summed in float32 (FA3's
@@ -409,9 +410,12 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
     do_d, o_d = op(do64, "bwd.ds", 0, rows_q), op(o64, "bwd.ds", 1, rows_q)
     # bwd.dsform=cudnn: cuDNN's graph, dS = (dP - D) P attn_scale times scale_dP = max / amax of that, with
     # D = rowsum of the FP8 codes' products times descale_dO, then descale_O; FP8 dS at one scale per tensor only
-    ds_cudnn = (recipe.bwd_dsform == "cudnn" and wd == torch.float32 and isinstance(gran, PerTensor)
+    ds_cudnn = (recipe.bwd_dsform in ("cudnn", "cudnn-ffma") and wd == torch.float32 and isinstance(gran, PerTensor)
                 and all(f in ("e4m3", "e5m2") for f in (pairs["bwd.dq"][0], pairs["bwd.dk"][0]))
                 and do_d.raw is not None and o_d.raw is not None)
+    # the fused form needs dO and V as raw FP8 values with one descale each (per-tensor, checked above)
+    ds_ffma = (ds_cudnn and recipe.bwd_dsform == "cudnn-ffma" and do_dp.raw is not None and v_dp.raw is not None
+               and do_dp.d is not None and v_dp.d is not None)
     if ds_cudnn:
         dsum = (do_d.raw * o_d.raw).sum(dim=-1, keepdim=True, dtype=wd)
         for t in (do_d.d, o_d.d):
@@ -450,8 +454,16 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
         if causal:
             vis = causal_mask(q_pos, s0, s1, n, nk)
             p = p.masked_fill(~vis, 0.0)
-        dp = _mm(do_dp, _rows(v_dp, s0, s1), acc, tb=True)
-        ds = (p * (dp - dsum)).to(wd)
+        v_t = _rows(v_dp, s0, s1)
+        if ds_ffma:
+            # bwd.dsform=cudnn-ffma: the graph's descale_dO, descale_V and "- D" compiled as one FFMA on the
+            # MMA's raw dP', FFMA(dP', descale_dO descale_V, -D), as P's exponent (bwd.pexp=cudnn)
+            dpr = _mm(_Operand(None, do_dp.fmt, do_dp.raw, None), _Operand(None, v_t.fmt, v_t.raw, None), acc, tb=True)
+            c = do_dp.d.to(wd) * v_t.d.to(wd)
+            ds = (p * _fma32(dpr, c, -dsum)).to(wd)
+        else:
+            dp = _mm(do_dp, v_t, acc, tb=True)
+            ds = (p * (dp - dsum)).to(wd)
         return p, ds
 
     # tensor/head scales of P and dS need their amax over the whole call first; the first pass keeps
@@ -482,6 +494,10 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
     via_q = torch.float16 if recipe.bwd_dqcast == "fp16" and ds_fmt_q in ("e4m3", "e5m2") else None
     order = _query_order(recipe, n, bm, q.device)
     do_dv_o, q_dk_o = _take_rows(do_dv, order), _take_rows(q_dk, order)
+    # bwd.dqscale=end (cuDNN's matmul_fp8 epilogue): dQ's descales multiply the float32 sum over KV tiles once;
+    # only where dS and K are FP8 with one descale each (per-tensor), in float32 arithmetic
+    dq_end = recipe.bwd_dqscale == "end" and wd == torch.float32 and isinstance(gran, PerTensor)
+    dq_d, dq_mixed = None, False
     dq = torch.zeros((b, h, n, d), dtype=wd, device=q.device)
     dk = torch.zeros((b, h, nk, d), dtype=wd, device=q.device)
     dv = torch.zeros((b, h, nk, v.shape[-1]), dtype=wd, device=q.device)
@@ -501,8 +517,19 @@ def backward_from(recipe: Recipe, q, k, v, fwd: Forward, do, *, causal: bool = F
             dsq = _cast_tile(ds, ds_fmt_q, _tile_descale(ds, ds_fmt_q, gran, bm, whole.get("dsq")), wd, via_q)
             dsk = dsq if ds_fmt_k == ds_fmt_q and via_q is None else \
                 _cast_tile(ds, ds_fmt_k, _tile_descale(ds, ds_fmt_k, gran, bm, whole.get("dsk")), wd)
-        dq += _mm(dsq, _rows(k_dq, s0, s1), acc)  # float32 across KV tiles (FA3's dQaccum)
+        k_t = _rows(k_dq, s0, s1)
+        if dq_end and dsq.raw is not None and dsq.d is not None and k_t.raw is not None:
+            # bwd.dqscale=end: the raw products summed in float32 across KV tiles, descaled once below
+            dq += _mm(_Operand(None, dsq.fmt, dsq.raw, None), _Operand(None, k_t.fmt, k_t.raw, None), acc)
+            dq_d = dsq.d if k_t.d is None else dsq.d * k_t.d
+        else:
+            dq += _mm(dsq, k_t, acc)  # float32 across KV tiles (FA3's dQaccum)
+            dq_mixed = True
         dk[:, :, s0:s1] = _mm(_take_rows(dsk, order), q_dk_o, acc, ta=True)
+    if dq_d is not None:
+        if dq_mixed:
+            raise AssertionError("bwd.dqscale=end: some KV tiles were descaled per tile")
+        dq = dq * dq_d.to(wd)  # one multiply by descale_dS descale_K (their float32 product)
     scale_w = torch.tensor(scale, dtype=wd)
     if not ds_cudnn:  # bwd.dsform=cudnn folded the softmax scale into dS
         dq, dk = dq * scale_w, dk * scale_w

@@ -381,7 +381,9 @@ _KERNEL_FWD = [
     Preset("cudnn-fp8-kernel", dataclasses.replace(_CUDNN_HOPPER_FWD, **{**_FP8_BWD, "bwd_acc": "fp22",
                                                                          "bwd_pscale": "offset",
                                                                          "bwd_dqcast": "fp16", "bwd_pexp": "cudnn",
-                                                                         "bwd_outscale": "scale"}),
+                                                                         "bwd_outscale": "scale",
+                                                                         "bwd_dsform": "cudnn-ffma",
+                                                                         "bwd_dqscale": "end"}),
            "cuDNN's FP8 attention forward and backward as they run on Hopper (cudnn-frontend 1.32 sdpa_fp8 training "
            "forward + sdpa_fp8_backward, cuDNN 9.19 on an H200: reports/h200/backward/cudnn.md; --backend cudnn-fp8 "
            "runs it). The forward is cudnn-fp8-fwd's recipe (E4M3 O scaled from Amax_O: Hopper writes FP8 O only; KV "
@@ -411,7 +413,12 @@ _KERNEL_FWD = [
            "H200's MUFU.EX2 bit for bit, P cast as P times float32(2^poff)), with the outputs cast as the float32 "
            "product with scale = max / amax (bwd.outscale=scale): on 12 saved case-arms (6 cases, among them "
            "every case-arm that missed on the device) from the kernel's O and Stats, dV's codes all equal the "
-           "kernel's, F of dQ 0.0000-0.0069 and dK 0.0000-0.0048, each at or below the exp2 form's. With the emulator's own forward (F of O 0.0014-0.0204, 4 of 14 above "
+           "kernel's, F of dQ 0.0000-0.0069 and dK 0.0000-0.0048, each at or below the exp2 form's. dS as cuDNN's graph forms it with its '- D' fused (bwd.dsform=cudnn-ffma: "
+           "D = rowsum of the FP8 codes' products times descale_dO then descale_O, dS = FFMA(dP', descale_dO "
+           "descale_V, -D) P attn_scale on the MMA's raw dP', cast as its float32 product with scale_dP = max / "
+           "amax) gives the kernel's Amax_dP to the float32 bit on all 12 saved case-arms and takes dK to 0 codes off "
+           "on all 12, dQ to 0-4 (from 0-45); dQ's raw products summed over KV tiles in float32 and descaled once "
+           "(bwd.dqscale=end, cuDNN's matmul_fp8 epilogue) leave 1 dQ code of the 12 arms. With the emulator's own forward (F of O 0.0014-0.0204, 4 of 14 above "
            "0.01), dK's F is above 0.01 on 11 of 14 case-arms. Requires: sm90 with head dim 128 only (cuDNN "
            "9.19 declines 64: 'hidden_dim shoud be equal to 128'), FP8 gradients (BF16 ones need Blackwell and "
            "cuDNN >= 9.13)"),

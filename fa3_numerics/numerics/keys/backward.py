@@ -40,8 +40,12 @@ ex2.approx.ftz(x log2e), bit for bit as the H200's MUFU.EX2 (``numerics.sfu``), 
 ``bwd.pscale=offset`` P cast as the float32 product P scale_s, scale_s = float32(2^poff): cuDNN's Hopper kernel);
 ``bwd.dsform`` how dS is formed for its FP8 casts (``fa3``: P (dP - D) cast as x / descale, the softmax
 scale applied to dQ and dK at the end; ``cudnn``: cuDNN's graph order, D from the FP8 codes' products
-times the descales, dS = P (dP - D) attn_scale times scale_dP = max / amax in float32: a what-if, it wins
-on most saved case-arms but not all, so no preset sets it);
+times the descales, dS = P (dP - D) attn_scale times scale_dP = max / amax in float32, dP - D as a multiply
+then a subtraction: a what-if, it wins on most saved case-arms but not all; ``cudnn-ffma``: the same with
+dP' descale_dO descale_V - D as one FFMA on the MMA's raw dP', which gives cuDNN's Amax_dP bit for bit on
+every saved case-arm and which cudnn-fp8-kernel sets);
+``bwd.dqscale`` where dQ's descales multiply (``tile``: each KV tile's product before the float32 sum over
+tiles; ``end``: once on that sum of raw products, as cuDNN's matmul_fp8 epilogue, which cudnn-fp8-kernel sets);
 ``bwd.out`` the format dQ, dK, dV are written in (FP8 with a per-tensor scale, as cuDNN's
 outputs); ``bwd.outscale`` how an FP8 gradient is scaled (``descale``: x / (amax / max) in
 float64; ``scale``: x times scale = max / amax, both float32, as cuDNN's epilogue multiplies by
@@ -177,8 +181,14 @@ register_key(RecipeKey("bwd.outscale", "descale", "how an FP8 gradient is writte
                        "max) in float64) or scale (the cast of the float32 product x scale, scale = max / amax "
                        "rounded to float32: cuDNN's scale_dQ/dK/dV, which its epilogue multiplies by)",
                        field="bwd_outscale", choices=("descale", "scale")))
+register_key(RecipeKey("bwd.dqscale", "tile", "where dQ's descales multiply: tile (each KV tile's product, "
+                       "then the float32 sum over tiles, FA3's dQaccum) or end (the raw products summed in float32 "
+                       "over KV tiles, times descale_dS descale_K once: cuDNN's Hopper FP8 backward; per-tensor FP8 "
+                       "dS and K only, otherwise tile)", field="bwd_dqscale", choices=("tile", "end")))
 register_key(RecipeKey("bwd.dsform", "fa3", "how dS is formed for its FP8 casts: fa3 (P (dP - D), D = rowsum of dO "
                        "O's values, cast as x / (amax / max), the softmax scale applied to dQ and dK at the end) or "
                        "cudnn (cuDNN's graph: D = rowsum of the FP8 codes' products times descale_dO, then "
                        "descale_O; dS = P (dP - D) attn_scale, cast as the float32 product with scale_dP = max / "
-                       "amax; per-tensor FP8 dS only, otherwise fa3)", field="bwd_dsform", choices=("fa3", "cudnn")))
+                       "amax; per-tensor FP8 dS only, otherwise fa3) or cudnn-ffma (cudnn with dP' descale_dO descale_V - D "
+                       "as one FFMA on the MMA's raw dP', FFMA(dP', descale_dO descale_V, -D))", field="bwd_dsform",
+                       choices=("fa3", "cudnn", "cudnn-ffma")))
