@@ -646,20 +646,29 @@ def write_fixture_sdpa(a) -> int:
 # the row's factor decide level 26.5 from 53.
 FIXTURE_TIE = (("tie_ln2_n256", 2), ("tie_rsqrtd_n256", 2))
 FIXTURE_TIE_MIN_MARGIN = 32.0
+# part fixture-tie-sum: a multi-tile run (4 KV tiles, the dominant key in the third) and its rows of margin
+# 26-32, where the other keys' P~ add up to l's last bits: the row sum's form (per-tile sums, then
+# fma(tile_sum, descale_s, rs rescale)) decides them
+FIXTURE_TIE_SUM = (("tie_rsqrtd_n1024", 4),)
+FIXTURE_TIE_SUM_MARGINS = (26.0, 33.0)
 
 
-def write_fixture_tie(a) -> int:
-    """tests/fixtures/cudnn_tie_h200.safetensors: FIXTURE_TIE's FP8 bytes (Q only the kept rows, K and V
-    the head's), the kernel's O codes of those rows at every dumped scale_o, and the metadata."""
+def write_fixture_tie(a, keep_runs=FIXTURE_TIE, margins=(FIXTURE_TIE_MIN_MARGIN, math.inf)) -> int:
+    """tests/fixtures/cudnn_tie_h200.safetensors (or _sum_: FIXTURE_TIE_SUM): the runs' FP8 bytes (Q only
+    the kept rows, K and V the head's), the kernel's O codes of those rows at every dumped scale_o, and
+    the metadata."""
     from safetensors.torch import save_file
 
     out, info = {}, {"source": "tools/device/dump_field.py part cudnn-tie on an H200 (dump_field.json 'cudnn-tie')"}
     for (tag, t, m) in tie_runs(a.dumps):
-        keep = dict(FIXTURE_TIE)
+        keep = dict(keep_runs)
         if tag not in keep:
             continue
         h = keep[tag]
-        rows = [i for i, rw in enumerate(m["rows"]) if rw["margin_log2"] >= FIXTURE_TIE_MIN_MARGIN]
+        # the rows of infinite target margin (Q's code 448) come along: they keep Q's amax, so the preset's
+        # per-tensor quantization of the kept rows gives the dump's codes
+        rows = [i for i, rw in enumerate(m["rows"])
+                if margins[0] <= rw["margin_log2"] < margins[1] or math.isinf(rw["margin_target"])]
         idx = torch.tensor(rows)
         out[f"{tag}/q8"] = t["q8"][:, h:h + 1].index_select(2, idx).contiguous()
         out[f"{tag}/k8"] = t["k8"][:, h:h + 1].contiguous()
@@ -684,7 +693,8 @@ DEFAULT_FIXTURE = Path("tests/fixtures/field_h200.safetensors")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dumps", type=Path)
-    ap.add_argument("part", choices=("cudnn", "cudnn-tie", "torchao", "sdpa", "fixture", "fixture-sdpa", "fixture-tie"))
+    ap.add_argument("part", choices=("cudnn", "cudnn-tie", "torchao", "sdpa", "fixture", "fixture-sdpa", "fixture-tie",
+                                     "fixture-tie-sum"))
     ap.add_argument("--out", type=Path, default=DEFAULT_FIXTURE)
     ap.add_argument("--models", default="")
     ap.add_argument("--rows", type=int, default=0)
@@ -696,7 +706,8 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     return {"cudnn": run_cudnn, "cudnn-tie": run_cudnn_tie, "torchao": run_torchao, "sdpa": run_sdpa,
             "fixture": write_fixture, "fixture-sdpa": write_fixture_sdpa,
-            "fixture-tie": write_fixture_tie}[a.part](a)
+            "fixture-tie": write_fixture_tie,
+            "fixture-tie-sum": lambda a: write_fixture_tie(a, FIXTURE_TIE_SUM, FIXTURE_TIE_SUM_MARGINS)}[a.part](a)
 
 
 if __name__ == "__main__":

@@ -463,6 +463,8 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
         # which rounds toward zero: the offset inside the exponent is lg2.approx(scale_s)
         scale_s = torch.tensor(2.0 ** offset, dtype=torch.float32, device=dev)
         lg2_scale_s = _sfu.lg2(scale_s.reshape(1)).reshape(())
+        # the row sum is kept in descaled units (l descale_s, what Stats and Amax_S read): see _cudnn_softmax
+        descale_s = (1.0 / scale_s.double()).to(torch.float32)
     n_tiles = -(-nk // pre.block_n)
     t_lo, t_hi = tile_range if tile_range is not None else (0, n_tiles)  # a split-KV pass visits its own tiles
     tiles = range(t_hi - 1, t_lo - 1, -1) if recipe.order == "reverse" else range(t_lo, t_hi)
@@ -485,7 +487,7 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
         if mk is not None and mk.windowed:
             s = s.masked_fill(~_mask.visible(mk, q_index, s0, s1, pre.seqlen_q, nk), -math.inf)
         if cudnn_math:
-            return _cudnn_softmax(s, m_in, rs_in, sl2, scaled_s, lg2_scale_s, flush, p_fmt)
+            return _cudnn_softmax(s, m_in, rs_in, sl2, scaled_s, lg2_scale_s, descale_s, flush, p_fmt)
         m_new = torch.maximum(m_in, s.amax(dim=-1, keepdim=True))
         # The kernel uses 0 in place of a -inf max, so fully masked rows give exp2(-inf) = 0.
         finite = torch.isfinite(m_new)
@@ -558,11 +560,11 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
             # Stats as the H200's probes show it (one-tile runs: 94% / 90% of rows bit-equal; a float64 ln 44% / 36%):
             # fma(m', ln 2, fl(lg2.approx(fl(l descale_s)) ln 2)), m' the scaled max, descale_s = fl(1 / scale_s)
             ln2 = torch.tensor(math.log(2.0), dtype=torch.float32, device=dev)
-            lg = _sfu.lg2((row_sum * (1.0 / scale_s)).to(torch.float32))
+            lg = _sfu.lg2(row_sum)  # row_sum is already fl(l descale_s) in the kernel's own units
             lse = _fma32(m, ln2, (lg * ln2).to(torch.float32))
             bad = (row_sum == 0) | torch.isnan(row_sum) | ~torch.isfinite(m)
             stats["lse"] = torch.where(bad, torch.full_like(lse, math.inf), lse).squeeze(-1)
-        return write_out(_cudnn_epilogue(acc, row_sum, v_end, scale_o), recipe)
+        return write_out(_cudnn_epilogue(acc, row_sum, v_end, scale_o, descale_s), recipe)
     if scale_o is not None:
         raise UsageError(f"recipe {recipe.short_str()}: scale_o folds into the epilogue of smath=cudnn only")
     if stats is not None:
@@ -578,10 +580,13 @@ def _sub32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(a) & torch.isneginf(b), a, d)
 
 
-def _cudnn_softmax(s, m_in, rs_in, sl2, scaled_s, lg2_scale_s, flush, p_fmt):
+def _cudnn_softmax(s, m_in, rs_in, sl2, scaled_s, lg2_scale_s, descale_s, flush, p_fmt):
     """One tile of cuDNN's online softmax (``smath=cudnn``, keys/smath.py): S' = fl(S scale_log2), the
     running max m' over S', P~ = ex2.approx(fl(S' - fl(m' - L))) with L = lg2.approx(scale_s), the rescale
-    ex2.approx(fl(m'_old - m'_new)); the row sum over float32 P~ in the quad layout. m is held scaled."""
+    ex2.approx(fl(m'_old - m'_new)). m is held scaled. The row sum: each thread's float32 sum of the tile's
+    P~ (quad layout, from 0), then rs = fma(tile_sum, descale_s, fl(rs rescale)): rs holds l descale_s.
+    On the H200's tie probes (multi-tile runs) only this form gives every code; P~ summed into a running
+    rs (FA3's form) or the descale as its own FMUL leave 128-1446 codes per run."""
     if scaled_s:
         s = (s * sl2).to(torch.float32)  # FMUL: the scores scaled once, with their own rounding
     m_new = torch.maximum(m_in, s.amax(dim=-1, keepdim=True))
@@ -590,17 +595,22 @@ def _cudnn_softmax(s, m_in, rs_in, sl2, scaled_s, lg2_scale_s, flush, p_fmt):
     rescale = flush(_sfu.ex2(_sub32(m_in, m_cur)))
     max_scaled = torch.where(finite, _sub32(m_cur, lg2_scale_s.expand_as(m_cur)), torch.zeros_like(m_cur))
     p = flush(_sfu.ex2(_sub32(s, max_scaled.expand_as(s))))
-    rs_out = _quad_row_sum(flush(rs_in * rescale), p)
+    tile_sum = _quad_row_sum(torch.zeros_like(rs_in), p)
+    rs_out = _fma32(tile_sum, descale_s.expand_as(tile_sum), flush(rs_in * rescale))
     p8 = quantize_dequantize(p, p_fmt) if p_fmt is not None else p
     return p8, rescale, m_new, rs_out
 
 
-def _cudnn_epilogue(acc: torch.Tensor, row_sum: torch.Tensor, v_end, scale_o: float | None) -> torch.Tensor:
+def _cudnn_epilogue(acc: torch.Tensor, row_sum: torch.Tensor, v_end, scale_o: float | None,
+                    descale_s: torch.Tensor) -> torch.Tensor:
     """cuDNN's O (``smath=cudnn``): acc * fl(rcp.approx(l) * c), c = fl(descale_v * scale_o) folded per
     tensor (scale_s is inside l, so descale_s has no multiply of its own). On the H200's one-key rows
     only this order puts O on the kernel's side of every E4M3 tie: acc * fl(fl(rcp(l) descale_v) scale_o)
-    does not. Without ``scale_o``: O itself, acc * fl(rcp(l) descale_v), what Amax_O reads."""
+    does not. Without ``scale_o``: O itself, acc * fl(rcp(l) descale_v), what Amax_O reads.
+    row_sum is l descale_s (``_cudnn_softmax``), so descale_s joins the factor: fl(fl(descale_v descale_s)
+    scale_o) (the order the probes' rows fit best; fl(descale_v fl(descale_s scale_o)) does not fit)."""
     c = v_end.to(torch.float32) if v_end is not None else torch.ones((), device=acc.device)
+    c = (c * descale_s.to(acc.device)).to(torch.float32)
     if scale_o is not None:
         c = (c * torch.tensor(scale_o, dtype=torch.float32, device=acc.device)).to(torch.float32)
     ok = (row_sum > 0) & torch.isfinite(row_sum)

@@ -65,3 +65,31 @@ def test_cudnn_preset_puts_o_on_the_kernels_side_of_every_tie(probes):
     # negative control: FA3's arithmetic (the preset before: FFMA exponent, offset 8.80735, O = acc / l
     # then * scale_o) takes the other side of the ties on most of these rows
     assert missed_before > 1000
+
+
+FIX_SUM = FIX.with_name("cudnn_tie_sum_h200.safetensors")
+
+
+def test_cudnn_row_sum_form_on_a_multi_tile_run():
+    """tests/fixtures/cudnn_tie_sum_h200.safetensors (``fit_field.py DUMPS fixture-tie-sum``): one head of the
+    n1024 run at 1/sqrt(128) (4 KV tiles, the dominant key in the third), rows of margin 26-32 where the
+    other keys' P~ add up to l's last float32 bits. Only the row sum cuDNN keeps (per-tile sums, then
+    fma(tile_sum, descale_s, fl(rs rescale)), l descale_s in O's factor) gives every code: the running
+    quad sum of P~ in P~'s units (the form before) misses codes on 6 of these rows."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(FIX_SUM), "pt") as f:
+        info = json.loads(f.metadata()["info"])
+    tensors: dict = {}
+    for key, x in load_file(str(FIX_SUM)).items():
+        tag, name = key.split("/", 1)
+        tensors.setdefault(tag, {})[name] = x
+    recipe = get_recipe("cudnn-fp8-fwd").recipe
+    assert tensors
+    for tag, t in tensors.items():
+        m = info[tag]
+        assert m["nk"] > 2 * 256 and min(r["margin_log2"] for r in m["row_info"]) < 32  # multi-tile, sum-sensitive
+        got = _codes(recipe, t, m, "cudnn")
+        assert got.shape == t["o8"].shape
+        assert int((got != t["o8"]).sum()) == 0, tag
