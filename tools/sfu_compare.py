@@ -10,7 +10,6 @@ BF16 LSE and gradients under fa2math=torch; FA3 FP8, SageAttention 1 and 2 outpu
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -53,20 +52,16 @@ def samples(folder: Path) -> None:
 
 def field() -> None:
     sys.path.insert(0, str(ROOT / "tests" / "numerics"))
-    from safetensors import safe_open
     from safetensors.torch import load_file
     from test_field_fidelity import FIX, FIX_N768, _cudnn_codes, _fid
+
+    from fa3_numerics.data.dumps import read_grouped
 
     from fa3_numerics.numerics.backward import Forward, backward_from, emulate_backward
     from fa3_numerics.numerics.backward_reference import reference_gradients
     from fa3_numerics.numerics.recipe import Recipe, get_recipe
 
-    with safe_open(str(FIX), "pt") as f:
-        info = json.loads(f.metadata()["info"])
-    tensors: dict = {}
-    for key, x in load_file(str(FIX)).items():
-        case, name = key.split("/", 1)
-        tensors.setdefault(case, {})[name] = x
+    tensors, info = read_grouped(FIX)
     base = get_recipe("cudnn-fp8-fwd").recipe.short_str()
     for case in ("c_n1024_d64", "c_n256_d64_causal_gauss"):
         for sfu in ("rz", "h200"):

@@ -11,12 +11,12 @@ The preset must give every code; FA3's softmax arithmetic (the preset before) mi
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from fa3_numerics.data.dumps import read_grouped
 from fa3_numerics.numerics.emulator import emulate
 from fa3_numerics.numerics.recipe import get_recipe
 
@@ -26,16 +26,7 @@ E4M3 = torch.float8_e4m3fn
 
 @pytest.fixture(scope="module")
 def probes():
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    with safe_open(str(FIX), "pt") as f:
-        info = json.loads(f.metadata()["info"])
-    tensors: dict = {}
-    for key, x in load_file(str(FIX)).items():
-        tag, name = key.split("/", 1)
-        tensors.setdefault(tag, {})[name] = x
-    return tensors, info
+    return read_grouped(FIX)
 
 
 def _codes(recipe, t, m, smath):
@@ -76,15 +67,7 @@ def test_cudnn_row_sum_form_on_a_multi_tile_run():
     other keys' P~ add up to l's last float32 bits. Only the row sum cuDNN keeps (per-tile sums, then
     fma(tile_sum, descale_s, fl(rs rescale)), l descale_s in O's factor) gives every code: the running
     quad sum of P~ in P~'s units (the form before) misses codes on 6 of these rows."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    with safe_open(str(FIX_SUM), "pt") as f:
-        info = json.loads(f.metadata()["info"])
-    tensors: dict = {}
-    for key, x in load_file(str(FIX_SUM)).items():
-        tag, name = key.split("/", 1)
-        tensors.setdefault(tag, {})[name] = x
+    tensors, info = read_grouped(FIX_SUM)
     recipe = get_recipe("cudnn-fp8-fwd").recipe
     assert tensors
     for tag, t in tensors.items():

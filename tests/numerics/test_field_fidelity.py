@@ -10,7 +10,6 @@ fitted presets must give the kernel's bytes; the presets as they were before the
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 
 from fa3_numerics.numerics.backward import Forward, backward_from
 from fa3_numerics.numerics.backward_reference import reference_gradients
+from fa3_numerics.data.dumps import read_grouped
 from fa3_numerics.numerics.emulator import emulate
 from fa3_numerics.numerics.recipe import Recipe, get_recipe
 
@@ -31,16 +31,7 @@ SDPA_BEFORE = "fa3-bf16-bwd-bf16,bm=128,bn=64,order=forward,bwd.bm=64,bwd.bn=128
 
 @pytest.fixture(scope="module")
 def dump():
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    with safe_open(str(FIX), "pt") as f:
-        info = json.loads(f.metadata()["info"])
-    tensors: dict = {}
-    for key, x in load_file(str(FIX)).items():
-        case, name = key.split("/", 1)
-        tensors.setdefault(case, {})[name] = x
-    return tensors, info
+    return read_grouped(FIX)
 
 
 def _cudnn_inputs(t: dict, m: dict):
