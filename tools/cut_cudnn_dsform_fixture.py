@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MAXC = {"e4m3": 448.0, "e5m2": 57344.0}
 DTS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -38,7 +37,7 @@ def dq_codes(t: dict, sc: dict, do_fmt: str, grad_fmt: str, dsform: str, dqscale
     from fa3_numerics.numerics.backward import Forward, backward_from
     from fa3_numerics.numerics.formats import cast
     from fa3_numerics.numerics.recipe import get_recipe
-    from kernels.cudnn import bwd_formats
+    from fa3_numerics.kernels.cudnn import bwd_formats
 
     keys = {**bwd_formats(do_fmt, grad_fmt), "bwd_out": "fp32", "bwd_dsform": dsform, "bwd_dqscale": dqscale}
     r = dataclasses.replace(get_recipe("cudnn-fp8-kernel").recipe, **keys)

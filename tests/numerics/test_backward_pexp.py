@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from fa3_numerics.kernels.cudnn import bwd_formats
@@ -38,14 +38,12 @@ def _load():
 
 
 def _dv_codes(pexp: str):
+    # the fixture's dV codes at bwd.pexp through the cutting tool's own dv_codes (one copy of that call)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "tools"))
+    from cut_cudnn_pexp_fixture import dv_codes
+
     meta, q, k, do, lse, ker, do_fmt, grad_fmt = _load()
-    r = dataclasses.replace(get_recipe("cudnn-fp8-kernel").recipe,
-                            **{**bwd_formats(do_fmt, grad_fmt), "bwd_out": "fp32", "bwd_pexp": pexp})
-    # O and V zero: dV = P^T dO reads neither
-    gr = backward_from(r, q, k, torch.zeros_like(k), Forward(torch.zeros_like(do), lse), do, causal=False,
-                       softmax_scale=1.0 / math.sqrt(q.shape[-1]))
-    s = torch.tensor(meta["scalars"]["scale_dV"], dtype=torch.float32)
-    return cast(gr.dv.to(torch.float32) * s, grad_fmt).view(torch.uint8), ker
+    return dv_codes(q, k, do, lse, meta["scalars"], do_fmt, grad_fmt, pexp), ker
 
 
 def test_cudnn_pexp_gives_the_kernels_dv_codes():
