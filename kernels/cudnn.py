@@ -340,6 +340,15 @@ class CudnnFp8Backend(Backend):
         if recipe.bwd_dqcast != "fp16":
             return (f"bwd.dqcast={recipe.bwd_dqcast}: cuDNN's Hopper backward rounds dQ's dS to FP16 before its FP8 "
                     "cast; set bwd.dqcast=fp16 (the cudnn-fp8-kernel preset)")
+        # The kernel's arithmetic as fitted on its bytes (reports/h200/backward/cudnn.md): a recipe asking
+        # for another form would be labelled with arithmetic the kernel does not do.
+        fitted = {"bwd_pexp": "cudnn", "bwd_outscale": "scale", "bwd_dsform": "cudnn-ffma", "bwd_dqscale": "end"}
+        off = [f"{f.replace('_', '.', 1)}={getattr(recipe, f)}" for f, want in fitted.items()
+               if getattr(recipe, f) != want]
+        if off:
+            return (f"{', '.join(off)}: cuDNN's Hopper backward computes "
+                    f"{', '.join(f.replace('_', '.', 1) + '=' + w for f, w in fitted.items())}; set those keys "
+                    "(the cudnn-fp8-kernel preset)")
         do_fmt = backward_pairs(recipe)["bwd.dp"][0]
         if do_fmt not in FMT_MAX or recipe.bwd_out not in _TORCH_DT:
             return (f"dO in {do_fmt}, gradients in {recipe.bwd_out}: sdpa_fp8_backward takes dO in e4m3 or e5m2 "

@@ -256,6 +256,12 @@ def test_backward_refuses_what_cudnn_does_not_compute_with_the_fix():
     assert why and "bwd.dq=e5m2:e4m3" in why
     assert "dO in bf16" in backward_refusal(b, dataclasses.replace(_bwd_recipe(), bwd_dv="e4m3:bf16",
                                                                     bwd_dp="bf16:e4m3", bwd_ds="bf16:e4m3"))
+    # the arithmetic fitted on the kernel's bytes: another form is refused, naming the key and the fix
+    assert backward_refusal(b, _bwd_recipe()) is None
+    for key, value in (("bwd_pexp", "fa3"), ("bwd_outscale", "descale"), ("bwd_dsform", "cudnn"),
+                       ("bwd_dqscale", "tile")):
+        why = backward_refusal(b, dataclasses.replace(_bwd_recipe(), **{key: value}))
+        assert why and f"{key.replace('_', '.', 1)}={value}" in why and "cudnn-fp8-kernel" in why, key
 
 
 def test_gradients_refuse_on_the_cpu():
