@@ -1,6 +1,6 @@
 """User-facing errors.
 
-Exposed: ``UsageError``, ``NonFiniteError``, ``require``.
+Exposed: ``UsageError``, ``KernelDeclined``, ``NonFiniteError``, ``require``.
 
 ``UsageError`` is raised for bad input anywhere in the library. The CLI turns it into one line
 on stderr and exit code 2; library users get an ordinary exception. The message should name
@@ -15,6 +15,11 @@ class UsageError(ValueError):
     """Bad input that the user can fix: one line, naming the fix."""
 
     exit_code = 2
+
+
+class KernelDeclined(UsageError):
+    """A kernel refuses this shape or configuration (its own planner said no): a validation records
+    the case as skipped with this reason and goes on; anywhere else it is a ``UsageError``."""
 
 
 class NonFiniteError(RuntimeError):

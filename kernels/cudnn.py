@@ -32,7 +32,7 @@ import math
 import torch
 
 from fa3_numerics.engine.backends import Backend
-from fa3_numerics.errors import UsageError
+from fa3_numerics.errors import KernelDeclined, UsageError
 from fa3_numerics.numerics.granularity import PerTensor
 from fa3_numerics.numerics.recipe import Recipe
 from .availability import gpu_problem, load_problem, package_version, refusal
@@ -387,12 +387,28 @@ class CudnnFp8Backend(Backend):
             raise
         except Exception as exc:  # noqa: BLE001 - cuDNN's refusals are its own exception types
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            raise UsageError(f"cuDNN declines sdpa_fp8 training + sdpa_fp8_backward for [B {b}, H {h}/{k.shape[1]}, "
+            raise KernelDeclined(f"cuDNN declines sdpa_fp8 training + sdpa_fp8_backward for [B {b}, H {h}/{k.shape[1]}, "
                              f"N {n}, D {d}] ({type(exc).__name__}: {first})") from None
         sc = res["scalars"]
         type(self).last_backward = {"scalars": sc, "amax": res["amax"]}
+        # lse: the Stats the backward read (natural-log LSE), so an emulated backward can start from the
+        # kernel's own forward (validate --backward's kernel-fwd mode)
         return {"o": decode(res["o_raw"], sc["scale_o"]), "dq": decode(res["dq_raw"], sc["scale_dQ"]),
-                "dk": decode(res["dk_raw"], sc["scale_dK"]), "dv": decode(res["dv_raw"], sc["scale_dV"])}
+                "dk": decode(res["dk_raw"], sc["scale_dK"]), "dv": decode(res["dv_raw"], sc["scale_dV"]),
+                "lse": res["stats"].reshape(b, h, n).to(torch.float32)}
+
+    def validation_backward_recipe(self, case):
+        """The cudnn-fp8-kernel preset as it stands (dO, dS and the gradients in E5M2, TransformerEngine's
+        HYBRID format) for every case: per-tensor descales whatever the case's granularity, FP8
+        whatever its dtype."""
+        from fa3_numerics.numerics.recipe import get_recipe
+
+        return get_recipe("cudnn-fp8-kernel").recipe
+
+    def validation_backward_skip(self, case) -> str | None:
+        if case.head_dim % 16:
+            return f"head dim {case.head_dim}: cuDNN's FP8 attention needs a multiple of 16"
+        return None
 
     @staticmethod
     def _graph(dev, b, h, hkv, n, nk, d, dv, causal, scale, out):
@@ -402,7 +418,7 @@ class CudnnFp8Backend(Backend):
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             hint = ("; on Hopper cuDNN writes FP8 O only: use out=e4m3,oscale=amax (the cudnn-fp8-fwd preset)"
                     if out == "bf16" else "")
-            raise UsageError(f"cuDNN declines sdpa_fp8 for [B {b}, H {h}/{hkv}, N {n}/{nk}, D {d}] "
+            raise KernelDeclined(f"cuDNN declines sdpa_fp8 for [B {b}, H {h}/{hkv}, N {n}/{nk}, D {d}] "
                              f"({type(exc).__name__}: {first}){hint}") from None
 
 

@@ -123,7 +123,69 @@ class SdpaDefault(SdpaBackend):
 class SdpaFlash(SdpaBackend):
     name = "sdpa-flash"
     kind = "flash"
-    description = "PyTorch SDPA pinned to its FlashAttention-2 kernel (CUDA, FP16/BF16)"
+    description = "PyTorch SDPA pinned to its FlashAttention-2 kernel (CUDA, FP16/BF16), forward and backward"
+    backward = True
+
+    def backward_supports(self, recipe: Recipe) -> str | None:
+        why = self.supports(recipe)
+        if why is not None:
+            return why
+        fmts = {getattr(recipe, f) for f in ("bwd_s", "bwd_dv", "bwd_dp", "bwd_ds", "bwd_dq", "bwd_dk", "bwd_out")}
+        if fmts != {recipe.qk}:
+            return (f"bwd.* formats {', '.join(sorted(fmts))}: SDPA's flash backward computes in its input format "
+                    f"({recipe.qk}) throughout; set every bwd.* format to {recipe.qk} (the sdpa-flash-bf16 preset)")
+        if recipe.bwd_rot != "none" or recipe.rot != "none":
+            return "rot/bwd.rot set: SDPA's flash kernel takes no rotation; use --backend emulate"
+        return None
+
+    def gradients(self, recipe, q, k, v, do, *, causal, rotation_seed, cache, softmax_scale=None):
+        """O, dQ, dK, dV as SDPA users get them (the public call, K and V repeated per query head for
+        GQA and autograd summing their gradients), and the forward's LSE from the aten op the public
+        call dispatches to (natural log, float32), kept only where its O is the public call's."""
+        from torch.nn.attention import sdpa_kernel
+
+        why = self.backward_supports(recipe)
+        if why is not None:
+            raise UsageError(f"recipe {recipe.short_str()} cannot run on backend {self.name!r}'s backward: {why}")
+        if not q.is_cuda:
+            raise UsageError("SDPA's flash kernel needs the inputs on a CUDA device; pass --device cuda")
+        dt = _DTYPES[recipe.qk]
+        g = q.shape[1] // k.shape[1]
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+        qb, kb, vb = (t.to(dt).requires_grad_(True) for t in (q, k, v))
+        with sdpa_kernel([sdp_backend(self.kind)]):
+            ke, ve = (kb.repeat_interleave(g, 1), vb.repeat_interleave(g, 1)) if g > 1 else (kb, vb)
+            try:
+                o = torch.nn.functional.scaled_dot_product_attention(qb, ke, ve, is_causal=causal, scale=scale)
+                o.backward(do.to(dt))
+            except RuntimeError as exc:
+                from fa3_numerics.errors import KernelDeclined
+
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+                raise KernelDeclined(f"SDPA's flash kernel declines [B {q.shape[0]}, H {q.shape[1]}/{k.shape[1]}, "
+                                     f"N {q.shape[2]}, D {q.shape[3]}] ({first})") from None
+            lse = None
+            try:
+                with torch.no_grad():
+                    fwd = torch.ops.aten._scaled_dot_product_flash_attention(
+                        qb.detach(), ke.detach(), ve.detach(), 0.0, causal, False, scale=scale)
+                if torch.equal(fwd[0], o.detach()):
+                    lse = fwd[1].to(torch.float32)
+            except (RuntimeError, TypeError, AttributeError):  # another torch's aten signature: no LSE
+                lse = None
+        return {"o": o.detach().to(torch.float64), "dq": qb.grad.to(torch.float64), "dk": kb.grad.to(torch.float64),
+                "dv": vb.grad.to(torch.float64), "lse": lse}
+
+    def validation_backward_recipe(self, case):
+        """The sdpa-flash-bf16 preset (the fitted FA2-in-torch forward and backward) for every case."""
+        from fa3_numerics.numerics.recipe import get_recipe
+
+        return get_recipe("sdpa-flash-bf16").recipe
+
+    def validation_backward_skip(self, case) -> str | None:
+        if case.head_dim > 256 or case.head_dim % 8:
+            return f"head dim {case.head_dim}: SDPA's flash kernel takes multiples of 8 up to 256"
+        return None
 
 
 class SdpaCudnn(SdpaBackend):

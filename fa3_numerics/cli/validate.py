@@ -43,6 +43,11 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
                                                      "(default: all: fp32, fp22, two-level)"),
         allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=ALLOW_NONFINITE_HELP),
         format: str = typer.Option("html,md", "--format", help="report formats: html, md (comma list)"),
+        backward: bool = typer.Option(False, "--backward", help="validate the backward instead: dQ, dK, dV of the "
+                                      "backend's kernel (cudnn-fp8, sdpa-flash) against its emulated preset, from "
+                                      "the kernel's own O and LSE and end to end (validation_backward.nc)"),
+        max_seqlen: int = typer.Option(0, "--max-seqlen", help="with --backward: skip cases longer than this "
+                                       "(0 = none; the backward runs every query row)"),
     ):
         """Same inputs through the emulator and the kernel: F = RMSE(emu, kernel) / RMSE(kernel, f64), bit-identical share."""
         from ..engine.backends import check_device, get_backend
@@ -71,6 +76,12 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
         kernel = get_backend(backend)
         why = kernel.check(device)
         require(why is None, f"backend {backend!r} cannot run on {device}: {why}")
+        require(max_seqlen >= 0, f"--max-seqlen {max_seqlen}: give a length, or 0 for none")
+        if backward:
+            require(acc is None, "--acc is for the forward's validation; --backward runs the backend's preset")
+            _validate_backward(cases, device, backend, kernel, max_seqlen, folder, allow_nonfinite, format)
+            return
+        require(max_seqlen == 0, "--max-seqlen is for --backward")
         study = ValidationStudy(cases, device=device, backend=backend, accs=accs, kernel=kernel)
 
         def console(ds):
@@ -83,3 +94,17 @@ def register(app: typer.Typer, run_app: typer.Typer) -> None:
 
         run_study_command(study, folder.path, allow_nonfinite=allow_nonfinite, console=console,
                           formats=parse_formats(format))
+
+
+def _validate_backward(cases, device, backend, kernel, max_seqlen, folder, allow_nonfinite, format) -> None:
+    from ..errors import require
+    from ..report.validation_backward import markdown_body
+    from ..studies.validate_backward import BackwardValidationStudy
+    from ._study import run_study_command
+    from .report import parse_formats
+
+    require(getattr(kernel, "backward", False), f"backend {backend!r} computes the forward only; --backward needs "
+            "one with a backward: cudnn-fp8, sdpa-flash (fa3-numerics backends)")
+    study = BackwardValidationStudy(cases, device=device, backend=backend, kernel=kernel, max_seqlen=max_seqlen)
+    run_study_command(study, folder.path, allow_nonfinite=allow_nonfinite,
+                      console=lambda ds: typer.echo(markdown_body(ds)), formats=parse_formats(format))

@@ -60,6 +60,7 @@ REPORTS: dict[str, str] = {
     "backward": "fa3_numerics.report.backward:render_backward",
     "train": "fa3_numerics.report.train:render_train",
     "long-context": "fa3_numerics.report.long_context:render_long_context",
+    "validation-backward": "fa3_numerics.report.validation_backward:render_validation_backward",
 }
 REPORT_ENTRY_POINTS = "fa3_numerics.reports"
 
