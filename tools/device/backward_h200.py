@@ -63,20 +63,39 @@ def _reference(q, k, v, do, causal):
     return {"o": o, "dq": dq, "dk": dk, "dv": dv}
 
 
-def check_sdpa(q, k, v, do, causal, recipe_text):
-    """SDPA flash (BF16) forward and backward, and the emulated recipe on the same BF16 inputs."""
+def sdpa_flash(q, k, v, do, causal, *, keep_heads=False):
+    """SDPA's flash (BF16) forward and backward as the check calls it: K and V repeated per query head
+    (repeat_interleave; autograd sums their gradients), the default scale. Returns the BF16 inputs the
+    kernel read and its O, dQ, dK, dV; ``keep_heads`` (tools/device/dump_field.py ``sdpa-gqa``) adds the
+    per-query-head dK, dV (the repeated tensors' gradients) and the LSE autograd saved for the backward."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from fa3_numerics.numerics.backward import emulate_backward
-    from fa3_numerics.numerics.recipe import Recipe
 
     g = q.shape[1] // k.shape[1]
     qb, kb, vb = (t.to(torch.bfloat16).requires_grad_(True) for t in (q, k, v))
+    dob = do.to(torch.bfloat16)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qb, kb.repeat_interleave(g, 1), vb.repeat_interleave(g, 1), is_causal=causal)
-        o.backward(do.to(torch.bfloat16))
-    ker = {"o": o.detach(), "dq": qb.grad, "dk": kb.grad, "dv": vb.grad}
+        kr, vr = kb.repeat_interleave(g, 1), vb.repeat_interleave(g, 1)
+        if keep_heads:
+            kr.retain_grad()
+            vr.retain_grad()
+        o = torch.nn.functional.scaled_dot_product_attention(qb, kr, vr, is_causal=causal)
+        lse = getattr(o.grad_fn, "_saved_logsumexp", None) if keep_heads else None
+        o.backward(dob)
+    out = {"q": qb.detach(), "k": kb.detach(), "v": vb.detach(), "do": dob,
+           "o": o.detach(), "dq": qb.grad, "dk": kb.grad, "dv": vb.grad}
+    if keep_heads:
+        out.update(dk_heads=kr.grad, dv_heads=vr.grad, lse=None if lse is None else lse.detach())
+    return out
+
+
+def check_sdpa(q, k, v, do, causal, recipe_text):
+    """SDPA flash (BF16) forward and backward, and the emulated recipe on the same BF16 inputs."""
+    from fa3_numerics.numerics.backward import emulate_backward
+    from fa3_numerics.numerics.recipe import Recipe
+
+    run = sdpa_flash(q, k, v, do, causal)
+    qb, kb, vb = run["q"], run["k"], run["v"]
+    ker = {n: run[n] for n in ("o", "dq", "dk", "dv")}
     # the emulator reads the BF16 tensors the kernel read (its own BF16 casts give the same values)
     q64, k64, v64 = (t.detach().double() for t in (qb, kb, vb))
     gr = emulate_backward(Recipe.from_str(recipe_text), q64, k64, v64, do.to(torch.bfloat16).double(),

@@ -31,7 +31,7 @@ Inputs are drawn in float64 on the CPU by the library (``common.paper_qkv``: tor
 MT19937), so the fitter regenerates the float64 reference from the seed in each case's metadata.
 Every file is written whole (a temporary, then renamed) after its part; ``dump_field.json`` holds
 the versions (torch, CUDA, cuDNN, driver, the wheels), each case's configuration, the timings and
-any part's error. At most 7 files, each under 14 MB.
+any part's error. At most 7 files a part, each under 14 MB.
 
 Device (after the wheels in ``.whl/``; the lead's call, carry [".whl"], about 2 minutes)::
 
@@ -53,6 +53,10 @@ dominant row holds every E4M3 magnitude and scale_o is chosen so that V8 descale
 lands on E4M3 ties (and 1, 2 float32 ulps either side): which side of the tie the kernel's O takes is
 l's last bit. With the training graph's stats (LSE: at level 0, ln l itself). ``tie_inputs`` rebuilds
 every input from the metadata (``cudnn-tie`` in dump_field.json).
+
+``sdpa-gqa`` (not default): the two GQA hold-out cases ``sdpa-flash-bf16`` missed end to end (8 query heads
+over 2 KV heads: n 1024 d 128 seed 2; causal n 1536 d 64 seed 5) exactly as ``backward_h200.py --checks sdpa``
+runs them (its inputs and its call), with the per-query-head dK, dV and the LSE; two files per case.
 
 ``--dry`` (any machine, no GPU): builds every input and writes every file with float32 stand-ins for
 the kernels (marked ``kernel=dry`` in the metadata: never fitting data); ``--parts cudnn,torchao``
@@ -77,7 +81,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, log, paper_qkv, versions  # noqa: E402
 
-PARTS = ("cudnn", "torchao", "sdpa", "cudnn-more", "sdpa-more", "cudnn-gqa", "cudnn-tie")
+PARTS = ("cudnn", "torchao", "sdpa", "cudnn-more", "sdpa-more", "cudnn-gqa", "cudnn-tie", "sdpa-gqa")
 FP8_MAX = 448.0
 MAX_FILE = 14 * 2 ** 20
 #: eighths of an octave below the backend's scale_o (j = 0 is what ``--backend cudnn-fp8`` runs)
@@ -811,6 +815,72 @@ def part_sdpa(out: Path, dev, dry, meta, sets=None, key="sdpa"):
     meta[key] = {"cases": info, "files": files}
 
 
+# the two GQA hold-out cases sdpa-flash-bf16 missed end to end (backward_h200.py --checks sdpa, batch_h200.sh
+# SDPA_CASES N:H:HKV:D:CAUSAL:SEED 1024:8:2:128:0:2 and 1536:8:2:64:1:5; reports/h200/backward/README.md)
+SDPA_GQA_HOLD = [Case("b_n1024_d128_gqa8x2_s2", 1024, 128, heads=8, kv_heads=2, seed=2),
+                 Case("b_n1536_d64_causal_gqa8x2_s5", 1536, 64, heads=8, kv_heads=2, causal=True, seed=5)]
+
+
+def _equal_counts(a: dict, b: dict, names) -> dict:
+    return {n: (None if a.get(n) is None or b.get(n) is None else int((a[n] != b[n]).sum())) for n in names}
+
+
+def part_sdpa_gqa(out: Path, dev, dry, meta):
+    """SDPA_GQA_HOLD exactly as backward_h200.py's SDPA check runs them (its ``_inputs`` and
+    ``sdpa_flash``: inputs drawn on the CPU, moved to the device, cast to BF16 there; K and V repeated with
+    repeat_interleave, autograd summing the per-head gradients), with the per-query-head dK, dV and the LSE
+    autograd saved. Two files per case (inputs + forward, gradients), each under 14 MB. Checks in the JSON:
+    the aten flash ops on contiguous repeated K, V (the LSE's other source), a second identical call (dQ's
+    atomicAdd order) and enable_gqa=True, each as counts of values differing from the first call."""
+    import backward_h200 as bh
+
+    info, files = {}, {}
+    names = ("o", "lse", "dq", "dk", "dv", "dk_heads", "dv_heads")
+    for c in SDPA_GQA_HOLD:
+        q, k, v, do = bh._inputs(c.batch, c.heads, c.kv_heads, c.seqlen, c.head_dim, c.seed, dev)
+        run = bh.sdpa_flash(q, k, v, do, c.causal, keep_heads=True)
+        again = bh.sdpa_flash(q, k, v, do, c.causal, keep_heads=True)
+        scale = 1.0 / math.sqrt(c.head_dim)
+        rep = c.heads // c.kv_heads
+        row = {"case": dataclasses.asdict(c), "softmax_scale": scale, "do_seed": c.seed * 1000003 + 29,
+               "call": "backward_h200.sdpa_flash (F.scaled_dot_product_attention under SDPBackend.FLASH_ATTENTION, "
+                       "K and V repeat_interleave'd, is_causal, default scale)",
+               "lse_source": "grad_fn._saved_logsumexp" if run["lse"] is not None else "aten op",
+               "repeat_differing": _equal_counts(run, again, names)}
+        ke, ve = (x.repeat_interleave(rep, 1).contiguous() for x in (run["k"], run["v"]))
+        o, lse, dq, dk_h, dv_h = _sdpa_fwd_bwd(run["q"], ke, ve, run["do"], c.causal, scale, dry)
+        aten = {"o": o, "lse": lse.float(), "dq": dq, "dk_heads": dk_h, "dv_heads": dv_h}
+        if run["lse"] is None:
+            run["lse"] = aten["lse"]
+        row["aten_differing"] = _equal_counts({**run, "lse": run["lse"].float()}, aten,
+                                              ("o", "lse", "dq", "dk_heads", "dv_heads"))
+        if not dry:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            try:
+                qg, kg, vg = (x.clone().requires_grad_(True) for x in (run["q"], run["k"], run["v"]))
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    og = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=c.causal,
+                                                                          enable_gqa=True)
+                    og.backward(run["do"])
+                row["enable_gqa_differing"] = _equal_counts(run, {"o": og.detach(), "dq": qg.grad, "dk": kg.grad,
+                                                                  "dv": vg.grad}, ("o", "dq", "dk", "dv"))
+            except Exception as exc:  # noqa: BLE001 - torch refuses enable_gqa on the flash kernel in some releases
+                row["enable_gqa_differing"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        run["lse"] = run["lse"].float()
+        for part, keys in (("fwd", ("q", "k", "v", "do", "o", "lse")),
+                           ("grad", ("dq", "dk", "dv", "dk_heads", "dv_heads"))):
+            fname = f"sdpa_gqa_{c.name}_{part}.safetensors"
+            files[fname] = write(out, fname, {f"{c.name}/{n}": bits16(run[n]) for n in keys},
+                                 {"kind": "sdpa-backward-gqa", "inputs": INPUTS,
+                                  "layout": "[B, H, S, D] BF16 (k, v, dk, dv at the KV heads; dk_heads, dv_heads "
+                                            "per query head), lse float32 [B, H, S]"})
+        info[c.name] = row
+        log(f"sdpa-gqa {c.name}: lse from {row['lse_source']}, repeat {row['repeat_differing']}, "
+            f"aten {row['aten_differing']}, enable_gqa {row.get('enable_gqa_differing')}")
+    meta["sdpa-gqa"] = {"cases": info, "files": files}
+
+
 # ----------------------------------------------------------------------------- provenance
 
 
@@ -866,7 +936,8 @@ def main(argv=None) -> int:
     meta = {"kernel": "dry" if a.dry else "device", "machine": machine(a.dry), "timings": {}, "errors": {},
             "command": " ".join(sys.argv)}
     fns = {"cudnn": part_cudnn, "torchao": part_torchao, "sdpa": part_sdpa, "cudnn-more": part_cudnn_more,
-           "sdpa-more": part_sdpa_more, "cudnn-gqa": part_cudnn_gqa, "cudnn-tie": part_cudnn_tie}
+           "sdpa-more": part_sdpa_more, "cudnn-gqa": part_cudnn_gqa, "cudnn-tie": part_cudnn_tie,
+           "sdpa-gqa": part_sdpa_gqa}
 
     def save_meta():
         from fa3_numerics.files import atomic_write
