@@ -14,6 +14,7 @@
 #   cudnnval   field_holdout.sh's cuDNN part (validate --backend cudnn-fp8 --grid small)
 #   dumpfield  tools/device/dump_field.py --parts $DUMP_PARTS (default cudnn-more)
 #   val        fa3-numerics validate for each BACKEND:GRID in VAL (fp22: the presets' accumulator; VAL_S seconds each)
+#   valb       fa3-numerics validate --backward for each BACKEND:GRID in VALB (VALB_MAXN: --max-seqlen; VALB_S seconds each)
 #   sdpa       backward_h200.py --checks sdpa per case of SDPA_CASES (N:H:HKV:D:CAUSAL:SEED)
 #   mufu       tools/device/mufu_probe.py (exact outputs of ex2/lg2.approx for bit-exact CPU models)
 # Device tool, from the checkout's root, e.g.
@@ -88,6 +89,16 @@ EOF
         timeout "${VAL_S:-150}" python3 -m fa3_numerics.cli validate --backend "$b" --device cuda "${args[@]}" \
           --format md --out "$W/val/$b-$g" 2>&1 | grep -v "^\s*$" | tail -n 40
         echo "[batch] val $b $g exit ${PIPESTATUS[0]}"
+      done ;;
+    valb)  # VALB="BACKEND:GRID ..." validate --backward (GRID small, stress, or captured: .capture/smollm2-grads.safetensors,
+      # the capture's own dO); VALB_MAXN: --max-seqlen; VALB_S seconds each
+      for bg in ${VALB:-cudnn-fp8:small}; do
+        b=${bg%%:*}; g=${bg#*:}
+        if [ "$g" = captured ]; then args=(--dist "captured:.capture/smollm2-grads.safetensors"); else args=(--grid "$g"); fi
+        [ -n "${VALB_MAXN:-}" ] && args+=(--max-seqlen "$VALB_MAXN")
+        timeout "${VALB_S:-150}" python3 -m fa3_numerics.cli validate --backward --backend "$b" --device cuda "${args[@]}" \
+          --format md --out "$W/valb/$b-$g" 2>&1 | grep -v "^\s*$" | tail -n 40
+        echo "[batch] valb $b $g exit ${PIPESTATUS[0]}"
       done ;;
     sdpa)  # SDPA_CASES="N:H:HKV:D:CAUSAL(0|1):SEED ...": backward_h200.py's SDPA check against sdpa-flash-bf16
       for c in ${SDPA_CASES:-2048:8:8:128:0:4}; do
