@@ -232,8 +232,13 @@ def _bwd_recipe(do_fmt="e4m3", grad="e4m3", **kw):
 
 def test_backends_lists_which_compute_gradients():
     rows = {r["name"]: r for r in backend_table("cpu")}
-    assert rows["cudnn-fp8"]["backward"] and rows["emulate"]["backward"]
-    assert not rows["fa3"]["backward"] and not rows["sdpa-flash"]["backward"]
+    assert rows["cudnn-fp8"]["backward"] and rows["emulate"]["backward"] and rows["sdpa-flash"]["backward"]
+    assert not rows["fa3"]["backward"] and not rows["sdpa-math"]["backward"]
+    # sdpa-flash's backward runs every bwd.* product in its input format, nothing else
+    flash = get_backend("sdpa-flash")
+    assert flash.backward_supports(get_recipe("sdpa-flash-bf16").recipe) is None
+    fp8_bwd = dataclasses.replace(get_recipe("sdpa-flash-bf16").recipe, bwd_ds="e5m2", bwd_dq="e5m2")
+    assert "bwd.* formats" in flash.backward_supports(fp8_bwd)
     assert "forward only" in backward_refusal(get_backend("fa3"), get_recipe("fa3-fp8-bwd-bf16").recipe)
 
 
