@@ -161,4 +161,7 @@ KINDS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_every_kind_passes_the_cf_check(kind, tmp_path):
+    # skip before the re-write: rewriting the committed ablation dataset alone takes ~140 s, all wasted
+    # on a machine without the checker (the README's test command installs none)
+    pytest.importorskip("compliance_checker.runner", reason="compliance-checker is not installed (pip install -e '.[dev]')")
     assert _checker_errors(_reread(KINDS[kind], tmp_path)) == []
