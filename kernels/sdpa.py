@@ -140,8 +140,9 @@ class SdpaFlash(SdpaBackend):
 
     def gradients(self, recipe, q, k, v, do, *, causal, rotation_seed, cache, softmax_scale=None):
         """O, dQ, dK, dV as SDPA users get them (the public call, K and V repeated per query head for
-        GQA and autograd summing their gradients), and the forward's LSE from the aten op the public
-        call dispatches to (natural log, float32), kept only where its O is the public call's."""
+        GQA and autograd summing their gradients), and the LSE the backward read (natural log, float32):
+        the one autograd saved, else the aten op the public call dispatches to, kept only where its O is
+        the public call's."""
         from torch.nn.attention import sdpa_kernel
 
         why = self.backward_supports(recipe)
@@ -157,6 +158,8 @@ class SdpaFlash(SdpaBackend):
             ke, ve = (kb.repeat_interleave(g, 1), vb.repeat_interleave(g, 1)) if g > 1 else (kb, vb)
             try:
                 o = torch.nn.functional.scaled_dot_product_attention(qb, ke, ve, is_causal=causal, scale=scale)
+                lse = getattr(o.grad_fn, "_saved_logsumexp", None)
+                lse = None if lse is None else lse.detach().to(torch.float32)
                 o.backward(do.to(dt))
             except RuntimeError as exc:
                 from fa3_numerics.errors import KernelDeclined
@@ -164,15 +167,15 @@ class SdpaFlash(SdpaBackend):
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
                 raise KernelDeclined(f"SDPA's flash kernel declines [B {q.shape[0]}, H {q.shape[1]}/{k.shape[1]}, "
                                      f"N {q.shape[2]}, D {q.shape[3]}] ({first})") from None
-            lse = None
-            try:
-                with torch.no_grad():
-                    fwd = torch.ops.aten._scaled_dot_product_flash_attention(
-                        qb.detach(), ke.detach(), ve.detach(), 0.0, causal, False, scale=scale)
-                if torch.equal(fwd[0], o.detach()):
-                    lse = fwd[1].to(torch.float32)
-            except (RuntimeError, TypeError, AttributeError):  # another torch's aten signature: no LSE
-                lse = None
+            if lse is None:  # a torch whose autograd node does not expose it: one more forward, the aten op's
+                try:
+                    with torch.no_grad():
+                        fwd = torch.ops.aten._scaled_dot_product_flash_attention(
+                            qb.detach(), ke.detach(), ve.detach(), 0.0, causal, False, scale=scale)
+                    if torch.equal(fwd[0], o.detach()):
+                        lse = fwd[1].to(torch.float32)
+                except (RuntimeError, TypeError, AttributeError):  # another torch's aten signature: no LSE
+                    lse = None
         return {"o": o.detach().to(torch.float64), "dq": qb.grad.to(torch.float64), "dk": kb.grad.to(torch.float64),
                 "dv": vb.grad.to(torch.float64), "lse": lse}
 

@@ -280,12 +280,21 @@ def skips(cases: list[Case], backend=None) -> list[str]:
     ``validation_skip(case)``), or the same recipe and inputs as an earlier case (another
     kernel's recipe may ignore what tells two FA3 cases apart, e.g. the descale granularity)."""
     own = getattr(backend, "validation_skip", None)
+    if own is None:
+        return [""] * len(cases)
+    return repeats(cases, [own(c) for c in cases], lambda c: case_recipe(c, backend=backend))
+
+
+def repeats(cases: list[Case], whys: list, recipe_of: Callable, ignore=("gran", "dtype")) -> list[str]:
+    """``whys`` (None or "" = the case runs) with each case that runs the same recipe (``recipe_of``) on
+    the same inputs as an earlier running case marked as its repeat. The fields in ``ignore`` are set to
+    their defaults before cases are compared: the granularity and dtype tell two cases apart only through
+    the recipe (and, for a backward, which rows are compared does not matter: it runs them all)."""
     seen: dict = {}
     out = []
-    for c in cases:
-        why = own(c) if own is not None else None
-        if why is None and own is not None:
-            key = (case_recipe(c, backend=backend), dataclasses.replace(c, gran="head", dtype="fp8"))
+    for c, why in zip(cases, whys):
+        if not why:
+            key = (recipe_of(c), dataclasses.replace(c, **{f: getattr(_BASE, f) for f in ignore}))
             if key in seen:
                 why = f"same recipe and inputs as case {seen[key]} on this kernel"
             seen.setdefault(key, c.name)
@@ -531,5 +540,5 @@ class ValidationStudy(StoredFindings, Study):
         return findings(ds)
 
 
-__all__ = ["ValidationStudy", "Case", "GRIDS", "grid", "case_recipe", "with_dist", "captured_cases", "skips", "tasks",
+__all__ = ["ValidationStudy", "Case", "GRIDS", "grid", "case_recipe", "with_dist", "captured_cases", "skips", "repeats", "tasks",
            "run_validation", "accumulator_ranking", "findings", "F_LIMIT", "F_AIM"]

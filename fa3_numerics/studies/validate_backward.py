@@ -37,7 +37,7 @@ import numpy as np
 from ..engine.study import Study, StudyContext
 from ..errors import KernelDeclined, UsageError, require
 from .stored import StoredFindings
-from .validate import F_AIM, F_LIMIT, Case
+from .validate import F_AIM, F_LIMIT, Case, repeats
 
 MODES = {"kernel-fwd": "the emulated backward from the kernel's own O and LSE",
          "end-to-end": "the emulator's own forward, then its backward"}
@@ -60,8 +60,7 @@ def backward_skips(cases: list[Case], backend, max_seqlen: int = 0) -> list[str]
     """Per case, why it is not run ("" = it runs): a rotation, a length past ``max_seqlen``, the
     backend's ``validation_backward_skip``, or the same recipe and inputs as an earlier case."""
     own = getattr(backend, "validation_backward_skip", None)
-    seen: dict = {}
-    out = []
+    whys = []
     for c in cases:
         why = None
         if c.rot != "none":
@@ -70,13 +69,8 @@ def backward_skips(cases: list[Case], backend, max_seqlen: int = 0) -> list[str]
             why = f"seqlen {c.seqlen} > --max-seqlen {max_seqlen} (the backward runs every query row)"
         elif own is not None:
             why = own(c)
-        if why is None:
-            key = (backward_recipe(c, backend), dataclasses.replace(c, gran="head", dtype="fp8", rows=0))
-            if key in seen:
-                why = f"same recipe and inputs as case {seen[key]} on this kernel"
-            seen.setdefault(key, c.name)
-        out.append(why or "")
-    return out
+        whys.append(why)
+    return repeats(cases, whys, lambda c: backward_recipe(c, backend), ignore=("gran", "dtype", "rows"))
 
 
 def _per_sample(emu, ker, ref) -> np.ndarray:
@@ -108,15 +102,17 @@ def _case(c: Case, backend, device: str) -> dict:
     on = (lambda t: t.to(device)) if device != "cpu" else (lambda t: t)  # noqa: E731
     qd, kd, vd, dod = on(q), on(k), on(v), on(do)
     t0 = time.perf_counter()
+    cache: dict = {}  # prepare's quantized inputs, shared by the kernel's path and the emulator's
     ker = backend.gradients(r, qd, kd, vd, dod, causal=c.causal, softmax_scale=scale, rotation_seed=c.seed,
-                            cache={})
+                            cache=cache)
     t_kernel = time.perf_counter() - t0
     emus = {}
     if ker.get("lse") is not None:
         fwd = Forward(ker["o"].to(torch.float64), ker["lse"].to(torch.float32))
         gr = backward_from(r, qd, kd, vd, fwd, dod, causal=c.causal, softmax_scale=scale, rotation_seed=c.seed)
         emus["kernel-fwd"] = {"o": ker["o"], "dq": gr.dq, "dk": gr.dk, "dv": gr.dv}
-    gr = emulate_backward(r, qd, kd, vd, dod, causal=c.causal, softmax_scale=scale, rotation_seed=c.seed, cache={})
+    gr = emulate_backward(r, qd, kd, vd, dod, causal=c.causal, softmax_scale=scale, rotation_seed=c.seed,
+                          cache=cache)
     emus["end-to-end"] = {"o": gr.forward.o, "dq": gr.dq, "dk": gr.dk, "dv": gr.dv}
     nm, ng, ns = len(MODES), len(GRADS), c.batch * c.heads
     out = {k: np.full((nm, ng), np.nan) for k in ("fidelity", "identical", "rmse_emulator", "nonfinite_emulator")}
