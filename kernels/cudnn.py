@@ -391,6 +391,11 @@ class CudnnFp8Backend(Backend):
                              f"N {n}, D {d}] ({type(exc).__name__}: {first})") from None
         sc = res["scalars"]
         type(self).last_backward = {"scalars": sc, "amax": res["amax"]}
+        if n % RAGGED_DQ_MULTIPLE and self.graphs is None:
+            import warnings
+
+            # the user gets what the kernel computes (that is what a run measures), told that it is a defect
+            warnings.warn(ragged_dq_defect(n), RuntimeWarning, stacklevel=2)
         # lse: the Stats the backward read (natural-log LSE), so an emulated backward can start from the
         # kernel's own forward (validate --backward's kernel-fwd mode)
         return {"o": decode(res["o_raw"], sc["scale_o"]), "dq": decode(res["dq_raw"], sc["scale_dQ"]),
@@ -408,6 +413,8 @@ class CudnnFp8Backend(Backend):
     def validation_backward_skip(self, case) -> str | None:
         if case.head_dim % 16:
             return f"head dim {case.head_dim}: cuDNN's FP8 attention needs a multiple of 16"
+        if case.seqlen % RAGGED_DQ_MULTIPLE:
+            return ragged_dq_defect(case.seqlen)
         return None
 
     @staticmethod
@@ -550,6 +557,21 @@ def _f32(x: float) -> float:
 
 def _one(x: float, dev) -> torch.Tensor:
     return torch.tensor(float(x), dtype=torch.float32, device=dev).reshape(1, 1, 1, 1)
+
+
+# Measured on the H200 (cuDNN 9.19, cudnn-frontend 1.32; tools/device/dump_backward_case.py, reports/h200/backward/
+# README.md): at seqlen 333, 1000 (causal or not) and 4097 sdpa_fp8_backward writes 0 into dQ's columns 16-31,
+# 48-63, 80-95 and 112-127 of the last rows (330-332 of 333; 992-999 of 1000; more rows in another call on the
+# same inputs), every head, while every other dQ value and all of dK and dV equal the cudnn-fp8-kernel preset's
+# bit for bit. Every length tried that is a multiple of 128 (512 to 16384) is clean; lengths that are multiples
+# of 64 only were not tried, hence the conservative 128.
+RAGGED_DQ_MULTIPLE = 128
+
+
+def ragged_dq_defect(n: int) -> str:
+    return (f"seqlen {n} is not a multiple of {RAGGED_DQ_MULTIPLE}: cuDNN 9.19's sdpa_fp8_backward zeroes half of dQ's "
+            "columns in the last rows there (a kernel defect, measured; the emulator models the kernel, not the defect); "
+            f"pad the sequence to a multiple of {RAGGED_DQ_MULTIPLE}")
 
 
 def fp8_fwd_bwd(ins: dict, causal: bool, scale: float, do_fmt: str, grad_fmt: str, graphs=None) -> dict:

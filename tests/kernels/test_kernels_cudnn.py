@@ -415,3 +415,16 @@ def test_forward_graphs_take_cudnns_documented_operands(monkeypatch, train):
     assert t["o"].attrs["data_type"] == "e4m3" and t["o"].attrs["dim"] == [1, 4, 64, 128]
     if train:
         assert t["stats"].attrs["dim"] == [1, 4, 64, 1] and t["stats"].attrs["data_type"] == "f32"
+
+
+def test_validation_backward_skips_the_lengths_of_the_ragged_dq_defect():
+    # the H200 dump: dQ's last rows half zero at n 333 / 1000 / 4097, clean at multiples of 128
+    from fa3_numerics.kernels.cudnn import RAGGED_DQ_MULTIPLE
+
+    be = get_backend("cudnn-fp8")
+    by = {c.name: c for c in grid("small")}
+    ragged = by["fp8-n1000-d128-h8-causal-p0.001s10-head"]
+    why = be.validation_backward_skip(ragged)
+    assert why is not None and "seqlen 1000" in why and f"multiple of {RAGGED_DQ_MULTIPLE}" in why
+    assert be.validation_backward_skip(by["fp8-n2048-d128-h8-causal-p0.001s10-head"]) is None
+    assert be.validation_backward_skip(dataclasses.replace(ragged, seqlen=1024)) is None
