@@ -221,6 +221,23 @@ def flash_fa2(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float, st
     lse_all = torch.stack(lse_parts)  # [S, B, H, R]
     m = lse_all.amax(dim=0)
     m = torch.where(m == -math.inf, torch.zeros_like(m), m)
+    from . import sfu
+
+    if torch_math and sfu.wanted(recipe):
+        # the combine kernel's own expf/logf: libdevice's accurate ones (torch builds FA2 without
+        # fast-math), whose ex2.approx is the H200's; its O update is one FFMA per split
+        from .libdevice import expf, fma32, logf
+
+        total = _butterfly_sum([expf((x - m).to(f32)) for x in lse_all])
+        bad = (total == 0) | torch.isnan(total)
+        lse = torch.where(bad, torch.full_like(total, math.inf),
+                          (logf(torch.where(bad, torch.ones_like(total), total)) + m).to(f32))
+        out = torch.zeros_like(o_parts[0])
+        for x, o_s in zip(lse_all, o_parts):
+            out = fma32(expf((x - lse).to(f32)).unsqueeze(-1), o_s, out)
+        if stats is not None:
+            stats["lse"] = lse
+        return write_out(out, recipe)
     if torch_math:
         total = _butterfly_sum([torch.exp((x - m).double()).to(f32) for x in lse_all])
     else:

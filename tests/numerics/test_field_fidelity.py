@@ -173,3 +173,35 @@ def test_sdpa_flash_torch_math_on_three_splits_and_one_dS_flip():
     assert torch.nextafter(g.forward.lse[0, 0, 759], torch.tensor(float("inf"))) == t["lse"][0, 0, 759]
     assert max(rz["F"]["dq"], rz["F"]["dk"]) > 0.05  # the flip, as measured
     assert got["g"].forward.lse[0, 0, 759] == t["lse"][0, 0, 759]
+
+
+FIX_GQA = Path(__file__).resolve().parents[1] / "fixtures" / "field_h200_sdpa_gqa_n1536.safetensors"
+
+
+def test_sdpa_flash_split_combine_is_libdevice_expf_logf(monkeypatch):
+    # part sdpa-gqa's causal GQA 8/2 n 1536 d 64 forward, cut to query heads 6-7, rows 768-1023 and keys
+    # 0-1023 (tools/fit_field.py fixture-sdpa-gqa: the same split tiles, one 256-key tile per split).
+    # FA2's combine calls libdevice's accurate expf and logf (numerics/libdevice.py, its ex2 the H200's):
+    # with them every LSE row and O value of the cut is the kernel's; with correctly rounded exp/log and
+    # a float64-summed FFMA (the model before) 20 LSE rows and 5 O values are not.
+    from fa3_numerics.numerics import libdevice
+
+    groups, info = read_grouped(FIX_GQA)
+    (name, t), = groups.items()
+    meta = info[name]
+    assert meta["case"]["causal"] and meta["splits_in_cut"] == 4 and meta["splits_in_dump"] == 6
+    q, k, v = (t[x].double() for x in "qkv")
+    r = get_recipe("sdpa-flash-bf16").recipe
+
+    def run():
+        st: dict = {}
+        o = emulate(r, q, k, v, causal=True, stats=st)
+        return int((st["lse"].float() != t["lse"]).sum()), int((o.double() != t["o"].double()).sum())
+
+    assert run() == (0, 0)
+    f32 = torch.float32
+    monkeypatch.setattr(libdevice, "expf", lambda x: torch.exp(x.double()).to(f32))
+    monkeypatch.setattr(libdevice, "logf", lambda x: torch.log(x.double()).to(f32))
+    monkeypatch.setattr(libdevice, "fma32", lambda a, b, c: (a.double() * b.double() + c.double()).to(f32))
+    lse_miss, o_miss = run()
+    assert lse_miss >= 10 and o_miss >= 1, (lse_miss, o_miss)  # 20 and 5
