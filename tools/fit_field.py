@@ -1,6 +1,6 @@
 """Fit the arithmetic of the field's kernels from the dumps of ``tools/device/dump_field.py`` (CPU).
 
-    python tools/fit_field.py DUMPS cudnn|cudnn-tie|torchao|sdpa|sdpa-gqa|fixture|fixture-sdpa|fixture-sdpa-gqa|fixture-tie [--rows N] [--models a,b]
+    python tools/fit_field.py DUMPS cudnn|cudnn-tie|torchao|sdpa|sdpa-gqa|fixture|fixture-sdpa|fixture-sdpa-gqa|fixture-sdpa-rescale|fixture-tie [--rows N] [--models a,b]
 
 ``cudnn-tie`` (part cudnn-tie's constructed one-key rows): per run and scale_o, the model's O codes on the
 probe rows against the kernel's, and for each row that differs where its O sits from the E4M3 tie.
@@ -727,6 +727,65 @@ def write_fixture_sdpa_gqa(a) -> int:
     return 0
 
 
+# part sdpa-gqa's non-causal n 1024 d 128 case (2 splits of 4 KV tiles: the rescale path): KV head 1, and of its
+# query heads 4-7 the rows where the row sum's rescale as a separate multiply (not nvcc's FFMA) misses the
+# kernel's LSE or O, plus as many rows that both models get right; non-causal rows are independent, so the
+# rows stack as one head against the whole K, V (the test keeps the dump's split count)
+FIXTURE_SDPA_RESCALE = ("b_n1024_d128_gqa8x2_s2", 1)
+
+
+def write_fixture_sdpa_rescale(a) -> int:
+    """tests/fixtures/field_h200_sdpa_gqa_n1024_rows.safetensors (FIXTURE_SDPA_RESCALE): the rows' Q, O and LSE
+    as one head [1, 1, R, D], the KV head's K and V, the rows' (query head, row) and the case in the header."""
+    import contextlib
+    from unittest import mock
+
+    from safetensors.torch import save_file
+
+    from fa3_numerics.numerics import fa2_loop
+    from fa3_numerics.numerics.backward import run_forward
+    from fa3_numerics.numerics.emulator import _quad_row_sum
+    from fa3_numerics.numerics.recipe import Recipe
+
+    name, kh = FIXTURE_SDPA_RESCALE
+    meta, t = next((m, t) for m, t in sdpa_gqa_cases(a.dumps) if m["case"]["name"] == name)
+    c = meta["case"]
+    rep = c["heads"] // c["kv_heads"]
+    hs = list(range(kh * rep, (kh + 1) * rep))
+    splits = fa2_loop.fa2_num_splits(batch=c["batch"], heads=c["heads"], seqlen_q=c["seqlen"], seqlen_k=c["seqlen"],
+                                     head_dim=c["head_dim"])
+    q, k, v = (t[x].double() for x in "qkv")
+    r = Recipe.from_str("sdpa-flash-bf16")
+    miss = []
+    with mock.patch.object(fa2_loop, "fa2_num_splits", lambda **kw: splits):
+        for sep in (False, True):
+            ctx = (mock.patch.object(fa2_loop, "_rescaled_row_sum", lambda rs4, al, p: _quad_row_sum(rs4 * al, p))
+                   if sep else contextlib.nullcontext())
+            with ctx:
+                fw = run_forward(r, q[:, hs], k[:, kh:kh + 1], v[:, kh:kh + 1], causal=False)
+            miss.append(((fw.lse.float() != t["lse"][:, hs]) | (fw.o.double() != t["o"][:, hs].double()).any(-1))[0])
+    bad = miss[1] & ~miss[0]
+    good = ~miss[0] & ~miss[1]
+    n_bad = int(bad.sum())
+    keep = bad.clone()
+    keep.view(-1)[good.view(-1).nonzero().view(-1)[:n_bad]] = True  # as many rows both models match
+    hr = keep.nonzero().tolist()  # (query head index within hs, row)
+    hi = torch.tensor([hs[i] for i, _ in hr])
+    ri = torch.tensor([j for _, j in hr])
+    out = {f"{name}/q": t["q"][0, hi, ri][None, None], f"{name}/o": t["o"][0, hi, ri][None, None],
+           f"{name}/lse": t["lse"][0, hi, ri][None, None], f"{name}/k": t["k"][:, kh:kh + 1],
+           f"{name}/v": t["v"][:, kh:kh + 1]}
+    out = {key: x.contiguous() for key, x in out.items()}
+    info = {"source": "tools/device/dump_field.py --parts sdpa-gqa on an H200 (reports/h200/backward/README.md)",
+            name: {**meta, "kv_head_kept": kh, "rows_kept": [[hs[i], j] for i, j in hr], "splits_in_dump": splits,
+                   "rows_the_separate_multiply_misses": n_bad, "rows_the_ffma_misses": int(miss[0].sum())}}
+    out_path = a.out if a.out != DEFAULT_FIXTURE else Path("tests/fixtures/field_h200_sdpa_gqa_n1024_rows.safetensors")
+    save_file(out, str(out_path), metadata={"info": json.dumps(info)})
+    print(f"wrote {out_path} ({out_path.stat().st_size / 2**10:.0f} KiB): {len(hr)} rows, {n_bad} missed by the "
+          f"separate multiply, {int(miss[0].sum())} by the FFMA")
+    return 0
+
+
 # (run, head) of part cudnn-tie kept as a test fixture, and its rows: margins of 32 log2 units and more
 # (the distractors' P~ below l's last bit), every level and spread. ln2: the offset lg2.approx(scale_s)
 # decides levels 0 and 3 from 26 and 52; rsqrtd: the unfused S' - (m' - L) and scale_o folded into
@@ -781,7 +840,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dumps", type=Path)
     ap.add_argument("part", choices=("cudnn", "cudnn-tie", "torchao", "sdpa", "sdpa-gqa", "fixture", "fixture-sdpa",
-                                     "fixture-sdpa-gqa", "fixture-tie", "fixture-tie-sum"))
+                                     "fixture-sdpa-gqa", "fixture-sdpa-rescale", "fixture-tie", "fixture-tie-sum"))
     ap.add_argument("--out", type=Path, default=DEFAULT_FIXTURE)
     ap.add_argument("--models", default="")
     ap.add_argument("--rows", type=int, default=0)
@@ -793,7 +852,7 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     return {"cudnn": run_cudnn, "cudnn-tie": run_cudnn_tie, "torchao": run_torchao, "sdpa": run_sdpa,
             "sdpa-gqa": run_sdpa_gqa, "fixture": write_fixture, "fixture-sdpa": write_fixture_sdpa,
-            "fixture-sdpa-gqa": write_fixture_sdpa_gqa,
+            "fixture-sdpa-gqa": write_fixture_sdpa_gqa, "fixture-sdpa-rescale": write_fixture_sdpa_rescale,
             "fixture-tie": write_fixture_tie,
             "fixture-tie-sum": lambda a: write_fixture_tie(a, FIXTURE_TIE_SUM, FIXTURE_TIE_SUM_MARGINS)}[a.part](a)
 

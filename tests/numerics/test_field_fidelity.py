@@ -205,3 +205,38 @@ def test_sdpa_flash_split_combine_is_libdevice_expf_logf(monkeypatch):
     monkeypatch.setattr(libdevice, "fma32", lambda a, b, c: (a.double() * b.double() + c.double()).to(f32))
     lse_miss, o_miss = run()
     assert lse_miss >= 10 and o_miss >= 1, (lse_miss, o_miss)  # 20 and 5
+
+
+FIX_RESCALE = Path(__file__).resolve().parents[1] / "fixtures" / "field_h200_sdpa_gqa_n1024_rows.safetensors"
+
+
+def test_sdpa_flash_rescaled_row_sum_is_one_ffma(monkeypatch):
+    # part sdpa-gqa's non-causal GQA 8/2 n 1024 d 128 forward: 2 splits of 4 KV tiles each, so rows whose max
+    # moves rescale their row sum. nvcc contracts softmax_rescale_o's `row_sum *= scale` with reduce_sum's
+    # first `+ P~` into one FFMA (fa2_loop._rescaled_row_sum). The fixture holds the rows of KV head 1 where
+    # the separate multiply misses the kernel's LSE or O (tools/fit_field.py fixture-sdpa-rescale) and as
+    # many where neither model does, stacked as one head against the whole K and V (rows of a non-causal pass
+    # are independent); the split count is the dump's (8 heads), not the cut's.
+    from fa3_numerics.numerics import fa2_loop
+    from fa3_numerics.numerics.emulator import _quad_row_sum
+
+    groups, info = read_grouped(FIX_RESCALE)
+    (name, t), = groups.items()
+    meta = info[name]
+    c = meta["case"]
+    splits = fa2_loop.fa2_num_splits(batch=c["batch"], heads=c["heads"], seqlen_q=c["seqlen"], seqlen_k=c["seqlen"],
+                                     head_dim=c["head_dim"])
+    assert splits == meta["splits_in_dump"] == 2 and not c["causal"]
+    monkeypatch.setattr(fa2_loop, "fa2_num_splits", lambda **kw: splits)
+    q, k, v = (t[x].double() for x in "qkv")
+    r = get_recipe("sdpa-flash-bf16").recipe
+
+    def misses():
+        st: dict = {}
+        o = emulate(r, q, k, v, causal=False, stats=st)
+        return ((st["lse"].float() != t["lse"]) | (o.double() != t["o"].double()).any(-1)).sum().item()
+
+    assert misses() == 0
+    monkeypatch.setattr(fa2_loop, "_rescaled_row_sum", lambda rs4, alpha, p: _quad_row_sum(rs4 * alpha, p))
+    n_sep = misses()
+    assert n_sep == meta["rows_the_separate_multiply_misses"] and n_sep >= 0.4 * q.shape[2]  # 71 of 142
