@@ -25,8 +25,11 @@ source:
 - backward tiles (flash_bwd_launch_template.h, >= 144 KB shared memory per block): 128 x 128 at 64,
   64 x 128 at 96 and 128, 64 x 64 at 192 and 256.
 
-Modelling choices, stated: the combine's exp and log are correctly rounded float32 (the kernel's
-``expf``/``logf`` are within a few ulp); the split count assumes an H200's 132 SMs.
+Modelling choices, stated: under ``fa2math=torch`` with ``sfu=h200`` the combine's exp and log are
+libdevice's accurate ``expf``/``logf`` bit for bit (``numerics/libdevice.py``: torch builds FA2 without
+fast-math, so the combine kernel's ``expf``/``logf`` are not the ``__expf``/``__logf`` intrinsics; their ex2 is
+the H200's) and its O update one exact FFMA per split; otherwise they are correctly rounded float32 (the
+kernel's are within 2 ulp). The split count assumes an H200's 132 SMs.
 
 ``fa2math=torch`` (``keys/fa2math.py``) is the arithmetic of torch's build of FA2, which the default
 (FA3's tile step) differs from in four places, each found on the H200 dumps (reports/h200/backward/):
@@ -42,7 +45,12 @@ Modelling choices, stated: the combine's exp and log are correctly rounded float
   zero (rows that only the first split sees, whose LSE is the split kernel's own: 83% identical
   with a correctly rounded log, 90% with this);
 - the combine's sum of exp(lse_s - max) is an ``Allreduce`` over kMaxSplits lanes (the split count
-  rounded up to a power of two, one split per lane): a butterfly, xor kMaxSplits/2 first.
+  rounded up to a power of two, one split per lane): a butterfly, xor kMaxSplits/2 first;
+- the rescale of a KV tile after the first: nvcc contracts softmax_rescale_o's ``row_sum *= scale``
+  with reduce_sum's first ``row_sum + P~`` (each thread's column 2t of the tile) into one FFMA
+  (``_rescaled_row_sum``; default -fmad=true); O's rescale stays a multiply. On the n 1024 d 128 GQA
+  dump (2 splits of 4 KV tiles) the separate multiply missed 1.6% of the LSE rows, every one a row
+  whose max moved; with the FFMA none.
 """
 
 from __future__ import annotations

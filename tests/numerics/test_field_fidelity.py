@@ -155,12 +155,14 @@ def test_sdpa_flash_torch_math_on_three_splits_and_one_dS_flip():
                      "F": {nm: _fid(x, t[nm], ref[nm]) for nm, x in out.items()},
                      "differing": {nm: int((x != t[nm].double()).sum()) for nm, x in out.items()}}
     got, rz, ctl = res["got"], res["rz"], res["ctl"]
-    assert got["lse"] >= 0.97 and rz["lse"] <= 0.9 and ctl["lse"] <= 0.8  # 97.8%, 87.9%, 75.3%
-    assert got["F"]["o"] <= 0.002 < ctl["F"]["o"]  # 0.0007 against 0.0042
-    for nm in ("dq", "dk", "dv"):  # dQ 8 / 65 / 103, dK 6 / 59 / 126, dV 11 / 16 / 62 of 98,304
+    # with the combine's libdevice expf/logf (sfu=h200 only) every LSE row and O value is the kernel's
+    # (97.8% and 4 O values before them), against 87.9% and 75.3% of the LSE for the controls
+    assert got["lse"] == 1.0 and rz["lse"] <= 0.9 and ctl["lse"] <= 0.8
+    assert got["differing"]["o"] == 0 and got["F"]["o"] == 0 < ctl["F"]["o"]  # ctl 0.0042
+    for nm in ("dq", "dk", "dv"):  # dQ 3 / 65 / 103, dK 0 / 59 / 126, dV 0 / 16 / 62 of 98,304
         assert got["differing"][nm] < rz["differing"][nm] < ctl["differing"][nm], (nm, got, rz, ctl)
     assert got["differing"]["dq"] + got["differing"]["dk"] < 0.2 * (rz["differing"]["dq"] + rz["differing"]["dk"])
-    # end to end within the bar on every output (0.0007, 0.0003, 0.0011, 0.0031)
+    # end to end within the bar on every output (0, 0.0001, 0, 0; dQ's 3 values: the kernel's atomicAdd order is not modelled)
     assert max(got["F"].values()) <= 0.01, got["F"]
     # the stand-ins' flip, which the measured instructions remove: dQ's error is row 759 of head 0,
     # dK's the row of its dominant key, and row 759's LSE one float32 ulp below the kernel's
