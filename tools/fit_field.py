@@ -1,6 +1,6 @@
 """Fit the arithmetic of the field's kernels from the dumps of ``tools/device/dump_field.py`` (CPU).
 
-    python tools/fit_field.py DUMPS cudnn|cudnn-tie|torchao|sdpa|fixture|fixture-sdpa|fixture-tie [--rows N] [--models a,b]
+    python tools/fit_field.py DUMPS cudnn|cudnn-tie|torchao|sdpa|sdpa-gqa|fixture|fixture-sdpa|fixture-sdpa-gqa|fixture-sdpa-rescale|fixture-tie [--rows N] [--models a,b]
 
 ``cudnn-tie`` (part cudnn-tie's constructed one-key rows): per run and scale_o, the model's O codes on the
 probe rows against the kernel's, and for each row that differs where its O sits from the E4M3 tie.
@@ -573,6 +573,52 @@ def run_sdpa(a) -> int:
     return 0
 
 
+def sdpa_gqa_cases(folder: Path) -> list[tuple[dict, dict]]:
+    """[(metadata, {name: tensor})] of part sdpa-gqa's cases in the folder (each case's _fwd and _grad
+    files merged: inputs, O, LSE, dQ, dK, dV and the per-query-head dK/dV)."""
+    from fa3_numerics.data.dumps import read_grouped
+
+    out = []
+    for f in sorted(folder.glob("dump_field*.json")):
+        for name, meta in json.loads(f.read_text()).get("sdpa-gqa", {}).get("cases", {}).items():
+            t: dict = {}
+            for part in ("fwd", "grad"):
+                t.update(read_grouped(folder / f"sdpa_gqa_{name}_{part}.safetensors")[0][name])
+            out.append((meta, t))
+    return out
+
+
+def run_sdpa_gqa(a) -> int:
+    """Part sdpa-gqa's cases end to end (the recipe's own forward, then its backward from that forward's
+    O and LSE) for each of --models (default the sdpa-flash-bf16 preset): per output F, identical share
+    and the count of values differing; the LSE's identical share and count."""
+    from types import SimpleNamespace
+
+    from fa3_numerics.numerics.backward import backward_from, run_forward
+    from fa3_numerics.numerics.backward_reference import reference_gradients
+    from fa3_numerics.numerics.recipe import Recipe
+
+    models = a.models.split(";") if a.models else ["sdpa-flash-bf16"]
+    for meta, t in sdpa_gqa_cases(a.dumps):
+        c = SimpleNamespace(**meta["case"])
+        if a.cases and c.name not in a.cases.split(","):
+            continue
+        q, k, v, do = (t[x].double() for x in ("q", "k", "v", "do"))
+        ref = dict(zip(("o", "dq", "dk", "dv"), reference_gradients(q, k, v, do, causal=c.causal)))
+        for spec in models:
+            fwd = run_forward(Recipe.from_str(spec), q, k, v, causal=c.causal)
+            gr = backward_from(Recipe.from_str(spec), q, k, v, fwd, do, causal=c.causal)
+            row = {"case": c.name, "model": spec,
+                   "lse_identical": (fwd.lse.float() == t["lse"]).double().mean().item(),
+                   "lse_differing": int((fwd.lse.float() != t["lse"]).sum())}
+            for nm, x in (("o", gr.forward.o), ("dq", gr.dq), ("dk", gr.dk), ("dv", gr.dv)):
+                fid = fidelity(x, t[nm], ref[nm])
+                row[f"F_{nm}"] = fid["F"]
+                row[f"differing_{nm}"] = int((x.double() != t[nm].double()).sum())
+            print(json.dumps(row), flush=True)
+    return 0
+
+
 # ----------------------------------------------------------------------------- test fixture
 
 FIXTURE_CUDNN = ("c_n1024_d64", "c_n256_d64_causal_gauss")
@@ -640,6 +686,106 @@ def write_fixture_sdpa(a) -> int:
     return 0
 
 
+# part sdpa-gqa's causal n 1536 case cut to query heads 6-7 (KV head 1), rows 768-1023 and keys 0-1023: under
+# bottom-right causal alignment those rows see the same keys in the same 256-key split tiles as in the dump
+# (4 splits here, 6 there of which the last 2 are empty for these rows), so the kernel's LSE and O rows are
+# the emulator's forward of the cut. It holds 20 LSE rows and 5 O values that the correctly rounded combine
+# missed (libdevice's expf/logf: none).
+FIXTURE_SDPA_GQA = ("b_n1536_d64_causal_gqa8x2_s5", (6, 8), (768, 1024))
+
+
+def write_fixture_sdpa_gqa(a) -> int:
+    """tests/fixtures/field_h200_sdpa_gqa_n1536.safetensors: FIXTURE_SDPA_GQA's Q, K, V, O and LSE, with the
+    case's metadata and the cut in the header."""
+    from safetensors.torch import save_file
+
+    from fa3_numerics.numerics.fa2_loop import fa2_num_splits
+
+    name, (h0, h1), (r0, r1) = FIXTURE_SDPA_GQA
+    meta, t = next((m, t) for m, t in sdpa_gqa_cases(a.dumps) if m["case"]["name"] == name)
+    c = meta["case"]
+    rep = c["heads"] // c["kv_heads"]
+    if h0 // rep != (h1 - 1) // rep or not c["causal"]:
+        raise SystemExit("the cut must keep query heads of one KV head of a causal case")
+    full = fa2_num_splits(batch=c["batch"], heads=c["heads"], seqlen_q=c["seqlen"], seqlen_k=c["seqlen"],
+                          head_dim=c["head_dim"])
+    cut = fa2_num_splits(batch=c["batch"], heads=h1 - h0, seqlen_q=r1 - r0, seqlen_k=r1, head_dim=c["head_dim"])
+    from fa3_numerics.numerics.fa2_loop import split_block_n
+    if -(-c["seqlen"] // split_block_n(c["head_dim"])) != full or -(-r1 // split_block_n(c["head_dim"])) != cut:
+        raise SystemExit(f"the cut's splits ({cut}) are not the dump's tiles one per split ({full})")
+    kh = h0 // rep
+    out = {f"{name}/q": t["q"][:, h0:h1, r0:r1], f"{name}/o": t["o"][:, h0:h1, r0:r1],
+           f"{name}/lse": t["lse"][:, h0:h1, r0:r1], f"{name}/k": t["k"][:, kh:kh + 1, :r1],
+           f"{name}/v": t["v"][:, kh:kh + 1, :r1]}
+    out = {k: x.contiguous() for k, x in out.items()}
+    info = {"source": "tools/device/dump_field.py --parts sdpa-gqa on an H200 (reports/h200/backward/README.md)",
+            name: {**meta, "query_heads_kept": [h0, h1], "kv_head_kept": kh, "rows_kept": [r0, r1],
+                   "keys_kept": [0, r1], "splits_in_dump": full, "splits_in_cut": cut}}
+    out_path = a.out if a.out != DEFAULT_FIXTURE else Path("tests/fixtures/field_h200_sdpa_gqa_n1536.safetensors")
+    save_file(out, str(out_path), metadata={"info": json.dumps(info)})
+    print(f"wrote {out_path} ({out_path.stat().st_size / 2**10:.0f} KiB)")
+    return 0
+
+
+# part sdpa-gqa's non-causal n 1024 d 128 case (2 splits of 4 KV tiles: the rescale path): KV head 1, and of its
+# query heads 4-7 the rows where the row sum's rescale as a separate multiply (not nvcc's FFMA) misses the
+# kernel's LSE or O, plus as many rows that both models get right; non-causal rows are independent, so the
+# rows stack as one head against the whole K, V (the test keeps the dump's split count)
+FIXTURE_SDPA_RESCALE = ("b_n1024_d128_gqa8x2_s2", 1)
+
+
+def write_fixture_sdpa_rescale(a) -> int:
+    """tests/fixtures/field_h200_sdpa_gqa_n1024_rows.safetensors (FIXTURE_SDPA_RESCALE): the rows' Q, O and LSE
+    as one head [1, 1, R, D], the KV head's K and V, the rows' (query head, row) and the case in the header."""
+    import contextlib
+    from unittest import mock
+
+    from safetensors.torch import save_file
+
+    from fa3_numerics.numerics import fa2_loop
+    from fa3_numerics.numerics.backward import run_forward
+    from fa3_numerics.numerics.emulator import _quad_row_sum
+    from fa3_numerics.numerics.recipe import Recipe
+
+    name, kh = FIXTURE_SDPA_RESCALE
+    meta, t = next((m, t) for m, t in sdpa_gqa_cases(a.dumps) if m["case"]["name"] == name)
+    c = meta["case"]
+    rep = c["heads"] // c["kv_heads"]
+    hs = list(range(kh * rep, (kh + 1) * rep))
+    splits = fa2_loop.fa2_num_splits(batch=c["batch"], heads=c["heads"], seqlen_q=c["seqlen"], seqlen_k=c["seqlen"],
+                                     head_dim=c["head_dim"])
+    q, k, v = (t[x].double() for x in "qkv")
+    r = Recipe.from_str("sdpa-flash-bf16")
+    miss = []
+    with mock.patch.object(fa2_loop, "fa2_num_splits", lambda **kw: splits):
+        for sep in (False, True):
+            ctx = (mock.patch.object(fa2_loop, "_rescaled_row_sum", lambda rs4, al, p: _quad_row_sum(rs4 * al, p))
+                   if sep else contextlib.nullcontext())
+            with ctx:
+                fw = run_forward(r, q[:, hs], k[:, kh:kh + 1], v[:, kh:kh + 1], causal=False)
+            miss.append(((fw.lse.float() != t["lse"][:, hs]) | (fw.o.double() != t["o"][:, hs].double()).any(-1))[0])
+    bad = miss[1] & ~miss[0]
+    good = ~miss[0] & ~miss[1]
+    n_bad = int(bad.sum())
+    keep = bad.clone()
+    keep.view(-1)[good.view(-1).nonzero().view(-1)[:n_bad]] = True  # as many rows both models match
+    hr = keep.nonzero().tolist()  # (query head index within hs, row)
+    hi = torch.tensor([hs[i] for i, _ in hr])
+    ri = torch.tensor([j for _, j in hr])
+    out = {f"{name}/q": t["q"][0, hi, ri][None, None], f"{name}/o": t["o"][0, hi, ri][None, None],
+           f"{name}/lse": t["lse"][0, hi, ri][None, None], f"{name}/k": t["k"][:, kh:kh + 1],
+           f"{name}/v": t["v"][:, kh:kh + 1]}
+    out = {key: x.contiguous() for key, x in out.items()}
+    info = {"source": "tools/device/dump_field.py --parts sdpa-gqa on an H200 (reports/h200/backward/README.md)",
+            name: {**meta, "kv_head_kept": kh, "rows_kept": [[hs[i], j] for i, j in hr], "splits_in_dump": splits,
+                   "rows_the_separate_multiply_misses": n_bad, "rows_the_ffma_misses": int(miss[0].sum())}}
+    out_path = a.out if a.out != DEFAULT_FIXTURE else Path("tests/fixtures/field_h200_sdpa_gqa_n1024_rows.safetensors")
+    save_file(out, str(out_path), metadata={"info": json.dumps(info)})
+    print(f"wrote {out_path} ({out_path.stat().st_size / 2**10:.0f} KiB): {len(hr)} rows, {n_bad} missed by the "
+          f"separate multiply, {int(miss[0].sum())} by the FFMA")
+    return 0
+
+
 # (run, head) of part cudnn-tie kept as a test fixture, and its rows: margins of 32 log2 units and more
 # (the distractors' P~ below l's last bit), every level and spread. ln2: the offset lg2.approx(scale_s)
 # decides levels 0 and 3 from 26 and 52; rsqrtd: the unfused S' - (m' - L) and scale_o folded into
@@ -693,8 +839,8 @@ DEFAULT_FIXTURE = Path("tests/fixtures/field_h200.safetensors")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dumps", type=Path)
-    ap.add_argument("part", choices=("cudnn", "cudnn-tie", "torchao", "sdpa", "fixture", "fixture-sdpa", "fixture-tie",
-                                     "fixture-tie-sum"))
+    ap.add_argument("part", choices=("cudnn", "cudnn-tie", "torchao", "sdpa", "sdpa-gqa", "fixture", "fixture-sdpa",
+                                     "fixture-sdpa-gqa", "fixture-sdpa-rescale", "fixture-tie", "fixture-tie-sum"))
     ap.add_argument("--out", type=Path, default=DEFAULT_FIXTURE)
     ap.add_argument("--models", default="")
     ap.add_argument("--rows", type=int, default=0)
@@ -705,7 +851,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     return {"cudnn": run_cudnn, "cudnn-tie": run_cudnn_tie, "torchao": run_torchao, "sdpa": run_sdpa,
-            "fixture": write_fixture, "fixture-sdpa": write_fixture_sdpa,
+            "sdpa-gqa": run_sdpa_gqa, "fixture": write_fixture, "fixture-sdpa": write_fixture_sdpa,
+            "fixture-sdpa-gqa": write_fixture_sdpa_gqa, "fixture-sdpa-rescale": write_fixture_sdpa_rescale,
             "fixture-tie": write_fixture_tie,
             "fixture-tie-sum": lambda a: write_fixture_tie(a, FIXTURE_TIE_SUM, FIXTURE_TIE_SUM_MARGINS)}[a.part](a)
 

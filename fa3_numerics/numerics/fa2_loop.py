@@ -25,8 +25,11 @@ source:
 - backward tiles (flash_bwd_launch_template.h, >= 144 KB shared memory per block): 128 x 128 at 64,
   64 x 128 at 96 and 128, 64 x 64 at 192 and 256.
 
-Modelling choices, stated: the combine's exp and log are correctly rounded float32 (the kernel's
-``expf``/``logf`` are within a few ulp); the split count assumes an H200's 132 SMs.
+Modelling choices, stated: under ``fa2math=torch`` with ``sfu=h200`` the combine's exp and log are
+libdevice's accurate ``expf``/``logf`` bit for bit (``numerics/libdevice.py``: torch builds FA2 without
+fast-math, so the combine kernel's ``expf``/``logf`` are not the ``__expf``/``__logf`` intrinsics; their ex2 is
+the H200's) and its O update one exact FFMA per split; otherwise they are correctly rounded float32 (the
+kernel's are within 2 ulp). The split count assumes an H200's 132 SMs.
 
 ``fa2math=torch`` (``keys/fa2math.py``) is the arithmetic of torch's build of FA2, which the default
 (FA3's tile step) differs from in four places, each found on the H200 dumps (reports/h200/backward/):
@@ -42,7 +45,12 @@ Modelling choices, stated: the combine's exp and log are correctly rounded float
   zero (rows that only the first split sees, whose LSE is the split kernel's own: 83% identical
   with a correctly rounded log, 90% with this);
 - the combine's sum of exp(lse_s - max) is an ``Allreduce`` over kMaxSplits lanes (the split count
-  rounded up to a power of two, one split per lane): a butterfly, xor kMaxSplits/2 first.
+  rounded up to a power of two, one split per lane): a butterfly, xor kMaxSplits/2 first;
+- the rescale of a KV tile after the first: nvcc contracts softmax_rescale_o's ``row_sum *= scale``
+  with reduce_sum's first ``row_sum + P~`` (each thread's column 2t of the tile) into one FFMA
+  (``_rescaled_row_sum``; default -fmad=true); O's rescale stays a multiply. On the n 1024 d 128 GQA
+  dump (2 splits of 4 KV tiles) the separate multiply missed 1.6% of the LSE rows, every one a row
+  whose max moved; with the FFMA none.
 """
 
 from __future__ import annotations
@@ -104,6 +112,22 @@ def _log2_toward_zero(x: torch.Tensor) -> torch.Tensor:
     return torch.where(y.double().abs() > r.abs(), torch.nextafter(y, torch.zeros_like(y)), y)
 
 
+def _rescaled_row_sum(rs4: torch.Tensor, alpha: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``row_sum *= scores_scale`` and then reduce_sum's first ``row_sum + P~``, which nvcc contracts
+    into one FFMA (-fmad=true, inlined: rs alpha + p0 rounded once), then the thread's other columns
+    added in order (``emulator._quad_row_sum``). Found on the n 1024 d 128 GQA dump (2 splits of 4 KV
+    tiles): the separate multiply missed 1.6% of the LSE rows, all of them rows whose max moved."""
+    from .emulator import _fma32, _quad_row_sum
+
+    pad = (-p.shape[-1]) % 8
+    if pad:
+        p = torch.nn.functional.pad(p, (0, pad))
+    first = p.reshape(*p.shape[:-1], -1, 4, 2)[..., 0, :, 0]  # each quad thread's first column: 2t
+    rs4 = _fma32(rs4, alpha, first)
+    rs4 = rs4 + p.reshape(*p.shape[:-1], -1, 4, 2)[..., 0, :, 1]
+    return _quad_row_sum(rs4, p[..., 8:])
+
+
 def _flash_torch(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float, stats: dict | None,
                  tile_range: tuple[int, int] | None = None) -> torch.Tensor:
     """One pass of torch's FA2 forward (``fa2math=torch``, module docstring) over the KV tiles of
@@ -155,13 +179,14 @@ def _flash_torch(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float,
         m = torch.maximum(m, s.amax(dim=-1, keepdim=True))
         finite = torch.isfinite(m)
         m_cur = torch.where(finite, m, torch.zeros_like(m))
+        alpha = None
         if t != t_hi - 1:
             # softmax_rescale_o: exp2f((m_prev - m_cur) * scale_log2), the row sum and O rescaled
             alpha = ex2(((m_prev - m_cur) * sl2).to(f32))
-            rs4, acc = rs4 * alpha, acc * alpha
+            acc = acc * alpha
         max_scaled = torch.where(finite, (m * sl2).to(f32), torch.zeros_like(m))
         p = ex2(((s * sl2).to(f32) - max_scaled).to(f32))  # UNFUSE_FMA: two roundings
-        rs4 = _quad_row_sum(rs4, p)
+        rs4 = _quad_row_sum(rs4, p) if alpha is None else _rescaled_row_sum(rs4, alpha, p)
         acc = accumulate(acc, quantize_dequantize(p, p_fmt), vn[:, :, s0:s1].to(f32), acc_fmts)
     row_sum = _quad_total(rs4)
     bad = (row_sum == 0) | torch.isnan(row_sum)
@@ -221,6 +246,23 @@ def flash_fa2(recipe, pre, q_index: torch.Tensor, causal: bool, scale: float, st
     lse_all = torch.stack(lse_parts)  # [S, B, H, R]
     m = lse_all.amax(dim=0)
     m = torch.where(m == -math.inf, torch.zeros_like(m), m)
+    from . import sfu
+
+    if torch_math and sfu.wanted(recipe):
+        # the combine kernel's own expf/logf: libdevice's accurate ones (torch builds FA2 without
+        # fast-math), whose ex2.approx is the H200's; its O update is one FFMA per split
+        from .libdevice import expf, fma32, logf
+
+        total = _butterfly_sum([expf((x - m).to(f32)) for x in lse_all])
+        bad = (total == 0) | torch.isnan(total)
+        lse = torch.where(bad, torch.full_like(total, math.inf),
+                          (logf(torch.where(bad, torch.ones_like(total), total)) + m).to(f32))
+        out = torch.zeros_like(o_parts[0])
+        for x, o_s in zip(lse_all, o_parts):
+            out = fma32(expf((x - lse).to(f32)).unsqueeze(-1), o_s, out)
+        if stats is not None:
+            stats["lse"] = lse
+        return write_out(out, recipe)
     if torch_math:
         total = _butterfly_sum([torch.exp((x - m).double()).to(f32) for x in lse_all])
     else:

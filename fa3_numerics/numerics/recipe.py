@@ -309,7 +309,17 @@ _BACKWARD = [
            "ex2/lg2.approx bit for bit (numerics/sfu.py, measured by tools/device/mufu_probe.py): that row's LSE "
            "is now the kernel's (the n 768 dump end to end: O/dQ/dK/dV F 0.0007/0.0003/0.0011/0.0031, LSE 97.8% "
            "identical), and on five unseen H200 cases end to end F <= 0.0076 on the three MHA cases, while the two "
-           "GQA cases miss (O 0.0149, dK 0.0148-0.0176: reports/h200/backward/README.md). Requires: sm80+"),
+           "GQA cases missed (O 0.0149, dK 0.0148-0.0176: reports/h200/backward/README.md). Two more fits close "
+           "them: the split-KV combine calls libdevice's accurate expf/logf (torch builds FA2 without fast-math; "
+           "numerics/libdevice.py, bit for bit from libdevice.10.bc, its ex2 the H200's), and nvcc contracts the "
+           "rescaled row sum with the tile's first P~ into one FFMA (fa2_loop._rescaled_row_sum). Re-dumped on the "
+           "H200 (tools/device/dump_field.py --parts sdpa-gqa; tools/fit_field.py DUMPS sdpa-gqa), end to end: "
+           "GQA 8/2 n 1024 d 128 seed 2 (2 splits of 4 KV tiles) O/dQ/dK/dV F 0/0.0024/0/0 (was "
+           "0.0149/0.0061/0.0148/0.0063), values differing 0/57/0/0 of 1,048,576/1,048,576/262,144/262,144 (was "
+           "46/411/128/53), LSE 100% identical (96.0%); causal GQA 8/2 n 1536 d 64 seed 5 (6 splits of one tile) "
+           "F 0/0.0005/0/0 (was 0.0035/0.0010/0.0176/0.0027), differing 0/35/0/0 (23/116/34/23), LSE 100% (97.1%); "
+           "the n 768 fixture F 0/0.0001/0/0, LSE 100% (97.8%). What is left is dQ: the kernel's own atomicAdd "
+           "order changes 44-59 dQ values between two identical calls and is not modelled. Requires: sm80+"),
     Preset("cudnn-fp8", dataclasses.replace(_CUDNN_FWD, **_FP8_BWD),
            "cuDNN's FP8 attention, forward and backward, as TransformerEngine runs it (TE #768, NVTE_FP8_DPA_BWD=1; "
            "cudnn-frontend sdpa_fp8 / sdpa_fp8_backward, docs/operations/Attention.md): Q, K, V, O, dO, S (= P) and "

@@ -10,7 +10,8 @@
   identical); the LSE as FA2's ``row_max * softmax_scale + __logf(row_sum)``, one FFMA with __logf's
   lg2 rounded toward zero times float32 ln 2 (the dumped LSE of the split kernel: 83% identical with
   a correctly rounded log, 90% with this); the split-KV combine's sum over splits in its butterfly
-  order.
+  order; the rescaled row sum as one FFMA with the tile's first P~ (nvcc's contraction). With
+  ``sfu=h200`` also the combine's libdevice expf/logf bit for bit (numerics/libdevice.py).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from . import RecipeKey, register_check, register_key
 register_key(RecipeKey(
     "fa2math", "fa3", "float32 softmax arithmetic of loop=fa2: fa3 (FA3's tile step: one FFMA, exp2 and log "
     "correctly rounded) or torch (PyTorch's FA2 build: unfused scale multiply, exp2f and __logf's lg2 "
-    "rounded toward zero, LSE = fma(m, scale, __logf(l)), the combine's butterfly sum; P the same way in "
-    "the backward)",
+    "rounded toward zero, LSE = fma(m, scale, __logf(l)), the rescaled row sum as one FFMA, the combine's "
+    "butterfly sum and, with sfu=h200, its libdevice expf/logf; P the same way in the backward)",
     choices=("fa3", "torch"), backends=("sdpa-flash",), cost=lambda v: 0,
 ))
 
