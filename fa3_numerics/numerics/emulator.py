@@ -432,7 +432,10 @@ def _flash(recipe: Recipe, pre: Prepared, q_index: torch.Tensor, causal: bool, s
         sl2, scaled_s = base, True
         bias_blk = torch.div(q_index, pre.block_m, rounding_mode="floor")
     else:
-        sl2 = (base * (qd * kd).to(torch.float32)).to(torch.float32) if fold else torch.ones((), device=dev)
+        if fold and getattr(recipe, "smath", "fa3") == "cudnn":
+            sl2 = _cudnn_scale_log2(scale, qd, kd)
+        else:
+            sl2 = (base * (qd * kd).to(torch.float32)).to(torch.float32) if fold else torch.ones((), device=dev)
         scaled_s = fold
     cap = None
     if mk is not None and mk.softcap:
@@ -578,6 +581,20 @@ def _sub32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """float32 a - b, one rounding (FADD), -inf - -inf read as -inf (a row that has seen no key)."""
     d = (a.double() - b.double()).to(torch.float32)
     return torch.where(torch.isneginf(a) & torch.isneginf(b), a, d)
+
+
+def _cudnn_scale_log2(scale: float, qd: torch.Tensor, kd: torch.Tensor) -> torch.Tensor:
+    """cuDNN's scale of S into log2 units (``smath=cudnn``): fl(fl(fl(attn_scale descale_q) descale_k) log2e),
+    three float32 multiplies left to right, log2e the float32 constant. FA3's host form, fl(attn_scale log2e)
+    times fl(descale_q descale_k), is one ulp above it on validate's causal n 2048 case (0.00075888098 against
+    0.00075888092) and leaves 26 of its 2,097,152 O codes on the wrong side; this form leaves 1. The case does
+    not tell the orders apart that give the same float32 value (18 of the 27 products of the four factors do);
+    this one is the graph's (S * attn_scale, then the descales), with log2e last. Where descale_q = descale_k =
+    1 (the tie probes) or attn_scale is a power of two (the field dumps) both forms are the same number."""
+    f32 = torch.float32
+    x = (torch.tensor(scale, dtype=f32, device=qd.device) * qd.to(f32)).to(f32)
+    x = (x * kd.to(f32)).to(f32)
+    return (x * torch.tensor(LOG2E, dtype=f32, device=qd.device)).to(f32)
 
 
 def _cudnn_softmax(s, m_in, rs_in, sl2, scaled_s, lg2_scale_s, descale_s, flush, p_fmt):

@@ -385,6 +385,11 @@ _KERNEL_FWD = [
            "rcp.approx(l) (descale_v scale_o) with scale_o folded into the row's factor): on 6 probe runs (n 256-1024, "
            "attn_scale ln 2 and 1/sqrt(128), 16 scale_o on and beside ties) 5,326 of 9.4M codes differ against 280,916 "
            "with FA3's arithmetic, all in rows whose other keys' P~ sum to l's last bits (margins 26-32 log2 units). "
+           "S is scaled into log2 units by fl(fl(fl(attn_scale descale_q) descale_k) log2e) (float32, left to right; "
+           "FA3's fl(attn_scale log2e) fl(descale_q descale_k) is one ulp above it on validate's causal n 2048 case, "
+           "the kernel's bytes dumped by tools/device/dump_cudnn_case.py: 26 of 2,097,152 O codes differ with it, 1 "
+           "with this order; per-head F against the float64 reference of the dequantized inputs 0.0000-0.1125 -> "
+           "0.0000-0.0004; tests/numerics/test_cudnn_causal_case.py). "
            "Not modelled: the row sum's last bit in those rows, head dims 96 and 192's tiles (not measured: their "
            "neighbours'). "
            "Requires: sm90, cuDNN 9"),

@@ -6,7 +6,10 @@
   one-key rows (tools/device/dump_field.py part cudnn-tie, reports/h200/field/README.md): S is
   scaled first, S' = fl(S scale_log2), the running max is taken over S', the offset is
   L = lg2.approx(scale_s) with scale_s the float32 2^poff the backend passes (the unit rounds log2
-  toward zero: 8.80734921, one float32 ulp below log2(scale_s)), P~ = ex2.approx(fl(S' - fl(m' - L)))
+  toward zero: 8.80734921, one float32 ulp below log2(scale_s)), the scale S' = fl(S scale_log2) with
+  scale_log2 = fl(fl(fl(attn_scale descale_q) descale_k) log2e) (float32 products left to right: validate's
+  causal n 2048 case, where FA3's fl(attn_scale log2e) fl(descale_q descale_k) is one ulp above it, 26 -> 1
+  O codes differing of 2,097,152; the tie probes, descale_q = descale_k = 1, cannot tell the two apart), P~ = ex2.approx(fl(S' - fl(m' - L)))
   (two float32 subtractions, no FMA), the tile rescale ex2.approx(fl(m'_old - m'_new)), and O written
   as acc * fl(rcp.approx(l) * fl(descale_v * scale_o)): the scale_o multiply folded into the row's
   factor (``numerics/sfu.py``: the unit's ex2/lg2/rcp, bit-exact).
