@@ -87,9 +87,14 @@ def _per_head(ds, accs: list[str]) -> list:
             for h in range(heads):
                 rows.append((float(ds["fidelity_sample"].values[i, j, h]), str(ds["case"].values[i]), layer, h, a,
                              float(ds["identical_sample"].values[i, j, h])))
-    rows.sort(key=lambda r: -r[0] if np.isfinite(r[0]) else -np.inf)
-    return [Para(f"Per layer x head on the capture ({len(rows)} layer x head x accumulator values; the 15 with the "
-                 "largest F, all in `fidelity_sample` and `identical_sample` of the dataset):"),
+    # cases not run (and heads with no finite output) have no F: they are listed above, not ranked here
+    absent = sum(1 for r in rows if not np.isfinite(r[0]))
+    rows = sorted((r for r in rows if np.isfinite(r[0])), key=lambda r: -r[0])
+    if not rows:
+        return []
+    gap = f"; {absent} without an F (cases not run, listed above)" if absent else ""
+    return [Para(f"Per layer x head on the capture ({len(rows)} layer x head x accumulator values{gap}; the 15 with "
+                 "the largest F, all in `fidelity_sample` and `identical_sample` of the dataset):"),
             Table(["case", "layer", "head", "acc", "F", "identical"],
                   [[case, layer, str(h), md_code(a), fmt_f(f), f"{idn:.1%}"] for f, case, layer, h, a, idn in rows[:15]],
                   [False, True, True, False, True, True])]

@@ -17,7 +17,7 @@
 #   valb       fa3-numerics validate --backward for each BACKEND:GRID in VALB (VALB_MAXN: --max-seqlen; VALB_S seconds each)
 #   sdpa       backward_h200.py --checks sdpa per case of SDPA_CASES (N:H:HKV:D:CAUSAL:SEED)
 #   cudnncase  tools/device/dump_cudnn_case.py: cuDNN's FP8 forward bytes on validate's cases in CUDNN_CASES (small grid)
-#   dumpbwd    tools/device/dump_backward_case.py --backend $DUMPB_BACKEND --grid $DUMPB_GRID $DUMPB_CASES (DUMPB_GRADS)
+#   dumpbwd    tools/device/dump_backward_case.py --backend $DUMPB_BACKEND --grid $DUMPB_GRID $DUMPB_CASES (DUMPB_GRADS; DUMPB_ARGS added, e.g. --repeat 4)
 #   mufu       tools/device/mufu_probe.py (exact outputs of ex2/lg2.approx for bit-exact CPU models)
 # Device tool, from the checkout's root, e.g.
 #   run(command="PARTS='sage1 sage2 sagedump' bash tools/device/batch_h200.sh", carry=[".whl", ".sage2build"])
@@ -114,7 +114,7 @@ EOF
     cudnncase) timeout 150 python3 tools/device/dump_cudnn_case.py --grid small --out "$W/cudnncase" \
       ${CUDNN_CASES:-fp8-n2048-d128-h8-causal-p0.001s10-head fp8-n1000-d128-h8-causal-p0.001s10-head} ;;
     dumpbwd) timeout 150 python3 tools/device/dump_backward_case.py --backend "${DUMPB_BACKEND:-cudnn-fp8}" \
-      --grid "${DUMPB_GRID:-small}" --grads "${DUMPB_GRADS:-dq,dk,dv}" --out "$W/dumpbwd" ${DUMPB_CASES:-fp8-n333-d128-h8-p0.001s10-head} ;;
+      --grid "${DUMPB_GRID:-small}" --grads "${DUMPB_GRADS:-dq,dk,dv}" --out "$W/dumpbwd" ${DUMPB_ARGS:-} ${DUMPB_CASES:-fp8-n333-d128-h8-p0.001s10-head} ;;
     mufu) timeout 120 python3 tools/device/mufu_probe.py --out "$W/mufu" ;;
     dumpfield) timeout "${DUMP_S:-200}" python3 tools/device/dump_field.py --parts "${DUMP_PARTS:-cudnn-more}" --out "$W/field" ;;
     *) echo "[batch] unknown part $part" ;;

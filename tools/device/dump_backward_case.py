@@ -29,6 +29,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda", help="cuda (cpu only for a dry run with a stand-in kernel)")
     ap.add_argument("--grads", default="dq,dk,dv", help="which gradients to keep (comma-separated)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the kernel this many times more: run-to-run F (each run against the first) and the "
+                         "end-to-end emulator's F against each run, to tell kernel nondeterminism from a model miss")
     ap.add_argument("cases", nargs="+")
     args = ap.parse_args(argv)
 
@@ -67,8 +70,9 @@ def main(argv=None) -> int:
         ref = dict(zip(("dq", "dk", "dv"), reference_gradients(q, k, v, do, causal=c.causal, softmax_scale=scale)))
         r = backward_recipe(c, backend)
         qd, kd, vd, dod = (t.to(args.device) for t in (q, k, v, do))
+        shared: dict = {}  # prepare's quantized inputs, kept for the end-to-end emulator as validate keeps them
         ker = backend.gradients(r, qd, kd, vd, dod, causal=c.causal, softmax_scale=scale, rotation_seed=c.seed,
-                                cache={})
+                                cache=shared)
         gr = backward_from(r, qd, kd, vd, Forward(ker["o"].to(torch.float64), ker["lse"].to(torch.float32)), dod,
                            causal=c.causal, softmax_scale=scale, rotation_seed=c.seed)
         emu = {"dq": gr.dq, "dk": gr.dk, "dv": gr.dv}
@@ -88,6 +92,32 @@ def main(argv=None) -> int:
             if g in keep:
                 arrays[p + "kernel_" + g], arrays[p + "emulator_" + g] = f32(kg), f32(eg)
         last = getattr(type(backend), "last_backward", {}) or {}
+        if args.repeat > 1:
+            from fa3_numerics.numerics.backward import emulate_backward
+
+            e2e = emulate_backward(r, qd, kd, vd, dod, causal=c.causal, softmax_scale=scale,
+                                   rotation_seed=c.seed, cache=shared)
+            own = emulate_backward(r, qd, kd, vd, dod, causal=c.causal, softmax_scale=scale,
+                                   rotation_seed=c.seed, cache={})
+            print("  end-to-end with the kernel's prepared inputs against its own: " + "; ".join(
+                f"{g} {float((getattr(own, g) - getattr(e2e, g)).abs().max()):.3g}" for g in ("dq", "dk", "dv")))
+            runs = [ker] + [backend.gradients(r, qd, kd, vd, dod, causal=c.causal, softmax_scale=scale,
+                                              rotation_seed=c.seed, cache={}) for _ in range(args.repeat - 1)]
+            for i, kr in enumerate(runs):
+                line = []
+                for g in ("o", "dq", "dk", "dv"):
+                    kg = kr[g].to(torch.float64).cpu()
+                    rg = ref.get(g)
+                    if rg is None:  # O's reference: exact attention in float64
+                        from fa3_numerics.numerics.reference import reference_attention
+                        rg = ref["o"] = reference_attention(q, k, v, causal=c.causal, softmax_scale=scale)
+                    same = fidelity(kg, runs[0][g].to(torch.float64).cpu(), rg)["F"]
+                    emu_g = (e2e.forward.o if g == "o" else getattr(e2e, g)).to(torch.float64).cpu()
+                    line.append(f"{g} run-vs-first {same:.4f} e2e {fidelity(emu_g, kg, rg)['F']:.4f}")
+                lse_diff = int((kr["lse"].float().cpu() != e2e.forward.lse.float().cpu()).sum())
+                print(f"  run {i}: " + "; ".join(line) + f"; LSE entries differing from the emulator's {lse_diff}",
+                      flush=True)
+            print(f"  last run's scalars: {json.dumps(getattr(type(backend), 'last_backward', {}), default=float)}")
         meta = {"case": name, "grid": args.grid, "backend": args.backend, "spec": r.short_str(),
                 "causal": bool(c.causal), "softmax_scale": scale, "seed": c.seed,
                 "shape": [c.batch, c.heads, c.kv_heads, c.seqlen, c.head_dim], "last_backward": last}
