@@ -138,11 +138,14 @@ class SdpaFlash(SdpaBackend):
             return "rot/bwd.rot set: SDPA's flash kernel takes no rotation; use --backend emulate"
         return None
 
-    def gradients(self, recipe, q, k, v, do, *, causal, rotation_seed, cache, softmax_scale=None):
+    def gradients(self, recipe, q, k, v, do, *, causal, rotation_seed, cache, softmax_scale=None,
+                  keep_heads: bool = False):
         """O, dQ, dK, dV as SDPA users get them (the public call, K and V repeated per query head for
         GQA and autograd summing their gradients), and the LSE the backward read (natural log, float32):
         the one autograd saved, else the aten op the public call dispatches to, kept only where its O is
-        the public call's."""
+        the public call's. ``keep_heads`` (the device dump tools) adds what the kernel read and wrote in
+        its own dtype: "read" (Q, K, V, dO as cast) and "dk_heads", "dv_heads" (the gradients of the
+        repeated K, V, per query head, before autograd sums them)."""
         from torch.nn.attention import sdpa_kernel
 
         why = self.backward_supports(recipe)
@@ -161,11 +164,15 @@ class SdpaFlash(SdpaBackend):
         qb, kb, vb = (cast(t, recipe.qk).requires_grad_(True) for t in (q, k, v))
         with sdpa_kernel([sdp_backend(self.kind)]):
             ke, ve = (kb.repeat_interleave(g, 1), vb.repeat_interleave(g, 1)) if g > 1 else (kb, vb)
+            if keep_heads and g > 1:
+                ke.retain_grad()
+                ve.retain_grad()
+            dob = cast(do, recipe.qk) if do.dtype == torch.float64 else do.to(dt)
             try:
                 o = torch.nn.functional.scaled_dot_product_attention(qb, ke, ve, is_causal=causal, scale=scale)
                 lse = getattr(o.grad_fn, "_saved_logsumexp", None)
                 lse = None if lse is None else lse.detach().to(torch.float32)
-                o.backward(cast(do, recipe.qk) if do.dtype == torch.float64 else do.to(dt))
+                o.backward(dob)
             except RuntimeError as exc:
                 from fa3_numerics.errors import KernelDeclined
 
@@ -181,8 +188,13 @@ class SdpaFlash(SdpaBackend):
                         lse = fwd[1].to(torch.float32)
                 except (RuntimeError, TypeError, AttributeError):  # another torch's aten signature: no LSE
                     lse = None
-        return {"o": o.detach().to(torch.float64), "dq": qb.grad.to(torch.float64), "dk": kb.grad.to(torch.float64),
-                "dv": vb.grad.to(torch.float64), "lse": lse}
+        out = {"o": o.detach().to(torch.float64), "dq": qb.grad.to(torch.float64), "dk": kb.grad.to(torch.float64),
+               "dv": vb.grad.to(torch.float64), "lse": lse}
+        if keep_heads:
+            out["read"] = {"q": qb.detach(), "k": kb.detach(), "v": vb.detach(), "do": dob}
+            out["own"] = {"o": o.detach(), "dq": qb.grad, "dk": kb.grad, "dv": vb.grad}
+            out["dk_heads"], out["dv_heads"] = (ke.grad, ve.grad) if g > 1 else (kb.grad, vb.grad)
+        return out
 
     def validation_backward_recipe(self, case):
         """The sdpa-flash-bf16 preset (the fitted FA2-in-torch forward and backward) for every case."""

@@ -64,27 +64,18 @@ def _reference(q, k, v, do, causal):
 
 
 def sdpa_flash(q, k, v, do, causal, *, keep_heads=False):
-    """SDPA's flash (BF16) forward and backward as the check calls it: K and V repeated per query head
-    (repeat_interleave; autograd sums their gradients), the default scale. Returns the BF16 inputs the
-    kernel read and its O, dQ, dK, dV; ``keep_heads`` (tools/device/dump_field.py ``sdpa-gqa``) adds the
-    per-query-head dK, dV (the repeated tensors' gradients) and the LSE autograd saved for the backward."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    """SDPA's flash (BF16) forward and backward as validate runs it (``SdpaFlash.gradients``: one rounding
+    from float64 to BF16, K and V repeated per query head, autograd summing their gradients), the default
+    scale. Returns the BF16 inputs the kernel read and its O, dQ, dK, dV in BF16; ``keep_heads``
+    (tools/device/dump_field.py ``sdpa-gqa``) adds the per-query-head dK, dV and the LSE autograd saved."""
+    from fa3_numerics.engine.backends import get_backend
+    from fa3_numerics.numerics.recipe import get_recipe
 
-    g = q.shape[1] // k.shape[1]
-    qb, kb, vb = (t.to(torch.bfloat16).requires_grad_(True) for t in (q, k, v))
-    dob = do.to(torch.bfloat16)
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        kr, vr = kb.repeat_interleave(g, 1), vb.repeat_interleave(g, 1)
-        if keep_heads:
-            kr.retain_grad()
-            vr.retain_grad()
-        o = torch.nn.functional.scaled_dot_product_attention(qb, kr, vr, is_causal=causal)
-        lse = getattr(o.grad_fn, "_saved_logsumexp", None) if keep_heads else None
-        o.backward(dob)
-    out = {"q": qb.detach(), "k": kb.detach(), "v": vb.detach(), "do": dob,
-           "o": o.detach(), "dq": qb.grad, "dk": kb.grad, "dv": vb.grad}
+    run = get_backend("sdpa-flash").gradients(get_recipe("sdpa-flash-bf16").recipe, q, k, v, do, causal=causal,
+                                              rotation_seed=0, cache={}, keep_heads=True)
+    out = {**run["read"], **run["own"]}
     if keep_heads:
-        out.update(dk_heads=kr.grad, dv_heads=vr.grad, lse=None if lse is None else lse.detach())
+        out.update(dk_heads=run["dk_heads"], dv_heads=run["dv_heads"], lse=run["lse"])
     return out
 
 

@@ -827,7 +827,7 @@ def _equal_counts(a: dict, b: dict, names) -> dict:
 
 def part_sdpa_gqa(out: Path, dev, dry, meta):
     """SDPA_GQA_HOLD exactly as backward_h200.py's SDPA check runs them (its ``_inputs`` and
-    ``sdpa_flash``: inputs drawn on the CPU, moved to the device, cast to BF16 there; K and V repeated with
+    ``sdpa_flash``: inputs drawn on the CPU, moved to the device, cast once to BF16; K and V repeated with
     repeat_interleave, autograd summing the per-head gradients), with the per-query-head dK, dV and the LSE
     autograd saved. Two files per case (inputs + forward, gradients), each under 14 MB. Checks in the JSON:
     the aten flash ops on contiguous repeated K, V (the LSE's other source), a second identical call (dQ's
