@@ -87,12 +87,12 @@ def check_sdpa(q, k, v, do, causal, recipe_text):
     run = sdpa_flash(q, k, v, do, causal)
     qb, kb, vb = run["q"], run["k"], run["v"]
     ker = {n: run[n] for n in ("o", "dq", "dk", "dv")}
-    # the emulator reads the BF16 tensors the kernel read (its own BF16 casts give the same values)
-    q64, k64, v64 = (t.detach().double() for t in (qb, kb, vb))
-    gr = emulate_backward(Recipe.from_str(recipe_text), q64, k64, v64, do.to(torch.bfloat16).double(),
-                          causal=causal)
+    # the emulator and the reference read the BF16 tensors the kernel read, dO included (torch's own
+    # float64 -> BF16 rounds twice: a dO cast that way is not the one the kernel's backward read)
+    q64, k64, v64, do64 = (t.detach().double() for t in (qb, kb, vb, run["do"]))
+    gr = emulate_backward(Recipe.from_str(recipe_text), q64, k64, v64, do64, causal=causal)
     emu = {"o": gr.forward.o, "dq": gr.dq, "dk": gr.dk, "dv": gr.dv}
-    return _fidelity(emu, ker, _reference(q64, k64, v64, do.to(torch.bfloat16).double(), causal))
+    return _fidelity(emu, ker, _reference(q64, k64, v64, do64, causal))
 
 
 def _per_tensor_fp8(x, dtype, top):
