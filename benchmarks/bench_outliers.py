@@ -45,8 +45,9 @@ from pathlib import Path
 
 # The figure this bench printed last (docs/measurements.md, issue 29's CPU target): printed beside
 # this run's so that a change is read against it.
-PREVIOUS = {"ratio": 2.38, "wall": 27.9, "floor": 11.8, "peak_gb": 1.79,
-            "when": "the last quiet figure before this bench printed phases, 2-core CPU container"}
+PREVIOUS = {"ratio": 3.11, "wall": 22.1, "floor": 7.1, "peak_gb": 1.63,
+            "when": "2026-12-03 15:41 UTC, quiet 2-core CPU container whose floor read 7.1 s (11.8 s and 2.38x "
+                    "on 2026-11-30)"}
 
 TABLE3 = ("baseline-fp16", "fa2-fp16", "fa3-fp16", "baseline-fp8", "fa3-fp8", "fa3-fp8-no-block-quant",
           "fa3-fp8-no-incoherent")
