@@ -17,7 +17,6 @@ About 15 s a case (n 2048, 8 heads) on the 2-core CPU.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 
@@ -33,13 +32,10 @@ def main(argv=None) -> int:
     import torch
 
     from fa3_numerics.engine.backends import get_backend
-    from fa3_numerics.engine.inputs import DistInputs
     from fa3_numerics.numerics.backward import Forward, backward_from, run_forward
-    from fa3_numerics.numerics.backward_reference import reference_gradients
     from fa3_numerics.numerics.metrics import fidelity
-    from fa3_numerics.studies.backward import incoming
     from fa3_numerics.studies.validate import grid
-    from fa3_numerics.studies.validate_backward import backward_recipe
+    from fa3_numerics.studies.validate_backward import backward_recipe, case_tensors
 
     torch.backends.cuda.matmul.allow_tf32 = False
     z = np.load(args.dump)
@@ -51,13 +47,9 @@ def main(argv=None) -> int:
             print(f"error: {name!r} is not a {args.grid} case with dumped gradients in {args.dump}", file=sys.stderr)
             return 2
         c = by_name[name]
-        dist, params = c.data()
-        inp = DistInputs(dist, tuple(params.items()), c.batch, c.heads, c.kv_heads, c.seqlen, c.head_dim, c.seed)
-        q, k, v = inp.draw("cpu")
-        do, _ = incoming(inp, c.seed, q.shape)
-        scale = c.scale or 1.0 / math.sqrt(c.head_dim)
+        t = case_tensors(c)
+        q, k, v, do, scale, ref = (t[x] for x in ("q", "k", "v", "do", "scale", "ref"))
         r = backward_recipe(c, backend)
-        ref = dict(zip(("o", "dq", "dk", "dv"), reference_gradients(q, k, v, do, causal=c.causal, softmax_scale=scale)))
         kernel = {g: torch.from_numpy(z[f"{name}/kernel_{g}"]).to(torch.float64) for g in ("dq", "dk", "dv")}
         ko = torch.from_numpy(z[f"{name}/kernel_o"]).to(torch.float64)
         kl = torch.from_numpy(z[f"{name}/kernel_lse"]).to(torch.float32)

@@ -1,6 +1,6 @@
 """Validation of the emulated backward against a kernel's backward (``fa3-numerics validate --backward``).
 
-Exposed: ``MODES``, ``backward_recipe``, ``backward_skips``, ``run_backward_validation``,
+Exposed: ``MODES``, ``backward_recipe``, ``backward_skips``, ``case_tensors``, ``run_backward_validation``,
 ``BackwardValidationStudy``, ``findings``.
 
 The forward's validation (``studies.validate``) asks whether the emulator computes the kernel's O;
@@ -81,14 +81,12 @@ def _per_sample(emu, ker, ref) -> np.ndarray:
     return np.array([fidelity(emu[i, j], ker[i, j], ref[i, j])["F"] for i in range(b) for j in range(h)])
 
 
-def _case(c: Case, backend, device: str) -> dict:
-    """Every number of one case: {name: array}, for the cell cache."""
-    import torch
-
+def case_tensors(c: Case) -> dict:
+    """One case's float64 inputs on the CPU as this validation draws them (bit for bit on any machine,
+    so device dumps can be re-read offline): {"q", "k", "v", "do", "do_source", "scale", "ref"}, ``ref``
+    the float64 autograd reference {"o", "dq", "dk", "dv"}."""
     from ..engine.inputs import DistInputs, check_inputs
-    from ..numerics.backward import Forward, backward_from, emulate_backward
     from ..numerics.backward_reference import reference_gradients
-    from ..numerics.metrics import fidelity
     from .backward import incoming
 
     dist, params = c.data()
@@ -98,6 +96,18 @@ def _case(c: Case, backend, device: str) -> dict:
     check_inputs(q, k, v, scale=scale, where=f"validation case {c.name}")
     do, source = incoming(inp, c.seed, q.shape)
     ref = dict(zip(GRADS, reference_gradients(q, k, v, do, causal=c.causal, softmax_scale=scale)))
+    return {"q": q, "k": k, "v": v, "do": do, "do_source": source, "scale": scale, "ref": ref}
+
+
+def _case(c: Case, backend, device: str) -> dict:
+    """Every number of one case: {name: array}, for the cell cache."""
+    import torch
+
+    from ..numerics.backward import Forward, backward_from, emulate_backward
+    from ..numerics.metrics import fidelity
+
+    t = case_tensors(c)
+    q, k, v, do, source, scale, ref = (t[x] for x in ("q", "k", "v", "do", "do_source", "scale", "ref"))
     r = backward_recipe(c, backend)
     on = (lambda t: t.to(device)) if device != "cpu" else (lambda t: t)  # noqa: E731
     qd, kd, vd, dod = on(q), on(k), on(v), on(do)

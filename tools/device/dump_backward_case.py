@@ -2,7 +2,7 @@
 emulated backward from the kernel's own O and LSE, for finding on the CPU where they part.
 
 The inputs are not saved: ``validate --backward`` draws them on the CPU from the case's seed
-(``DistInputs(...).draw("cpu")`` and ``studies.backward.incoming``), so the CPU draws them again bit
+(``studies.validate_backward.case_tensors``), so the CPU draws them again bit
 for bit. Saved per case (prefix ``NAME/``), float32 [B, H, N, D] (dK, dV at the KV heads):
 ``kernel_o``, ``kernel_lse`` ([B, H, N]), ``kernel_dq`` / ``kernel_dk`` / ``kernel_dv`` and
 ``emulator_dq`` / ... (the kernel-fwd mode's), of the gradients in ``--grads``; ``meta`` (JSON: the
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -39,13 +38,10 @@ def main(argv=None) -> int:
     import torch
 
     from fa3_numerics.engine.backends import get_backend
-    from fa3_numerics.engine.inputs import DistInputs
     from fa3_numerics.numerics.backward import Forward, backward_from
-    from fa3_numerics.numerics.backward_reference import reference_gradients
     from fa3_numerics.numerics.metrics import fidelity
-    from fa3_numerics.studies.backward import incoming
     from fa3_numerics.studies.validate import grid
-    from fa3_numerics.studies.validate_backward import backward_recipe
+    from fa3_numerics.studies.validate_backward import backward_recipe, case_tensors
 
     torch.backends.cuda.matmul.allow_tf32 = False
     backend = get_backend(args.backend)
@@ -62,12 +58,8 @@ def main(argv=None) -> int:
             print(f"error: no case {name!r} in grid {args.grid}", file=sys.stderr)
             return 2
         c = by_name[name]
-        dist, params = c.data()
-        inp = DistInputs(dist, tuple(params.items()), c.batch, c.heads, c.kv_heads, c.seqlen, c.head_dim, c.seed)
-        q, k, v = inp.draw("cpu")
-        do, _ = incoming(inp, c.seed, q.shape)
-        scale = c.scale or 1.0 / math.sqrt(c.head_dim)
-        ref = dict(zip(("o", "dq", "dk", "dv"), reference_gradients(q, k, v, do, causal=c.causal, softmax_scale=scale)))
+        t = case_tensors(c)
+        q, k, v, do, scale, ref = (t[x] for x in ("q", "k", "v", "do", "scale", "ref"))
         r = backward_recipe(c, backend)
         qd, kd, vd, dod = (t.to(args.device) for t in (q, k, v, do))
         shared: dict = {}  # prepare's quantized inputs, kept for the end-to-end emulator as validate keeps them
