@@ -144,8 +144,8 @@ class SdpaFlash(SdpaBackend):
         GQA and autograd summing their gradients), and the LSE the backward read (natural log, float32):
         the one autograd saved, else the aten op the public call dispatches to, kept only where its O is
         the public call's. ``keep_heads`` (the device dump tools) adds what the kernel read and wrote in
-        its own dtype: "read" (Q, K, V, dO as cast) and "dk_heads", "dv_heads" (the gradients of the
-        repeated K, V, per query head, before autograd sums them)."""
+        its own dtype: "read" (Q, K, V, dO as cast), "own" (O, dQ, dK, dV as written) and "dk_heads",
+        "dv_heads" (the gradients of the repeated K, V, per query head, before autograd sums them)."""
         from torch.nn.attention import sdpa_kernel
 
         why = self.backward_supports(recipe)
