@@ -47,8 +47,8 @@ def main(argv=None) -> int:
             print(f"error: {name!r} is not a {args.grid} case with dumped gradients in {args.dump}", file=sys.stderr)
             return 2
         c = by_name[name]
-        t = case_tensors(c)
-        q, k, v, do, scale, ref = (t[x] for x in ("q", "k", "v", "do", "scale", "ref"))
+        drawn = case_tensors(c)
+        q, k, v, do, scale, ref = (drawn[x] for x in ("q", "k", "v", "do", "scale", "ref"))
         r = backward_recipe(c, backend)
         kernel = {g: torch.from_numpy(z[f"{name}/kernel_{g}"]).to(torch.float64) for g in ("dq", "dk", "dv")}
         ko = torch.from_numpy(z[f"{name}/kernel_o"]).to(torch.float64)

@@ -106,8 +106,8 @@ def _case(c: Case, backend, device: str) -> dict:
     from ..numerics.backward import Forward, backward_from, emulate_backward
     from ..numerics.metrics import fidelity
 
-    t = case_tensors(c)
-    q, k, v, do, source, scale, ref = (t[x] for x in ("q", "k", "v", "do", "do_source", "scale", "ref"))
+    drawn = case_tensors(c)
+    q, k, v, do, source, scale, ref = (drawn[x] for x in ("q", "k", "v", "do", "do_source", "scale", "ref"))
     r = backward_recipe(c, backend)
     on = (lambda t: t.to(device)) if device != "cpu" else (lambda t: t)  # noqa: E731
     qd, kd, vd, dod = on(q), on(k), on(v), on(do)
