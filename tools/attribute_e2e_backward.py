@@ -38,7 +38,12 @@ def main(argv=None) -> int:
     from fa3_numerics.studies.validate_backward import backward_recipe, case_tensors
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    z = np.load(args.dump)
+    try:
+        z = np.load(args.dump)
+    except (OSError, ValueError) as exc:
+        print(f"error: cannot read the dump {args.dump} ({exc}); pass the .npz dump_backward_case.py wrote",
+              file=sys.stderr)
+        return 2
     names = args.cases or sorted({k.split("/")[0] for k in z.files})
     by_name = {c.name: c for c in grid(args.grid)}
     backend = get_backend(args.backend)
