@@ -68,6 +68,55 @@ def compile_kernel(*, d=128, tile=64, rot=2, gran=2, sub=4, reread=1, stages=2, 
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=opts)
 
 
+def compile_rope_kernel(*, tiled=False, d=128, tile=64, gran=1, passes=2, stages=3, warps=4, maxnreg=0,
+                        interleaved=False, rot=True, soft_cast=False, split=3, table_per_head=False):
+    """The fused RoPE pre-pass for a (b, s, h, d) BF16 input, half-width float32 tables and a
+    (b, s, h, d) FP8 output (FA3's layout): ``rope_persistent.rp_persistent`` (the fast path), or
+    with ``tiled`` ``rope_quant._rope_quant_kernel`` on its float32 path (the kernel before it)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fa3_numerics.kernels.triton_ import rope_persistent, rope_quant
+
+    fp8 = triton.language.float8e4nv
+    common = dict(ROPE=1 if interleaved else 2, HAS_POS=False, SMOOTH=False, GRAN=gran, PASS=passes, POW2=False,
+                  MBITS=3, EMIN=-6, FMT_MAX=448.0, OUT=fp8, SOFT_CAST=soft_cast, BIAS=7, SUBQ=2.0 ** 9, NAN=0x7F,
+                  DOT_F32=False)
+    if tiled:
+        fn = rope_quant._rope_quant_kernel
+        common.update(D=d, LOG2D=d.bit_length() - 1, TILE=tile, SINGLE=True, TABLE_FULL=False, ROT=int(rot),
+                      EXACT=False, ROPE=1 if interleaved else 2)
+        ptr = {"X": "*bf16", "Y": "*u8" if soft_cast else "*fp8e4nv", "COS": "*fp32", "SIN": "*fp32", "POS": "*i64",
+               "SIGNS": "*fp32", "HMAT": "*bf16", "SCAL": "*fp32", "MU": "*fp64", "AMAX": "*i32", "DESC": "*fp32"}
+    else:
+        fn = rope_persistent.rp_persistent
+        common.update(HALF=d // 2, TILE=tile, INTERLEAVED=interleaved, ROPE=True, FULL=False, ROT=rot,
+                      DIV=2, STAGES=stages, SPLIT=split, TABLE_PER_HEAD=table_per_head)
+        ptr = {"X": "*bf16", "Y": "*u8" if soft_cast else "*fp8e4nv", "COS": "*fp32", "SIN": "*fp32", "POS": "*i64",
+               "HM": "*bf16", "SQRT_D": "*fp32", "MU": "*fp32", "AMAX": "*i32", "DESC": "*fp32"}
+    ones = {"sxd", "syd", "std"}
+    sig, attrs, consts = {}, {}, dict(common)
+    for i, n in enumerate(fn.arg_names):
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in ptr:
+            sig[n] = ptr[n]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n in ones:
+            sig[n] = "constexpr"
+            consts[n] = 1
+        else:
+            sig[n] = "i32"
+            if n in ("sxb", "sxh", "sxs", "syb", "syh", "sys_", "stb", "stn"):  # what the launcher specialises (0 too)
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    opts = {"num_warps": warps, "enable_fp_fusion": False}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    src = ASTSource(fn, sig, constexprs={k: v for k, v in consts.items() if k in fn.arg_names}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=opts)
+
+
 def compile_smem_kernel(*, rows=224, keep_last=False, parts=2, stage_in_ring=True, pow2=True, head_fast=True,
                         maxnreg=0, mul=True):
     """The shared-memory (Gluon) per-block kernel of ``rotate_quant_smem``, for a (b, s, h, d)
@@ -156,9 +205,15 @@ def main(argv=None) -> int:
                     help="register cap (default: the library's: 168 for the tl kernel's 224-row tile, none for smem)")
     ap.add_argument("--passes", type=int, default=0)
     ap.add_argument("--out-layout", default="bhsd")
-    ap.add_argument("--kernel", default="tl", choices=("tl", "smem", "vsmem"),
+    ap.add_argument("--kernel", default="tl", choices=("tl", "smem", "vsmem", "rope", "rope-tiled"),
                     help="tl: quant_persistent.rq_persistent; smem: rotate_quant_smem._rq_block_smem (Gluon); "
-                         "vsmem: vquant_smem._vq_block_smem (Gluon, V written (b, h, d, s))")
+                         "vsmem: vquant_smem._vq_block_smem (Gluon, V written (b, h, d, s)); rope: "
+                         "rope_persistent.rp_persistent (--gran, --passes, --tile, --stages, --warps, --interleaved); "
+                         "rope-tiled: rope_quant._rope_quant_kernel's float32 path")
+    ap.add_argument("--interleaved", action="store_true", help="rope: the interleaved RoPE layout")
+    ap.add_argument("--table-per-head", action="store_true", help="rope: cos/sin rows read per head")
+    ap.add_argument("--split", type=int, default=3, help="rope: SPLIT (3, 2, 1 BF16 parts; 4 two TF32 parts)")
+    ap.add_argument("--soft-cast", action="store_true", help="rope: the hand-encoded cast (the interpreter's)")
     ap.add_argument("--rows", type=int, default=224, help="smem: rows per block")
     ap.add_argument("--keep-last", action="store_true",
                     help="smem: the last sub-tile kept rotated in registers between the passes (not rotated twice)")
@@ -171,8 +226,15 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.maxnreg is None:
         a.maxnreg = 168 if a.kernel == "tl" else 0
+    if a.kernel.startswith("rope") and a.gran == 2 and a.passes == 0 and "--gran" not in " ".join(argv or sys.argv):
+        a.gran, a.passes = 1, 2  # the rope kernels' default probe: per-head scales, the quantizing pass
     try:
-        if a.kernel == "vsmem":
+        if a.kernel in ("rope", "rope-tiled"):
+            k = compile_rope_kernel(tiled=a.kernel == "rope-tiled", d=a.d, tile=a.tile, gran=a.gran,
+                                    passes=a.passes, stages=a.stages, warps=a.warps, maxnreg=a.maxnreg,
+                                    interleaved=a.interleaved, rot=a.rot != 0, soft_cast=a.soft_cast,
+                                    split=a.split, table_per_head=a.table_per_head)
+        elif a.kernel == "vsmem":
             k = compile_vsmem_kernel(rows=a.rows)
         elif a.kernel == "smem":
             k = compile_smem_kernel(rows=a.rows, keep_last=a.keep_last, parts=a.parts,

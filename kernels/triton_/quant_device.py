@@ -2,7 +2,7 @@
 of a tile, the descale from an amax, the scaled saturating cast to FP8, and the work-item order.
 
 Exposed (Triton functions, where triton imports): ``butterfly_stage``, ``rotate_tile``,
-``tile_descale``, ``cast_fp8``, ``scale_cast``, ``work_item``, ``opaque``, ``store_subtile``.
+``tile_descale``, ``cast_fp8``, ``scale_div``, ``scale_cast``, ``encode_fp8``, ``work_item``, ``opaque``, ``store_subtile``.
 
 ``rotate_tile`` takes the rotation as ``ROT`` (0 none, 1 the butterfly, 2 one tensor-core dot with
 ``hadamard``, the +-1 matrix diag(signs) H loaded once per program) and ``SQRT_D``, a pointer to
@@ -100,17 +100,15 @@ if triton is not None:
         return v.to(OUT)
 
     @triton.jit
-    def scale_cast(y, d32, MBITS: tl.constexpr, EMIN: tl.constexpr, FMT_MAX: tl.constexpr, OUT: tl.constexpr,
-                   SOFT_CAST: tl.constexpr, DIV: tl.constexpr):
-        """Fast path's y / descale and saturating cast; ``d32`` (float32) broadcasts against y.
+    def scale_div(y, d32, DIV: tl.constexpr):
+        """Fast path's y / descale; ``d32`` (float32) broadcasts against y.
 
         DIV 0: IEEE division (div_rn). 1: y * (1/descale), one more rounding. 2: y / descale
         correctly rounded from the reciprocal with one Markstein correction (q0 = y r,
         e = fma(q0, -d, y) exact, q = fma(e, r, q0)): the bytes of DIV 0 for three FP32
         instructions per element instead of an IEEE division. Needs a fused multiply-add,
         which Triton's CPU interpreter does not have (it rounds the product), so the
-        interpreter takes DIV 0. No clamp before the cast: cvt.rn.satfinite (and round_fp8)
-        saturate by themselves, and NaN stays NaN as in the emulator's cast."""
+        interpreter takes DIV 0."""
         if DIV == 0:
             v = tl.math.div_rn(y, tl.broadcast_to(d32, y.shape))
         else:
@@ -119,9 +117,33 @@ if triton is not None:
             if DIV == 2:
                 # -d per row, not -q0 per element: Triton's negation is 0 - x, one more instruction
                 v = tl.fma(tl.broadcast_to(r, y.shape), tl.fma(v, tl.broadcast_to(0.0 - d32, y.shape), y), v)
+        return v
+
+    @triton.jit
+    def scale_cast(y, d32, MBITS: tl.constexpr, EMIN: tl.constexpr, FMT_MAX: tl.constexpr, OUT: tl.constexpr,
+                   SOFT_CAST: tl.constexpr, DIV: tl.constexpr):
+        """``scale_div`` and the saturating cast. No clamp before the cast: cvt.rn.satfinite (and
+        round_fp8) saturate by themselves, and NaN stays NaN as in the emulator's cast."""
+        v = scale_div(y, d32, DIV)
         if SOFT_CAST:
             v = round_fp8(v, MBITS, EMIN, FMT_MAX)
         return v.to(OUT)
+
+    @triton.jit
+    def encode_fp8(v, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, SUBQ: tl.constexpr,
+                   NAN: tl.constexpr):
+        """float32 already on the FP8 grid (``round_fp8``) -> its byte, by hand: the interpreter's
+        cast drops the sign of -0, which the hardware cast keeps. SUBQ = 2^(MBITS - EMIN) scales a
+        subnormal to its code; NAN is the format's NaN byte."""
+        bits = v.to(tl.int32, bitcast=True)
+        sign = (bits >> 31) & 1
+        a = tl.abs(v)
+        ab = a.to(tl.int32, bitcast=True)
+        e = ((ab >> 23) & 0xFF) - 127
+        normal = ((e + BIAS) << MBITS) | ((ab >> (23 - MBITS)) & ((1 << MBITS) - 1))
+        sub = (a * SUBQ).to(tl.int32)
+        code = tl.where(e >= EMIN, normal, sub) | (sign << 7)
+        return tl.where(v != v, NAN, code).to(tl.uint8)
 
     @triton.jit
     def work_item(t, H, NBLK, HEAD_FAST: tl.constexpr):

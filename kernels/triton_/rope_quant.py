@@ -29,7 +29,10 @@ Rounding, stated because the bytes depend on it:
 - ``exact=False``: float32 after RoPE; the rotation is three BF16 tensor-core dots with the +-1
   matrix (the float32 RoPE output split exactly into three BF16 parts, so every product is exact
   and only the float32 sums round). Near-ties can round the other way (the tests measure how
-  often, and the device script reports it beside the speed).
+  often, and the device script reports it beside the speed). By default this path runs the
+  persistent kernel of ``rope_persistent`` (pair halves, the rotation split along RoPE's pairs:
+  half the tensor-core work, tables loaded once per row block for all heads, the hardware cast);
+  ``impl="tiled"`` keeps this module's kernel (12-13% of a copy on the H200, reports/h200/rope).
 
 Granularity and passes: per block and per token one pass (a block longer than a tile is read a
 second time from L2 for its cast); per head and per tensor a first pass reduces the amax (atomics)
@@ -57,7 +60,8 @@ _NO_TRITON = "the fused pre-pass needs the triton package (pip install triton; i
 
 
 if triton is not None:
-    from .quant_device import tile_descale  # amax -> descale, as every quantizer of this package computes it
+    # amax -> descale, as every quantizer of this package computes it; the soft cast's bytes
+    from .quant_device import encode_fp8, tile_descale
 
     @triton.jit
     def _stage(y, TILE: tl.constexpr, D: tl.constexpr, HH: tl.constexpr):
@@ -147,20 +151,6 @@ if triton is not None:
         return y
 
     @triton.jit
-    def _encode(v, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, SUBQ: tl.constexpr,
-                NAN: tl.constexpr):
-        """float32 on the FP8 grid -> its byte (sign kept for -0, which the interpreter's cast drops)."""
-        bits = v.to(tl.int32, bitcast=True)
-        sign = (bits >> 31) & 1
-        a = tl.abs(v)
-        ab = a.to(tl.int32, bitcast=True)
-        e = ((ab >> 23) & 0xFF) - 127
-        normal = ((e + BIAS) << MBITS) | ((ab >> (23 - MBITS)) & ((1 << MBITS) - 1))
-        sub = (a * SUBQ).to(tl.int32)
-        code = tl.where(e >= EMIN, normal, sub) | (sign << 7)
-        return tl.where(v != v, NAN, code).to(tl.uint8)
-
-    @triton.jit
     def _cast(y, d32, MBITS: tl.constexpr, EMIN: tl.constexpr, FMT_MAX: tl.constexpr, OUT: tl.constexpr,
               EXACT: tl.constexpr, SOFT_CAST: tl.constexpr, BIAS: tl.constexpr, SUBQ: tl.constexpr,
               NAN: tl.constexpr):
@@ -170,9 +160,13 @@ if triton is not None:
             v = f64_to_f32_odd(y / d32.to(tl.float64))
         else:
             v = tl.math.div_rn(y, d32 + tl.zeros(y.shape, tl.float32))
+        # One return: Triton's compiler refuses a return inside the constexpr branch beside another
+        # of a different type (uint8 bytes against FP8), which the interpreter accepts.
         if SOFT_CAST:
-            return _encode(round_fp8(v, MBITS, EMIN, FMT_MAX), MBITS, EMIN, BIAS, SUBQ, NAN)
-        return tl.minimum(tl.maximum(v, -FMT_MAX), FMT_MAX).to(OUT)
+            q = encode_fp8(round_fp8(v, MBITS, EMIN, FMT_MAX), MBITS, EMIN, BIAS, SUBQ, NAN)
+        else:
+            q = tl.minimum(tl.maximum(v, -FMT_MAX), FMT_MAX).to(OUT)
+        return q
 
     @triton.jit
     def _tile(X, COS, SIN, POS, SIGNS, hm, SCAL, mu, b, xb, rows, m, cols, sxs, sxd, stb, stn, std, spb, spn,
@@ -366,7 +360,8 @@ def rope_quantize(x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.T
                   rot: str = "hadamard", seed: int = 0, fmt: str = "e4m3", gran=None, block_rows: int = 0,
                   group: int = 1, pow2: bool = False, k_mean: torch.Tensor | None = None, exact: bool = True,
                   out_layout: str = "bhsd", soft_cast: bool | None = None, tile: int = 0,
-                  num_warps: int = 0) -> QuantOut:
+                  num_warps: int = 0, impl: str = "auto", stages: int = 0, progs_per_sm: int = 0,
+                  split: str = "bf16x3", table_per_head: bool = False) -> QuantOut:
     """RoPE + rotation + (smoothing) + FP8 quantization of ``x`` in one kernel (see the module doc).
 
     ``x``: (b, s, h, d) (``layout="bshd"``, a model's projection output) or (b, h, s, d), BF16/FP16/
@@ -376,7 +371,15 @@ def rope_quantize(x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.T
     ``make_rotation``) or ``none``. ``gran``: a granularity (``PerHead()`` default; ``PerBlock(0)``
     takes ``block_rows``); ``group``: heads sharing a per-head descale (Q under GQA). ``k_mean``:
     the mean over tokens of the rotated K, ``[B, H, D]`` (float64 for ``exact``), subtracted
-    after the rotation. Returns a ``QuantOut`` (values in ``out_layout``, float32 descales)."""
+    after the rotation. ``impl``: ``persistent`` (``rope_persistent``: pair halves, the split
+    rotation, the hardware cast; float32 path only, blocks of at most 128 rows), ``tiled`` (this
+    module's kernel), or ``auto``: persistent where it applies. ``tile``, ``num_warps``,
+    ``stages`` and ``progs_per_sm`` tune the launch (0: the defaults); ``split`` (persistent
+    kernel) the rotation's products: ``bf16x3`` exact products (default), ``bf16x2`` / ``bf16x1``
+    (inexact, to measure what the exact products cost), ``tf32x2`` (masked TF32 parts, no
+    conversions; the tensor core drops u's last 2 bits); ``table_per_head`` reads the cos/sin
+    rows again for every head instead of holding them in registers across the heads. Returns a ``QuantOut``
+    (values in ``out_layout``, float32 descales; ``launch`` names the kernel and its launch)."""
     gran = PerHead() if gran is None else gran
     if fmt not in ("e4m3", "e5m2"):
         raise UsageError(f"fmt={fmt}: the fused pre-pass writes e4m3 or e5m2")
@@ -445,6 +448,19 @@ def rope_quantize(x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.T
     if triton is None:
         raise UsageError(_NO_TRITON)
     soft = interpreting() if soft_cast is None else soft_cast
+    if impl not in ("auto", "persistent", "tiled"):
+        raise UsageError(f"impl={impl!r}; auto, persistent or tiled")
+    if split not in _SPLITS:
+        raise UsageError(f"split={split!r}; one of {', '.join(_SPLITS)}")
+    fits = not exact and (code != 2 or rows <= _PERSIST_MAX_ROWS)
+    if impl == "persistent" and not fits:
+        raise UsageError("impl=persistent is the float32 path (exact=False) for blocks of at most "
+                         f"{_PERSIST_MAX_ROWS} rows; use impl=tiled")
+    if impl != "tiled" and fits:
+        return _launch_persistent(x, cos, sin, pos, mu, layout, out_layout, f, fmt, code, rows, group, pow2,
+                                  rope_code, full, positions is not None, rot != "none", smooth, seed, soft,
+                                  (b, h, n, d), (stb, stn, std, spb, spn, smb, smh), tile, num_warps, stages,
+                                  progs_per_sm, split, table_per_head)
     signs, hm, scal = _constants(d, seed, dev, exact)
 
     out_shape = (b, n, h, d) if out_layout == "bshd" else (b, h, n, d)
@@ -488,6 +504,69 @@ def rope_quantize(x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.T
         _rope_quant_kernel[grid](*args, PASS=0, **common)
     return QuantOut(y, desc, out_layout, rows, group, code,
                     f"rope-quant tile{tile} w{common.get('num_warps', '-')} {'f64' if exact else 'f32-dot3'}")
+
+
+_PERSIST_MAX_ROWS = 128
+_SPLITS = {"bf16x3": 3, "bf16x2": 2, "bf16x1": 1, "tf32x2": 4}
+_PERSIST_TILE = 64
+_PERSIST_STAGES = 3
+_PERSIST_PPS = 2  # 4 warps at ~255 registers a thread: two programs fill an SM's register file
+
+
+def _launch_persistent(x, cos, sin, pos, mu, layout, out_layout, f, fmt, code, rows, group, pow2, rope_code, full,
+                       has_pos, rot, smooth, seed, soft, shape, tstrides, tile, num_warps, stages,
+                       progs_per_sm, split="bf16x3", table_per_head=False) -> QuantOut:
+    """``rope_persistent.rp_persistent``: row blocks of ``r`` rows (the scale block, or a tile),
+    each for all heads; two passes for head and tensor scales."""
+    from .quant_launch import launch, programs
+    from .rope_persistent import half_matrices, rp_persistent
+
+    b, h, n, d = shape
+    dev = x.device
+    interleaved = rope_code == 1
+    if code == 2:
+        tile = max(16, 1 << (rows - 1).bit_length())
+        r = rows
+    else:
+        tile = max(16, tile or _PERSIST_TILE)
+        r = tile
+    nblk = -(-n // r)
+    total = b * nblk
+    hmat, sqrt_d = half_matrices(d, seed, interleaved, dev)  # cached: no host-to-device copy (CUDA graphs)
+    if smooth:
+        mu = mu.to(torch.float32).contiguous()
+    out_shape = (b, n, h, d) if out_layout == "bshd" else (b, h, n, d)
+    y = torch.empty(out_shape, dtype=f.torch_dtype, device=dev)
+    if code == 2:
+        desc = torch.empty((b, h, nblk), dtype=torch.float32, device=dev)
+    elif code == 3:
+        desc = torch.empty((b, h, n), dtype=torch.float32, device=dev)
+    elif code == 1:
+        desc = torch.empty((b, h // group, 1), dtype=torch.float32, device=dev)
+    else:
+        desc = torch.empty((1, 1, 1), dtype=torch.float32, device=dev)
+    amax = torch.zeros(max(1, b * (h // group)) if code == 1 else 1, dtype=torch.int32, device=dev)
+    st = stages or _PERSIST_STAGES
+    common = dict(HALF=d // 2, TILE=tile, INTERLEAVED=interleaved, ROPE=rope_code != 0, FULL=bool(full),
+                  HAS_POS=has_pos, ROT=bool(rot), SMOOTH=bool(smooth), GRAN=code, POW2=bool(pow2), MBITS=f.mbits,
+                  EMIN=f.emin, FMT_MAX=f.max, OUT=tl_fp8(fmt), SOFT_CAST=soft, DIV=0 if interpreting() else 2,
+                  STAGES=st, BIAS=(7 if fmt == "e4m3" else 15), SUBQ=2.0 ** (f.mbits - f.emin),
+                  NAN=(0x7F if fmt == "e4m3" else 0x7E), DOT_F32=interpreting(), SPLIT=_SPLITS[split],
+                  TABLE_PER_HEAD=bool(table_per_head))
+    warps = num_warps or (8 if tile * d > 64 * 128 else 4)
+    if not interpreting():
+        common["num_warps"] = warps
+        common["enable_fp_fusion"] = False  # RoPE's products round before the sum (see the module doc)
+    pps = progs_per_sm or _PERSIST_PPS
+    grid = (programs(dev, total, pps),)
+    args = [x, y.view(torch.uint8) if soft else y, cos, sin, pos, hmat, sqrt_d, mu, amax, desc, *_strides(x, layout),
+            *_strides(y, out_layout), *tstrides, desc.stride(0), desc.stride(1), desc.stride(2), h, n, group, r, nblk,
+            total]
+    how = [launch(rp_persistent, grid, args, {**common, "PASS": p}) for p in ((1, 2) if code <= 1 else (0,))]
+    return QuantOut(y, desc, out_layout, rows, group, code,
+                    f"rope-persistent tile{tile} w{warps} st{st} {grid[0]} programs ({pps}/SM)"
+                    + (f" split {split}" if rot else " no rotation") + (" tables per head" if table_per_head else "")
+                    + f" ({how[-1]} launch)")
 
 
 def rope_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, rope: str = "half",

@@ -62,8 +62,21 @@ CASES = [
     ("fast: q half d128 block pow2", "half", 128, 128, 2, 2, "fa3-fp8", "q", "bshd", "arange", "half", False),
     ("fast: k interleaved d64 head", "interleaved", 64, 96, 2, 2, "fa3-fp8-kernel-hadamard", "k", "bshd", "offset",
      "half", False),
+    # The persistent fast path (rope_persistent) on what the float64 cases cover:
+    ("fast: q half d128 head GQA", "half", 128, 200, 4, 2, "fa3-fp8-kernel-hadamard", "q", "bshd", "batch", "half",
+     False),
+    ("fast: k half d64 smooth=k head", "half", 64, 80, 2, 2, "fa3-fp8-kernel-hadamard,smooth=k", "k", "bshd",
+     "arange", "full", False),
+    ("fast: q interleaved d64 token", "interleaved", 64, 64, 2, 2, "fa3-fp8,gran=token", "q", "bshd", "offset", "half",
+     False),
+    ("fast: k half d64 tensor", "half", 64, 64, 2, 2, "fa3-fp8-no-block-quant", "k", "bhsd", "arange", "half", False),
+    ("fast: v no rope head", "none", 64, 72, 2, 2, "fa3-fp8-kernel-hadamard", "v", "bshd", "arange", "half", False),
+    ("fast: k interleaved d128 block amax", "interleaved", 128, 160, 2, 2, "fa3-fp8,bn=128,pow2=0", "k", "bshd",
+     "offset", "full", False),
 ]
-QUICK = (0, 2)  # the unmarked subset: blocks with pow2 descales, per-head GQA with per-batch tables
+# The unmarked subset: blocks with pow2 descales, per-head GQA with per-batch tables (float64 path, and the
+# persistent fast path with a sequence of three tiles and a partial one)
+QUICK = (0, 2, 10)
 
 
 def _inv_freq(d: int) -> torch.Tensor:
@@ -204,6 +217,38 @@ def rope_checks(device: str = "cpu", cases=None, seed: int = 0) -> list[dict]:
     return out
 
 
+def launch_checks(device: str = "cpu") -> list[dict]:
+    """The fast path's launch options change where the work runs, not the bytes: tables held per
+    row block or read per head and another tile must give identical bytes and descales; the rotation's
+    other products (bf16x2, bf16x1) must not (they drop bits: a control that the split is used);
+    the tiled kernel, whose float32 sums run in another order, agrees but for near-ties. On a GPU
+    the default launch is the compiled kernel's (quant_launch.launch): it must equal Triton's own."""
+    from fa3_numerics.kernels.triton_.rope_quant import rope_quantize
+    from fa3_numerics.numerics.granularity import PerHead
+
+    out = []
+    for rope, width in (("half", "half"), ("interleaved", "full")):
+        x = _inputs(2, 4, 150, 128, 11, bias=False)
+        cos, sin, _ = _tables(128, 2, 150, "arange", width, rope)
+        xin = x.transpose(1, 2).contiguous().to(device)
+        kw = dict(rope=rope, gran=PerHead(), seed=2, exact=False, group=2)
+        base = rope_quantize(xin, cos.to(device), sin.to(device), **kw)
+        for name, extra in (("tables per head", dict(table_per_head=True)), ("tile 32", dict(tile=32)),
+                            ("jit launch", {}), ("bf16x1", dict(split="bf16x1")), ("tiled", dict(impl="tiled"))):
+            if name == "jit launch":  # the compiled-kernel launch (quant_launch.launch) against Triton's own
+                os.environ["FA3N_TRITON_FAST_LAUNCH"] = "0"
+            try:
+                o = rope_quantize(xin, cos.to(device), sin.to(device), **kw, **extra)
+            finally:
+                os.environ.pop("FA3N_TRITON_FAST_LAUNCH", None)
+            a, b = o.values.view(torch.uint8).cpu(), base.values.view(torch.uint8).cpu()
+            out.append({"case": f"{rope}: {name}", "identical": float((a == b).double().mean()),
+                        "adjacent": _adjacent(o.values.cpu(), base.values.cpu()),
+                        "descales_equal": bool(torch.equal(o.descale.cpu(), base.descale.cpu())),
+                        "launch": o.launch})
+    return out
+
+
 def _assert_rows(rows: list[dict], device: str) -> None:
     for r in rows:
         if r["case"] == "seed control":
@@ -304,6 +349,31 @@ def _interpret(which: tuple[int, ...]) -> list[dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def test_interpreted_fast_path_launches_keep_the_bytes():
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed: the interpreter tests need it (pip install triton)")
+    if GPU_REASON is None:
+        pytest.skip("a GPU is present: test_gpu_fast_path_launches_keep_the_bytes covers this")
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_kernels_rope as t; "
+            "print(json.dumps(t.launch_checks('cpu')))")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_launch_rows(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def _assert_launch_rows(rows: list[dict]) -> None:
+    assert len(rows) == 10
+    for r in rows:
+        if r["case"].endswith(("tables per head", "tile 32", "jit launch")):
+            assert r["identical"] == 1.0 and r["descales_equal"], r
+        elif r["case"].endswith("bf16x1"):
+            assert r["identical"] < 0.99, r  # one BF16 product drops 16 bits: many bytes move
+        else:
+            assert r["identical"] >= 0.999 and r["adjacent"], r
+
+
 def test_interpreted_rope_quant_matches_prepare_quick():
     rows = _interpret(QUICK)
     assert len(rows) == len(QUICK) + 1
@@ -327,6 +397,11 @@ gpu = pytest.mark.skipif(GPU_REASON is not None, reason=GPU_REASON or "")
 @gpu
 def test_gpu_rope_quant_matches_prepare():
     _assert_rows(rope_checks("cuda"), "cuda")
+
+
+@gpu
+def test_gpu_fast_path_launches_keep_the_bytes():
+    _assert_launch_rows(launch_checks("cuda"))
 
 
 @gpu

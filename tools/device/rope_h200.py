@@ -113,6 +113,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-tests", action="store_true", help="skip the GPU pytest of the kernel")
     ap.add_argument("--budget-s", type=float, default=170.0,
                     help="start no shape after this many seconds (the GPU pytest then gets the rest, >= 30 s)")
+    ap.add_argument("--sweep", default="64,4,3,2;64,4,4,2;32,2,3,4;64,4,3,2,h;64,4,4,2,h;64,4,3,3,h;32,2,3,4,h;"
+                                       "32,2,4,4,h;32,4,3,3,h",
+                    help="launches of the persistent pre-pass to time on the first shape (tile,warps,stages,"
+                         "programs per SM[,h: tables read per head];...); the fastest runs every shape's ours-fast. "
+                         "'' keeps the default")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU dry run of every step: Triton's interpreter, kernels/fa3.py's mock_flash_attn, one "
                          "tiny shape (checks the script, measures nothing)")
@@ -125,7 +130,7 @@ def main(argv=None) -> int:
     if args._pytest:
         import pytest
 
-        return pytest.main(["-q", "-x", "-p", "no:cacheprovider", str(REPO / "tests" / "test_kernels_rope.py")])
+        return pytest.main(["-q", "-x", "-p", "no:cacheprovider", str(REPO / "tests" / "kernels" / "test_kernels_rope.py")])
     try:
         shapes = parse_shapes(args.shapes)
     except ValueError as exc:
@@ -149,6 +154,12 @@ def main(argv=None) -> int:
     res["env"].update(ctx.provenance)
     res["copy_tbs"] = ctx.copy_tbs
     log(f"copy bandwidth {ctx.copy_tbs:.2f} TB/s")
+    if args.sweep and ctx.fa3 is not None:
+        try:
+            res["sweep"] = sweep(ctx, *shapes[0], args.sweep)
+        except Exception as exc:  # noqa: BLE001 - the default launch still runs every shape
+            traceback.print_exc()
+            res["sweep"] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
     for b, h, s in shapes:
         if time.perf_counter() - T0 > args.budget_s:
             log(f"budget of {args.budget_s:.0f} s spent: shape {b}x{h}x{s} not started")
@@ -231,6 +242,7 @@ class Context:
         self.ao = optional("torchao fp8_fa3_rope_sdpa (torchao 0.18.0 wheel, torch >= 2.11)", self._load_ao)
         self.provenance["torchao"] = self.ao[2] if self.ao else None
         self.copy_tbs = self._copy_bw()
+        self.launch: dict = {}  # the persistent pre-pass's launch: the library's default unless --sweep picks one
 
     def _load_fa3(self):
         from fa3_numerics.kernels.fa3 import load_kernel
@@ -239,6 +251,7 @@ class Context:
         return fn, f"{module} ({version})"
 
     def _load_ao(self):
+        alias_fa3_for_torch()
         import torchao
         from torch.nn.attention import activate_flash_attention_impl, restore_flash_attention_impl
         from torchao.prototype.attention.fp8_fa3 import fp8_fa3_rope_sdpa
@@ -249,12 +262,111 @@ class Context:
         ms = [t * 1e3 for t in event_times(fn, self.args.reps, warmup=self.args.warmup)]
         return {"ms": quantile(ms, 0.5), "p10": quantile(ms, 0.1), "p90": quantile(ms, 0.9)}
 
+    def graph_ms(self, fn) -> float | None:
+        """Device time of fn() (median of CUDA-graph replays of 10 calls): the host's launches out."""
+        if self.dev != "cuda":
+            return None
+        try:
+            from common import graph_times
+
+            return quantile([t * 1e3 for t in graph_times(fn, calls=10, reps=self.args.reps)], 0.5)
+        except Exception as exc:  # noqa: BLE001 - a call that cannot be captured keeps its per-call time only
+            log(f"  (not capturable: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})")
+            self.torch.cuda.synchronize()
+            return None
+
     def _copy_bw(self) -> float:
         torch = self.torch
         x = torch.empty(1 << (20 if self.dev == "cpu" else 28), dtype=torch.uint8, device=self.dev)  # 256 MB > L2
         y = torch.empty_like(x)
         t = self.time_ms(lambda: y.copy_(x))["ms"]
         return 2 * x.numel() / (t * 1e-3) / 1e12
+
+
+def alias_fa3_for_torch() -> None:
+    """torch's FA3 registration (``activate_flash_attention_impl("FA3")``, which torchao's
+    ``fp8_fa3_rope_sdpa`` calls) imports ``flash_attn_interface`` and then calls
+    ``torch.ops.flash_attn_3.fwd``. The carried fa3-fwd wheel is the same FA3 build under other
+    names: ``fa3_fwd_interface`` and ``torch.ops.fa3_fwd``, with the same positional schema. Where
+    the upstream module is absent, alias both names, so that torchao runs on the kernel we measure."""
+    import importlib.util
+    import types
+
+    import torch
+
+    if importlib.util.find_spec("flash_attn_interface") is not None:
+        return
+    import fa3_fwd_interface  # noqa: F401 - registers torch.ops.fa3_fwd
+
+    ns = torch.ops.flash_attn_3
+    for op in ("fwd", "bwd"):
+        if not hasattr(torch.ops.fa3_fwd, op):
+            raise RuntimeError(f"fa3-fwd has no torch.ops.fa3_fwd.{op}")
+        setattr(ns, op, getattr(torch.ops.fa3_fwd, op))
+    shim = types.ModuleType("flash_attn_interface")
+    shim.__doc__ = "alias of fa3_fwd_interface (tools/device/rope_h200.py)"
+    shim.__dict__.update({k: v for k, v in vars(fa3_fwd_interface).items() if not k.startswith("__")})
+    sys.modules["flash_attn_interface"] = shim
+
+
+def sweep(ctx: Context, b: int, h: int, s: int, spec: str) -> dict:
+    """Device time (CUDA-graph replays) of the persistent pre-pass of Q, K (RoPE + Hadamard) and V
+    (cast) with per-head descales, for each launch in ``spec``; sets ``ctx.launch`` to the fastest."""
+    torch, rq, args = ctx.torch, ctx.rq, ctx.args
+    from fa3_numerics.numerics.granularity import PerHead
+
+    d, dev = args.head_dim, ctx.dev
+    g = torch.Generator(device=dev).manual_seed(args.seed)
+    q, k, v = (torch.randn(b, s, h, d, device=dev, generator=g).to(torch.bfloat16) for _ in range(3))
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64, device=dev) / d))
+    cos, sin = rq.rope_tables(inv.float(), s, device=dev)
+    minimal = 3 * q.numel() * 3 + 3 * b * h * 4
+    rows = []
+    for part in spec.split(";"):
+        fields = part.split(",")
+        tile, warps, stages, pps = (int(x) for x in fields[:4])
+        kw = dict(tile=tile, num_warps=warps, stages=stages, progs_per_sm=pps)
+        if fields[4:] == ["h"]:
+            kw["table_per_head"] = True
+
+        def prep(kw=kw):
+            common = dict(gran=PerHead(), seed=args.seed, exact=False, out_layout="bshd", impl="persistent", **kw)
+            return (rq.rope_quantize(q, cos, sin, rope=args.rope, **common),
+                    rq.rope_quantize(k, cos, sin, rope=args.rope, **common),
+                    rq.rope_quantize(v, rope="none", rot="none", **common))
+        try:
+            prep()
+            ms = ctx.graph_ms(prep) or ctx.time_ms(prep)["ms"]
+            row = {"launch": kw, "ms": ms, "pct_copy": 100 * minimal / (ms * 1e-3) / 1e12 / ctx.copy_tbs}
+            log(f"  sweep tile {tile} warps {warps} stages {stages} {pps}/SM: {ms:.4f} ms, "
+                f"{row['pct_copy']:.0f}% of copy (minimal bytes)")
+        except Exception as exc:  # noqa: BLE001 - a launch that does not compile or fit is a row, not the end
+            row = {"launch": kw, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            log(f"  sweep {kw}: {row['error']}")
+        rows.append(row)
+    ok = [r for r in rows if "ms" in r]
+    if ok:
+        ctx.launch = dict(min(ok, key=lambda r: r["ms"])["launch"])
+        log(f"  sweep: fastest {ctx.launch}")
+    # V alone: this kernel without RoPE and rotation against the plain quantizer (rotate_quant's persistent kernel)
+    v_rows = {}
+    try:
+        from fa3_numerics.kernels.triton_.rotate_quant import rotate_quantize
+
+        vb = 2 * v.numel() * 2 + v.numel() + b * h * 4
+        for name, fn in (("rope_quantize", lambda: rq.rope_quantize(v, rope="none", rot="none", gran=PerHead(),
+                                                                     exact=False, out_layout="bshd", **ctx.launch)),
+                         ("rotate_quantize", lambda: rotate_quantize(v, layout="bshd", gran=PerHead(), rot="none",
+                                                                     out_layout="bshd"))):
+            fn()
+            ms = ctx.graph_ms(fn) or ctx.time_ms(fn)["ms"]
+            v_rows[name] = {"ms": ms, "pct_copy_traffic": 100 * vb / (ms * 1e-3) / 1e12 / ctx.copy_tbs}
+            log(f"  V per head by {name}: {ms:.4f} ms ({v_rows[name]['pct_copy_traffic']:.0f}% of copy, both reads)")
+    except Exception as exc:  # noqa: BLE001
+        log(f"  V comparison failed: {type(exc).__name__}: {str(exc)[:200]}")
+    del q, k, v
+    torch.cuda.empty_cache()
+    return {"shape": [b, h, s, d], "rows": rows, "chosen": ctx.launch, "v": v_rows}
 
 
 def rope64(x, cos64, sin64, rope: str):
@@ -315,16 +427,27 @@ def run_shape(ctx: Context, b: int, h: int, s: int) -> dict:
         t = ctx.time_ms(fn)
         o = fn()
         row = {"name": name, "note": note, **t, "tflops": flops / (t["ms"] * 1e-3) / 1e12, **error(to_bhsd(o))}
+        del o
+        g = ctx.graph_ms(fn)
+        if g:
+            row.update(graph_ms=g, graph_tflops=flops / (g * 1e-3) / 1e12)
         if prep is not None:
             pt = ctx.time_ms(prep)
             tbs = prep_bytes / (pt["ms"] * 1e-3) / 1e12
             row.update(prep_ms=pt["ms"], prep_min_gb=prep_bytes / 1e9, prep_tbs_min=tbs,
                        prep_traffic_gb=prep_traffic / 1e9,
                        prep_pct_copy=100 * prep_bytes / (pt["ms"] * 1e-3) / 1e12 / ctx.copy_tbs)
+            pg = ctx.graph_ms(prep)
+            if pg:
+                row.update(prep_graph_ms=pg, prep_graph_pct_copy=100 * prep_bytes / (pg * 1e-3) / 1e12 / ctx.copy_tbs,
+                           prep_graph_traffic_pct=100 * prep_traffic / (pg * 1e-3) / 1e12 / ctx.copy_tbs)
         variants.append(row)
-        log(f"  {name:18s} {row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s rmse {row['rmse']:.3e}"
-            + (f"  prep {row['prep_ms']:.3f} ms ({row['prep_pct_copy']:.0f}% of copy)" if prep else "") + note)
-        del o
+        log(f"  {name:18s} {row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s"
+            + (f" (graph {row['graph_ms']:.3f} ms)" if g else "") + f" rmse {row['rmse']:.3e}"
+            + (f"  prep {row['prep_ms']:.3f} ms ({row['prep_pct_copy']:.0f}% of copy"
+               + (f"; graph {row['prep_graph_ms']:.3f} ms, {row['prep_graph_pct_copy']:.0f}%, traffic "
+                  f"{row['prep_graph_traffic_pct']:.0f}%" if row.get('prep_graph_ms') else "") + ")" if prep else "")
+            + note)
 
     bshd_to_bhsd = lambda o: o.transpose(1, 2)  # noqa: E731
     fa3 = ctx.fa3[0] if ctx.fa3 else None
@@ -359,12 +482,14 @@ def run_shape(ctx: Context, b: int, h: int, s: int) -> dict:
 
     # (b) ours: fused RoPE + Hadamard + FP8 for Q and K, V's cast, FA3 FP8
     if fa3 is not None:
-        for exact in (True, False):
-            def prep(exact=exact):
-                kw = dict(rope=args.rope, gran=PerHead(), seed=args.seed, exact=exact, out_layout="bshd")
+        for exact, impl in ((True, "tiled"), (False, "tiled"), (False, "persistent")):
+            def prep(exact=exact, impl=impl):
+                kw = dict(rope=args.rope, gran=PerHead(), seed=args.seed, exact=exact, out_layout="bshd", impl=impl,
+                          **(ctx.launch if impl == "persistent" else {}))
                 qo = rq.rope_quantize(q, cos, sin, **kw)
                 ko = rq.rope_quantize(k, cos, sin, **kw)
-                vo = rq.rope_quantize(v, rope="none", rot="none", gran=PerHead(), exact=exact, out_layout="bshd")
+                vo = rq.rope_quantize(v, rope="none", rot="none", gran=PerHead(), exact=exact, out_layout="bshd",
+                                      impl=impl, **(ctx.launch if impl == "persistent" else {}))
                 return qo, ko, vo
 
             def run(prep=prep):
@@ -375,10 +500,18 @@ def run_shape(ctx: Context, b: int, h: int, s: int) -> dict:
             qo, ko, vo = prep()
             minimal = sum(rq.min_bytes(x, o) for x, o in ((q, qo), (k, ko), (v, vo)))
             traffic = minimal + 3 * q.numel() * 2  # per-head descales: a second read of each input
-            name = "ours-exact" if exact else "ours-fast"
-            add(name, run, bshd_to_bhsd, " (f64 after RoPE: bytes = prepare())" if exact else " (f32 3-dot)",
-                prep=prep, prep_bytes=minimal, prep_traffic=traffic)
-            if not exact:
+            name = "ours-exact" if exact else ("ours-fast" if impl == "persistent" else "ours-fast-tiled")
+            note = (" (f64 after RoPE: bytes = prepare())" if exact else
+                    f" ({qo.launch}; V {vo.launch})" if impl == "persistent" else " (f32 3-dot, the kernel before)")
+            add(name, run, bshd_to_bhsd, note, prep=prep, prep_bytes=minimal, prep_traffic=traffic)
+            if impl == "persistent":
+                ref_q = rq.rope_quantize(q, cos, sin, rope=args.rope, gran=PerHead(), seed=args.seed, exact=True,
+                                         out_layout="bshd")
+                same = (ref_q.values.view(torch.uint8) == qo.values.view(torch.uint8)).double().mean()
+                variants[-1]["q_bytes_equal_exact"] = float(same)
+                log(f"    Q bytes equal to the float64 path's: {float(same):.6f}")
+                del ref_q
+            if not exact and impl == "persistent":
                 fq = lambda: fa3_call(qo.values, ko.values, vo.values, q_descale=qo.descale[..., 0],  # noqa: E731
                                       k_descale=ko.descale[..., 0], v_descale=vo.descale[..., 0])
                 add("fp8-attention-only", fq, bshd_to_bhsd)
@@ -411,7 +544,19 @@ def run_shape(ctx: Context, b: int, h: int, s: int) -> dict:
     for v_ in variants:
         if base and "tflops" in v_:
             v_["vs_bf16"] = v_["tflops"] / base["tflops"]
+        if base and base.get("graph_ms") and v_.get("graph_ms"):
+            v_["vs_bf16_graph"] = base["graph_ms"] / v_["graph_ms"]
+    floor = next((v_ for v_ in variants if v_["name"] == "floor"), None)
+    fp8 = next((v_ for v_ in variants if v_["name"] == "fp8-attention-only"), None)
+    if floor and fp8 and fp8.get("graph_ms") and base and base.get("graph_ms"):
+        floor["graph_ms"] = fp8["graph_ms"] + floor["ms"] - fp8["ms"]
+        floor["vs_bf16_graph"] = base["graph_ms"] / floor["graph_ms"]
     return {"shape": [b, h, s, d], "flops": flops, "rows": int(rows.numel()), "variants": variants}
+
+
+# ours-fast / bf16 per shape (b, h, s), per call, from reports/h200/rope (2026-12-01, the tiled kernel): printed
+# beside today's figure.
+PREVIOUS = {(2, 16, 8192): 0.636, (4, 32, 4096): 0.552, (2, 16, 16384): 0.932, (4, 32, 8192): 0.795}
 
 
 def markdown(res: dict) -> str:
@@ -420,31 +565,66 @@ def markdown(res: dict) -> str:
              f"{e.get('gpu')}, torch {e.get('torch')}, triton {e.get('triton')}, FA3 {e.get('fa3')}, torchao "
              f"{e.get('torchao')}, commit {e.get('commit')}, {e.get('date_utc')} UTC. Copy bandwidth "
              f"{res.get('copy_tbs', float('nan')):.2f} TB/s. Median of {res['args']['reps']} calls "
-             f"(p10-p90), CUDA events; RMSE against float64 on {res['args']['rows']} query rows per (batch, head), "
-             "95% bootstrap interval over (batch, head). Target: ours / bf16 >= 1.05.", ""]
+             f"(p10-p90), CUDA events; 'graph': median device time per call of CUDA-graph replays of 10 calls "
+             "(the host's launches out). RMSE against float64 on "
+             f"{res['args']['rows']} query rows per (batch, head), 95% bootstrap interval over (batch, head). "
+             "Target: ours / bf16 >= 1.05.", ""]
     t = res.get("tests")
     if t:
         lines += [f"GPU pytest tests/kernels/test_kernels_rope.py: rc {t['rc']}, `{t['tail'][-1] if t['tail'] else ''}`", ""]
+    sw = res.get("sweep")
+    if sw and "rows" in sw:
+        b, h, s_, d = sw["shape"]
+        lines += [f"## Launch sweep of the persistent pre-pass (Q, K, V per head; b={b} h={h} s={s_} d={d})", "",
+                  "| tile | warps | stages | programs/SM | tables read | device ms | % of copy (minimal bytes) |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in sw["rows"]:
+            la = r["launch"]
+            cells = (f"{r['ms']:.4f} | {r['pct_copy']:.0f}%" if "ms" in r else f"- | {r['error']}")
+            lines.append(f"| {la['tile']} | {la['num_warps']} | {la['stages']} | {la['progs_per_sm']} | "
+                         f"{'per head' if la.get('table_per_head') else 'per row block'} | {cells} |")
+        lines += ["", f"Chosen for ours-fast: {sw['chosen']}", ""]
+        for name, r in sw.get("v", {}).items():
+            lines.append(f"- V per head alone by `{name}`: {r['ms']:.4f} ms, {r['pct_copy_traffic']:.0f}% of copy "
+                         "(both reads counted)")
+        lines.append("")
+    summary = []
     for sh in res["shapes"]:
         b, h, s, d = sh["shape"]
         lines += [f"## b={b} h={h} s={s} d={d}", ""]
         if "variants" not in sh:
             lines += [f"not measured: {sh.get('error') or sh.get('skipped')}", ""]
             continue
-        lines += ["| variant | ms (p10-p90) | TFLOP/s | vs bf16 | RMSE [95%] | pre-pass ms "
-                  "| pre-pass TB/s (minimal bytes) | % of copy | traffic GB | note |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| variant | ms (p10-p90) | TFLOP/s | vs bf16 | graph ms | vs bf16 (graph) | RMSE [95%] "
+                  "| pre-pass ms | % of copy | pre-pass graph ms | % of copy (graph) | traffic GB | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for v in sh["variants"]:
             if "error" in v:
-                lines.append(f"| {v['name']} | - | - | - | - | - | - | - | - | {v['error']} |")
+                lines.append(f"| {v['name']} | - | - | - | - | - | - | - | - | - | - | - | {v['error']} |")
                 continue
             rm = f"{v['rmse']:.3e} [{v['rmse_lo']:.3e}-{v['rmse_hi']:.3e}]" if "rmse" in v else "-"
             if v.get("nonfinite"):
                 rm += f" **{v['nonfinite']} non-finite**"
-            pp = (f"{v['prep_ms']:.3f} | {v['prep_tbs_min']:.2f} | {v['prep_pct_copy']:.0f}% | "
-                  f"{v['prep_traffic_gb']:.2f}" if "prep_ms" in v else "- | - | - | -")
+            pp = (f"{v['prep_ms']:.3f} | {v['prep_pct_copy']:.0f}% | " if "prep_ms" in v else "- | - | ")
+            pp += (f"{v['prep_graph_ms']:.3f} | {v['prep_graph_pct_copy']:.0f}% | " if v.get("prep_graph_ms")
+                   else "- | - | ")
+            pp += f"{v['prep_traffic_gb']:.2f}" if "prep_traffic_gb" in v else "-"
+            gm = (f"{v['graph_ms']:.3f} | {v.get('vs_bf16_graph', float('nan')):.3f}" if v.get("graph_ms")
+                  else "- | -")
+            note = v.get("note", "").strip()
+            if "q_bytes_equal_exact" in v:
+                note += f"; Q bytes equal to the float64 path's: {v['q_bytes_equal_exact']:.6f}"
             lines.append(f"| {v['name']} | {v['ms']:.3f} ({v['p10']:.3f}-{v['p90']:.3f}) | {v['tflops']:.1f} | "
-                         f"{v.get('vs_bf16', float('nan')):.3f} | {rm} | {pp} | {v.get('note', '').strip()} |")
+                         f"{v.get('vs_bf16', float('nan')):.3f} | {gm} | {rm} | {pp} | {note} |")
+        ours = next((v for v in sh["variants"] if v.get("name") == "ours-fast" and "vs_bf16" in v), None)
+        if ours:
+            summary.append(f"| {b}, {h}, {s} | {ours['vs_bf16']:.3f} | {ours.get('vs_bf16_graph', float('nan')):.3f} "
+                           f"| {PREVIOUS.get((b, h, s), float('nan')):.3f} |")
         lines.append("")
+    if summary:
+        lines += ["## ours-fast / bf16 beside the previous figure", "",
+                  "| b, h, s | today (per call) | today (graph) | previous (2026-12-01, per call) |",
+                  "|---|---|---|---|", *summary, ""]
     return "\n".join(lines) + "\n"
 
 
