@@ -488,8 +488,9 @@ def run_shape(ctx: Context, b: int, h: int, s: int) -> dict:
                           **(ctx.launch if impl == "persistent" else {}))
                 qo = rq.rope_quantize(q, cos, sin, **kw)
                 ko = rq.rope_quantize(k, cos, sin, **kw)
+                # V (no RoPE, no rotation): the library's choice for the fast path (the plain quantizer)
                 vo = rq.rope_quantize(v, rope="none", rot="none", gran=PerHead(), exact=exact, out_layout="bshd",
-                                      impl=impl, **(ctx.launch if impl == "persistent" else {}))
+                                      impl="auto" if impl == "persistent" else impl)
                 return qo, ko, vo
 
             def run(prep=prep):
