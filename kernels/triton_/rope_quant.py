@@ -373,7 +373,8 @@ def rope_quantize(x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.T
     the mean over tokens of the rotated K, ``[B, H, D]`` (float64 for ``exact``), subtracted
     after the rotation. ``impl``: ``persistent`` (``rope_persistent``: pair halves, the split
     rotation, the hardware cast; float32 path only, blocks of at most 128 rows), ``tiled`` (this
-    module's kernel), or ``auto``: persistent where it applies. ``tile``, ``num_warps``,
+    module's kernel), or ``auto``: persistent where it applies, and for an operand with neither
+    RoPE nor rotation (V) the plain quantizer (``rotate_quant.rotate_quantize``, the same bytes). ``tile``, ``num_warps``,
     ``stages`` and ``progs_per_sm`` tune the launch (0: the defaults); ``split`` (persistent
     kernel) the rotation's products: ``bf16x3`` exact products (default), ``bf16x2`` / ``bf16x1``
     (inexact, to measure what the exact products cost), ``tf32x2`` (masked TF32 parts, no
