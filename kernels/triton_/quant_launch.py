@@ -131,21 +131,24 @@ def launch(kernel, grid: tuple, args: list, consts: dict) -> str:
     Why: a JIT launch binds and specialises every argument again (about 0.1 ms for the fused
     pre-pass's ~45 arguments and ~25 constants on the H200's host). Timed per call, its three
     operands' six launches cost more than the kernels themselves. The compiled kernel is the one
-    ``kernel.warmup`` returns for these arguments. ``warmup`` specialises every pointer as
-    16-byte aligned, so the cache key holds what Triton specialises on: each tensor's dtype
-    (an unaligned one takes the JIT launch), each integer's ``== 1``, ``% 16 == 0`` and
-    32-bit range, and the constants. ``FA3N_TRITON_FAST_LAUNCH=0`` always takes the JIT launch.
-    Triton's interpreter has no compiled kernels."""
+    ``kernel.warmup`` returns for these arguments, on the current device. The cache key holds
+    what Triton 3.6 specialises on (``native_specialize_impl``): each tensor's dtype, and its
+    pointer's 16-byte alignment (only aligned calls are cached; others take the JIT launch);
+    each integer's ``== 1``, ``% 16 == 0`` and 32-bit range; the constants; and the device,
+    whose loaded binary the compiled kernel is. Not in it: Triton's global knobs (debug,
+    instrumentation), which this package does not change between calls.
+    ``FA3N_TRITON_FAST_LAUNCH=0`` always takes the JIT launch. Triton's interpreter has no
+    compiled kernels, so there both launches are the JIT's."""
     if interpreting() or os.environ.get("FA3N_TRITON_FAST_LAUNCH", "1") == "0":
         kernel[grid](*args, **consts)
         return "jit"
-    key = [id(kernel)]
+    key = [id(kernel), torch.cuda.current_device()]
     for a in args:
         if isinstance(a, torch.Tensor):
             if a.data_ptr() % 16:
                 kernel[grid](*args, **consts)
                 return "jit (unaligned pointer)"
-            key.append(a.dtype)
+            key.append((a.dtype, a.device))
         elif isinstance(a, bool) or not isinstance(a, int):
             key.append((type(a).__name__, a if isinstance(a, bool) else None))
         else:

@@ -453,17 +453,21 @@ def rope_quantize(x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.T
         raise UsageError(f"impl={impl!r}; auto, persistent or tiled")
     if split not in _SPLITS:
         raise UsageError(f"split={split!r}; one of {', '.join(_SPLITS)}")
-    fits = not exact and (code != 2 or rows <= _PERSIST_MAX_ROWS)
+    # The persistent kernel's products have K = d/2, and Triton's tensor-core dots need K >= 16.
+    fits = not exact and (code != 2 or rows <= _PERSIST_MAX_ROWS) and (rot == "none" or d >= 32)
     if impl == "persistent" and not fits:
         raise UsageError("impl=persistent is the float32 path (exact=False) for blocks of at most "
-                         f"{_PERSIST_MAX_ROWS} rows; use impl=tiled")
-    if impl == "auto" and fits and not rope_code and rot == "none" and not smooth:
+                         f"{_PERSIST_MAX_ROWS} rows and, with the rotation, head_dim >= 32; use impl=tiled")
+    if impl == "auto" and not exact and not rope_code and rot == "none" and not smooth:
         # V: no RoPE, no rotation, only the cast. The plain quantizer's persistent kernel moves it
-        # at 89% of a copy on the H200 against this module's 71% (reports/h200/rope), same bytes.
+        # at 89% of a copy on the H200 against this module's 71% (reports/h200/rope), same bytes;
+        # it also takes blocks longer than 128 rows (its shared-memory kernels). The launch
+        # settings given here go to it.
         from .rotate_quant import rotate_quantize
 
         return rotate_quantize(x, layout=layout, fmt=fmt, gran=gran, block_rows=block_rows, group=group, pow2=pow2,
-                               rot="none", exact=False, out_layout=out_layout, soft_cast=soft_cast)
+                               rot="none", exact=False, out_layout=out_layout, soft_cast=soft_cast, tile=tile,
+                               num_warps=num_warps, stages=stages, progs_per_sm=progs_per_sm)
     if impl != "tiled" and fits:
         return _launch_persistent(x, cos, sin, pos, mu, layout, out_layout, f, fmt, code, rows, group, pow2,
                                   rope_code, full, positions is not None, rot != "none", smooth, seed, soft,

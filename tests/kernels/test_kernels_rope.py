@@ -73,6 +73,8 @@ CASES = [
     ("fast: v no rope head", "none", 64, 72, 2, 2, "fa3-fp8-kernel-hadamard", "v", "bshd", "arange", "half", False),
     ("fast: k interleaved d128 block amax", "interleaved", 128, 160, 2, 2, "fa3-fp8,bn=128,pow2=0", "k", "bshd",
      "offset", "full", False),
+    ("fast: q half d64 block 48 rows (< the 64-row tile)", "half", 64, 100, 2, 2, "fa3-fp8,bm=48,bn=64", "q", "bshd",
+     "arange", "half", False),
 ]
 # The unmarked subset: blocks with pow2 descales, per-head GQA with per-batch tables (float64 path, and the
 # persistent fast path with a sequence of three tiles and a partial one)
@@ -222,7 +224,8 @@ def launch_checks(device: str = "cpu") -> list[dict]:
     row block or read per head and another tile must give identical bytes and descales; the rotation's
     other products (bf16x2, bf16x1) must not (they drop bits: a control that the split is used);
     the tiled kernel, whose float32 sums run in another order, agrees but for near-ties. On a GPU
-    the default launch is the compiled kernel's (quant_launch.launch): it must equal Triton's own."""
+    the default launch is the compiled kernel's (quant_launch.launch): it must equal Triton's own
+    (on the CPU both are the interpreter's, so that row only tests something on a GPU)."""
     from fa3_numerics.kernels.triton_.rope_quant import rope_quantize
     from fa3_numerics.numerics.granularity import PerHead
 
@@ -246,6 +249,12 @@ def launch_checks(device: str = "cpu") -> list[dict]:
                         "adjacent": _adjacent(o.values.cpu(), base.values.cpu()),
                         "descales_equal": bool(torch.equal(o.descale.cpu(), base.descale.cpu())),
                         "launch": o.launch})
+    # head_dim 16 with the rotation: the persistent kernel's products would have K = 8, which Triton's
+    # tensor-core dots refuse on a GPU (the interpreter does not check), so the tiled kernel runs it.
+    x = _inputs(1, 2, 40, 16, 12, bias=False).transpose(1, 2).contiguous().to(device)
+    cos, sin, _ = _tables(16, 1, 40, "arange", "half", "half")
+    o = rope_quantize(x, cos.to(device), sin.to(device), gran=PerHead(), exact=False)
+    out.append({"case": "d16: the tiled kernel", "launch": o.launch})
     return out
 
 
@@ -364,9 +373,11 @@ def test_interpreted_fast_path_launches_keep_the_bytes():
 
 
 def _assert_launch_rows(rows: list[dict]) -> None:
-    assert len(rows) == 10
+    assert len(rows) == 11
     for r in rows:
-        if r["case"].endswith(("tables per head", "tile 32", "jit launch")):
+        if r["case"].startswith("d16"):
+            assert r["launch"].startswith("rope-quant tile"), r
+        elif r["case"].endswith(("tables per head", "tile 32", "jit launch")):
             assert r["identical"] == 1.0 and r["descales_equal"], r
         elif r["case"].endswith("bf16x1"):
             assert r["identical"] < 0.99, r  # one BF16 product drops 16 bits: many bytes move
