@@ -371,15 +371,18 @@ def rope_quantize(x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.T
     ``make_rotation``) or ``none``. ``gran``: a granularity (``PerHead()`` default; ``PerBlock(0)``
     takes ``block_rows``); ``group``: heads sharing a per-head descale (Q under GQA). ``k_mean``:
     the mean over tokens of the rotated K, ``[B, H, D]`` (float64 for ``exact``), subtracted
-    after the rotation. ``impl``: ``persistent`` (``rope_persistent``: pair halves, the split
-    rotation, the hardware cast; float32 path only, blocks of at most 128 rows), ``tiled`` (this
-    module's kernel), or ``auto``: persistent where it applies, and for an operand with neither
-    RoPE nor rotation (V) the plain quantizer (``rotate_quant.rotate_quantize``, the same bytes). ``tile``, ``num_warps``,
-    ``stages`` and ``progs_per_sm`` tune the launch (0: the defaults); ``split`` (persistent
-    kernel) the rotation's products: ``bf16x3`` exact products (default), ``bf16x2`` / ``bf16x1``
-    (inexact, to measure what the exact products cost), ``tf32x2`` (masked TF32 parts, no
-    conversions; the tensor core drops u's last 2 bits); ``table_per_head`` reads the cos/sin
-    rows again for every head instead of holding them in registers across the heads. Returns a ``QuantOut``
+    after the rotation.
+
+    ``impl``: ``persistent`` (``rope_persistent``: pair halves, the split rotation, the hardware
+    cast; the float32 path only, blocks of at most 128 rows, head_dim >= 32 with the rotation),
+    ``tiled`` (this module's kernel), or ``auto``: persistent where it applies, and for an operand
+    with neither RoPE nor rotation (V) the plain quantizer (``rotate_quant.rotate_quantize``, the
+    same bytes). ``tile``, ``num_warps``, ``stages`` and ``progs_per_sm`` tune the launch (0: the
+    defaults). ``split`` (persistent kernel) chooses the rotation's products: ``bf16x3`` exact
+    products (default), ``bf16x2`` / ``bf16x1`` (inexact, to measure what the exact products
+    cost), ``tf32x2`` (masked TF32 parts, no conversions; the tensor core drops u's last 2 bits).
+    ``table_per_head`` reads the cos/sin rows again for every head instead of holding them in
+    registers across the heads. Returns a ``QuantOut``
     (values in ``out_layout``, float32 descales; ``launch`` names the kernel and its launch)."""
     gran = PerHead() if gran is None else gran
     if fmt not in ("e4m3", "e5m2"):
