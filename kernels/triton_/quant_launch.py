@@ -2,7 +2,7 @@
 write, the rotation's constants, and how many programs a grid gets.
 
 Exposed: ``QuantOut``, ``GRAN_CODES``, ``LAYOUTS``, ``strides``, ``dims``, ``rotation_constants``,
-``programs``, ``fit_per_sm``, ``launch``, ``SMEM_PER_SM``, ``REGS_PER_SM``.
+``programs``, ``fit_per_sm``, ``descale_buffer``, ``launch``, ``SMEM_PER_SM``, ``REGS_PER_SM``.
 """
 
 from __future__ import annotations
@@ -59,6 +59,13 @@ class QuantOut:
         if self.gran == 1:
             return d.repeat_interleave(self.group, dim=1).unsqueeze(-1)
         return d.repeat_interleave(self.rows, dim=2)[:, :, :seqlen].unsqueeze(-1)
+
+
+def descale_buffer(gran_code: int, b: int, h: int, n: int, rows: int, group: int, device) -> torch.Tensor:
+    """The float32 descales a quantizer writes, in ``QuantOut.descale``'s shape: (b, h, blocks of
+    ``rows``) per block, (b, h, n) per token, (b, h // group, 1) per head, (1, 1, 1) per tensor."""
+    shape = {2: (b, h, -(-n // rows)), 3: (b, h, n), 1: (b, h // group, 1)}.get(gran_code, (1, 1, 1))
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def strides(x: torch.Tensor, layout: str) -> tuple[int, int, int, int]:

@@ -52,6 +52,7 @@ from fa3_numerics.errors import UsageError
 from fa3_numerics.numerics.granularity import PerHead
 
 from ._common import f64_to_f32_odd, fp8_params, interpreting, round_fp8, tl, tl_fp8, triton
+from .quant_launch import descale_buffer
 from .rotate_quant import GRAN_CODES, QuantOut
 
 ROPE_LAYOUTS = {"none": 0, "interleaved": 1, "half": 2}
@@ -480,14 +481,7 @@ def rope_quantize(x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.T
 
     out_shape = (b, n, h, d) if out_layout == "bshd" else (b, h, n, d)
     y = torch.empty(out_shape, dtype=f.torch_dtype, device=dev)
-    if code == 2:
-        desc = torch.empty((b, h, -(-n // rows)), dtype=torch.float32, device=dev)
-    elif code == 3:
-        desc = torch.empty((b, h, n), dtype=torch.float32, device=dev)
-    elif code == 1:
-        desc = torch.empty((b, h // group, 1), dtype=torch.float32, device=dev)
-    else:
-        desc = torch.empty((1, 1, 1), dtype=torch.float32, device=dev)
+    desc = descale_buffer(code, b, h, n, rows, group, dev)
     # float64 tiles of 32 rows fit the registers; float32 tiles hold a whole Q block.
     if code == 2:
         per_prog = rows
@@ -552,14 +546,7 @@ def _launch_persistent(x, cos, sin, pos, mu, layout, out_layout, f, fmt, code, r
         mu = mu.to(torch.float32).contiguous()
     out_shape = (b, n, h, d) if out_layout == "bshd" else (b, h, n, d)
     y = torch.empty(out_shape, dtype=f.torch_dtype, device=dev)
-    if code == 2:
-        desc = torch.empty((b, h, nblk), dtype=torch.float32, device=dev)
-    elif code == 3:
-        desc = torch.empty((b, h, n), dtype=torch.float32, device=dev)
-    elif code == 1:
-        desc = torch.empty((b, h // group, 1), dtype=torch.float32, device=dev)
-    else:
-        desc = torch.empty((1, 1, 1), dtype=torch.float32, device=dev)
+    desc = descale_buffer(code, b, h, n, r, group, dev)
     amax = torch.zeros(max(1, b * (h // group)) if code == 1 else 1, dtype=torch.int32, device=dev)
     st = stages or _PERSIST_STAGES
     common = dict(HALF=d // 2, TILE=tile, INTERLEAVED=interleaved, ROPE=rope_code != 0, FULL=bool(full),

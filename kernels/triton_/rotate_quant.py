@@ -61,8 +61,8 @@ from fa3_numerics.errors import UsageError
 from fa3_numerics.numerics.granularity import PerBlock, PerHead, PerToken
 
 from ._common import fp8_params, interpreting, tl_fp8, triton
-from .quant_launch import (GRAN_CODES, LAYOUTS, SMEM_PER_SM, QuantOut, dims, fit_per_sm, programs,
-                           rotation_constants, strides)
+from .quant_launch import (GRAN_CODES, LAYOUTS, SMEM_PER_SM, QuantOut, descale_buffer, dims, fit_per_sm,
+                           programs, rotation_constants, strides)
 from .quant_persistent import resident_programs
 
 if triton is not None:
@@ -143,15 +143,7 @@ def rotate_quantize(x: torch.Tensor, *, layout: str = "bshd", fmt: str = "e4m3",
 
     out_shape = {"bshd": (b, n, h, d), "bhsd": (b, h, n, d), "bhds": (b, h, d, n)}[out_layout]
     y = torch.empty(out_shape, dtype=fp8.torch_dtype, device=dev)
-    if gran_code == 2:
-        nd = -(-n // rows)
-        desc = torch.empty((b, h, nd), dtype=torch.float32, device=dev)
-    elif gran_code == 3:
-        desc = torch.empty((b, h, n), dtype=torch.float32, device=dev)
-    elif gran_code == 1:
-        desc = torch.empty((b, h // group, 1), dtype=torch.float32, device=dev)
-    else:
-        desc = torch.empty((1, 1, 1), dtype=torch.float32, device=dev)
+    desc = descale_buffer(gran_code, b, h, n, rows, group, dev)
     if smem_candidate(gran_code, rows, rot, reread, persistent, exact, fmt,
                       (tile, num_warps, recip, stages, progs_per_sm, sub_tile, max_regs, soft_cast)) \
             and _smem_default(x, layout, out_layout, rows, d, n, rot, impl):

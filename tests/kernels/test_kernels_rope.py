@@ -344,32 +344,28 @@ def test_refuses_block_without_rows_and_missing_tables():
 # ---------------------------------------------------------------------------- interpreter
 
 
-def _interpret(which: tuple[int, ...]) -> list[dict]:
+def _in_interpreter(call: str, *args: str, gpu_test: str) -> list[dict]:
+    """``t.<call>`` of this module in a subprocess under Triton's interpreter, its rows as JSON."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed: the interpreter tests need it (pip install triton)")
     if GPU_REASON is None:
-        pytest.skip("a GPU is present: test_gpu_rope_quant_matches_prepare covers this")
+        pytest.skip(f"a GPU is present: {gpu_test} covers this")
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_kernels_rope as t; "
-            "print(json.dumps(t.rope_checks('cpu', [t.CASES[i] for i in json.loads(sys.argv[2])])))")
+            f"print(json.dumps(t.{call}))")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), json.dumps(list(which))], env=env,
+    proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), *args], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _interpret(which: tuple[int, ...]) -> list[dict]:
+    return _in_interpreter("rope_checks('cpu', [t.CASES[i] for i in json.loads(sys.argv[2])])", json.dumps(list(which)),
+                           gpu_test="test_gpu_rope_quant_matches_prepare")
+
+
 def test_interpreted_fast_path_launches_keep_the_bytes():
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed: the interpreter tests need it (pip install triton)")
-    if GPU_REASON is None:
-        pytest.skip("a GPU is present: test_gpu_fast_path_launches_keep_the_bytes covers this")
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_kernels_rope as t; "
-            "print(json.dumps(t.launch_checks('cpu')))")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    _assert_launch_rows(json.loads(proc.stdout.strip().splitlines()[-1]))
+    _assert_launch_rows(_in_interpreter("launch_checks('cpu')", gpu_test="test_gpu_fast_path_launches_keep_the_bytes"))
 
 
 def _assert_launch_rows(rows: list[dict]) -> None:
