@@ -27,13 +27,10 @@ from pathlib import Path
 def compile_kernel(*, d=128, tile=64, rot=2, gran=2, sub=4, reread=1, stages=2, warps=4, maxnreg=0, passes=0,
                    head_fast=True, out_layout="bhsd", div=2):
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from fa3_numerics.kernels.triton_ import quant_persistent
 
     fn = quant_persistent.rq_persistent
-    names = fn.arg_names
     ptr = {"X": "*bf16", "Y": "*fp8e4nv", "SIGNS": "*fp32", "HADAMARD": "*bf16", "SQRT_D": "*fp32", "AMAX": "*i32",
            "DESC": "*fp32"}
     # strides of a (b, s, h, d) input and a (b, h, s, d) or (b, h, d, s) output: the ones that are 1
@@ -44,8 +41,20 @@ def compile_kernel(*, d=128, tile=64, rot=2, gran=2, sub=4, reread=1, stages=2, 
                   HEAD_FAST=head_fast)
     if sub > 1:
         consts.update(SUB=sub, REREAD=reread)
+    return _compile(fn, ptr, consts, ones, lambda n: n.startswith("s"), {"num_warps": warps}, maxnreg)
+
+
+def _compile(fn, ptr: dict, consts: dict, ones: set, aligned, opts: dict, maxnreg: int):
+    """Compile ``fn`` for sm_90 as Triton's launcher would specialise it: pointers and the integers
+    ``aligned(name)`` names divisible by 16, the ``ones`` equal to 1 (constants), ``consts``
+    constexpr, every other argument an i32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = dict(consts)
     sig, attrs = {}, {}
-    for i, n in enumerate(names):
+    for i, n in enumerate(fn.arg_names):
         if n in consts:
             sig[n] = "constexpr"
         elif n in ptr:
@@ -56,15 +65,12 @@ def compile_kernel(*, d=128, tile=64, rot=2, gran=2, sub=4, reread=1, stages=2, 
             consts[n] = 1
         else:
             sig[n] = "i32"
-            if n.startswith("s"):
+            if aligned(n):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    for n in names:  # defaults not given
-        if n not in sig:
-            sig[n] = "constexpr"
-    opts = {"num_warps": warps}
+    opts = dict(opts)
     if maxnreg:
         opts["maxnreg"] = maxnreg
-    src = ASTSource(fn, sig, constexprs={k: v for k, v in consts.items() if k in names}, attrs=attrs)
+    src = ASTSource(fn, sig, constexprs={k: v for k, v in consts.items() if k in fn.arg_names}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=opts)
 
 
@@ -74,8 +80,6 @@ def compile_rope_kernel(*, tiled=False, d=128, tile=64, gran=1, passes=2, stages
     (b, s, h, d) FP8 output (FA3's layout): ``rope_persistent.rp_persistent`` (the fast path), or
     with ``tiled`` ``rope_quant._rope_quant_kernel`` on its float32 path (the kernel before it)."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from fa3_numerics.kernels.triton_ import rope_persistent, rope_quant
 
@@ -95,26 +99,11 @@ def compile_rope_kernel(*, tiled=False, d=128, tile=64, gran=1, passes=2, stages
                       DIV=2, STAGES=stages, SPLIT=split, TABLE_PER_HEAD=table_per_head)
         ptr = {"X": "*bf16", "Y": "*u8" if soft_cast else "*fp8e4nv", "COS": "*fp32", "SIN": "*fp32", "POS": "*i64",
                "HM": "*bf16", "SQRT_D": "*fp32", "MU": "*fp32", "AMAX": "*i32", "DESC": "*fp32"}
-    ones = {"sxd", "syd", "std"}
-    sig, attrs, consts = {}, {}, dict(common)
-    for i, n in enumerate(fn.arg_names):
-        if n in consts:
-            sig[n] = "constexpr"
-        elif n in ptr:
-            sig[n] = ptr[n]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif n in ones:
-            sig[n] = "constexpr"
-            consts[n] = 1
-        else:
-            sig[n] = "i32"
-            if n in ("sxb", "sxh", "sxs", "syb", "syh", "sys_", "stb", "stn"):  # what the launcher specialises (0 too)
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    opts = {"num_warps": warps, "enable_fp_fusion": False}
-    if maxnreg:
-        opts["maxnreg"] = maxnreg
-    src = ASTSource(fn, sig, constexprs={k: v for k, v in consts.items() if k in fn.arg_names}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=opts)
+    # The strides of the input, the output and the tables are multiples of 16 (0 too, which the
+    # launcher specialises alike); the inner ones are 1.
+    aligned = {"sxb", "sxh", "sxs", "syb", "syh", "sys_", "stb", "stn"}
+    return _compile(fn, ptr, common, {"sxd", "syd", "std"}, aligned.__contains__,
+                    {"num_warps": warps, "enable_fp_fusion": False}, maxnreg)
 
 
 def compile_smem_kernel(*, rows=224, keep_last=False, parts=2, stage_in_ring=True, pow2=True, head_fast=True,
