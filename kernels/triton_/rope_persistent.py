@@ -84,11 +84,28 @@ if triton is not None:
         return hi, mid, lo
 
     @triton.jit
+    def _split3_truncated(u):
+        """float32 u = hi + mid + lo exactly, each part cut from the bits with integer operations, no
+        conversion instructions. hi: u's top 16 bits (a BF16 value, truncated); r = u - hi is exact
+        (same sign and exponent, at most 16 significant bits); mid: r's top 16 bits; lo = r - mid has
+        at most 8 significant bits, so its top 16 bits are all of it. Each part's BF16 tensor is
+        those 16 bits, reinterpreted."""
+        ub = u.to(tl.int32, bitcast=True)
+        hi = (ub >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        r = u - (ub & -65536).to(tl.float32, bitcast=True)
+        rb = r.to(tl.int32, bitcast=True)
+        mid = (rb >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        lo = r - (rb & -65536).to(tl.float32, bitcast=True)
+        lo = (lo.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return hi, mid, lo
+
+    @triton.jit
     def _product(u, hm, DOT_F32: tl.constexpr, SPLIT: tl.constexpr):
         """u [TILE, HALF] float32 times a ±1 matrix ``hm``, float32 sums.
 
-        SPLIT 3 (default): three BF16 products of u's exact parts, smallest first: every product
-        exact. 2 and 1: two or one BF16 parts (u's low 8 or 16 significant bits dropped; kept to
+        SPLIT 3: three BF16 products of u's exact parts (rounded to nearest), smallest first: every
+        product exact. 5: the same with the parts cut by truncation (``_split3_truncated``): exact
+        too, without the conversion instructions. 2 and 1: two or one BF16 parts (u's low 8 or 16 significant bits dropped; kept to
         measure what the third product costs). 4: two TF32 products of u's parts split by masking
         (hi: the top 11 significant bits, lo: the rest, of which the tensor core reads 11 of 13),
         no conversion instructions; ``hm`` float32 there. DOT_F32 (Triton's interpreter, whose
@@ -104,6 +121,9 @@ if triton is not None:
         else:
             if SPLIT == 3:
                 hi, mid, lo = _split3(u)
+                parts = (lo, mid, hi)
+            elif SPLIT == 5:
+                hi, mid, lo = _split3_truncated(u)
                 parts = (lo, mid, hi)
             elif SPLIT == 2:
                 hi = u.to(tl.bfloat16)

@@ -380,7 +380,8 @@ def rope_quantize(x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.T
     with neither RoPE nor rotation (V) the plain quantizer (``rotate_quant.rotate_quantize``, the
     same bytes). ``tile``, ``num_warps``, ``stages`` and ``progs_per_sm`` tune the launch (0: the
     defaults). ``split`` (persistent kernel) chooses the rotation's products: ``bf16x3`` exact
-    products (default), ``bf16x2`` / ``bf16x1`` (inexact, to measure what the exact products
+    products (default), ``bf16x3t`` exact products of parts cut by truncation (integer operations,
+    no conversions), ``bf16x2`` / ``bf16x1`` (inexact, to measure what the exact products
     cost), ``tf32x2`` (masked TF32 parts, no conversions; the tensor core drops u's last 2 bits).
     ``table_per_head`` reads the cos/sin rows again for every head instead of holding them in
     registers across the heads. Returns a ``QuantOut``
@@ -516,7 +517,7 @@ def rope_quantize(x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.T
 
 
 _PERSIST_MAX_ROWS = 128
-_SPLITS = {"bf16x3": 3, "bf16x2": 2, "bf16x1": 1, "tf32x2": 4}
+_SPLITS = {"bf16x3": 3, "bf16x3t": 5, "bf16x2": 2, "bf16x1": 1, "tf32x2": 4}
 _PERSIST_TILE = 64
 _PERSIST_STAGES = 3
 _PERSIST_PPS = 2  # 4 warps at ~255 registers a thread: two programs fill an SM's register file

@@ -223,7 +223,8 @@ def launch_checks(device: str = "cpu") -> list[dict]:
     """The fast path's launch options change where the work runs, not the bytes: tables held per
     row block or read per head and another tile must give identical bytes and descales; the rotation's
     other products (bf16x2, bf16x1) must not (they drop bits: a control that the split is used);
-    the tiled kernel, whose float32 sums run in another order, agrees but for near-ties. On a GPU
+    the tiled kernel, whose float32 sums run in another order, and the truncated exact split
+    (bf16x3t: other parts, so other float32 sums) agree but for near-ties. On a GPU
     the default launch is the compiled kernel's (quant_launch.launch): it must equal Triton's own
     (on the CPU both are the interpreter's, so that row only tests something on a GPU)."""
     from fa3_numerics.kernels.triton_.rope_quant import rope_quantize
@@ -237,7 +238,8 @@ def launch_checks(device: str = "cpu") -> list[dict]:
         kw = dict(rope=rope, gran=PerHead(), seed=2, exact=False, group=2)
         base = rope_quantize(xin, cos.to(device), sin.to(device), **kw)
         for name, extra in (("tables per head", dict(table_per_head=True)), ("tile 32", dict(tile=32)),
-                            ("jit launch", {}), ("bf16x1", dict(split="bf16x1")), ("tiled", dict(impl="tiled"))):
+                            ("jit launch", {}), ("bf16x1", dict(split="bf16x1")), ("tiled", dict(impl="tiled")),
+                            ("bf16x3t", dict(split="bf16x3t"))):
             if name == "jit launch":  # the compiled-kernel launch (quant_launch.launch) against Triton's own
                 os.environ["FA3N_TRITON_FAST_LAUNCH"] = "0"
             try:
@@ -369,7 +371,7 @@ def test_interpreted_fast_path_launches_keep_the_bytes():
 
 
 def _assert_launch_rows(rows: list[dict]) -> None:
-    assert len(rows) == 11
+    assert len(rows) == 13
     for r in rows:
         if r["case"].startswith("d16"):
             assert r["launch"].startswith("rope-quant tile"), r

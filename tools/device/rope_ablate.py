@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         tag = "default" if not launch else "t32w2"
         kw = {**base, **launch}
         add(f"{tag}: rope + hadamard, head, bf16x3", lambda kw=kw: rq.rope_quantize(q, cos, sin, **kw), 2)
-        for sp in ("bf16x2", "bf16x1", "tf32x2"):
+        for sp in ("bf16x3t", "bf16x2", "bf16x1", "tf32x2"):
             add(f"{tag}: rope + hadamard, head, {sp}", lambda kw=kw, sp=sp: rq.rope_quantize(q, cos, sin, split=sp,
                                                                                             **kw), 2)
         add(f"{tag}: rope, no rotation, head", lambda kw=kw: rq.rope_quantize(q, cos, sin, rot="none", **kw), 2)

@@ -116,8 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", default="64,4,3,2;64,4,4,2;32,2,3,4;64,4,3,2,h;64,4,4,2,h;64,4,3,3,h;32,2,3,4,h;"
                                        "32,2,4,4,h;32,4,3,3,h",
                     help="launches of the persistent pre-pass to time on the first shape (tile,warps,stages,"
-                         "programs per SM[,h: tables read per head];...); the fastest runs every shape's ours-fast. "
-                         "'' keeps the default")
+                         "programs per SM[,h: tables read per head][,bf16x3t: the truncated exact split];...); the "
+                         "fastest runs every shape's ours-fast. '' keeps the default")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU dry run of every step: Triton's interpreter, kernels/fa3.py's mock_flash_attn, one "
                          "tiny shape (checks the script, measures nothing)")
@@ -326,8 +326,13 @@ def sweep(ctx: Context, b: int, h: int, s: int, spec: str) -> dict:
         fields = part.split(",")
         tile, warps, stages, pps = (int(x) for x in fields[:4])
         kw = dict(tile=tile, num_warps=warps, stages=stages, progs_per_sm=pps)
-        if fields[4:] == ["h"]:
-            kw["table_per_head"] = True
+        for extra in fields[4:]:
+            if extra == "h":
+                kw["table_per_head"] = True
+            elif extra in ("bf16x3", "bf16x3t"):  # the exact splits only: ours-fast must keep exact products
+                kw["split"] = extra
+            else:
+                raise ValueError(f"--sweep: unknown field {extra!r} in {part!r} (h, bf16x3 or bf16x3t)")
 
         def prep(kw=kw):
             common = dict(gran=PerHead(), seed=args.seed, exact=False, out_layout="bshd", impl="persistent", **kw)
@@ -338,7 +343,8 @@ def sweep(ctx: Context, b: int, h: int, s: int, spec: str) -> dict:
             prep()
             ms = ctx.graph_ms(prep) or ctx.time_ms(prep)["ms"]
             row = {"launch": kw, "ms": ms, "pct_copy": 100 * minimal / (ms * 1e-3) / 1e12 / ctx.copy_tbs}
-            log(f"  sweep tile {tile} warps {warps} stages {stages} {pps}/SM: {ms:.4f} ms, "
+            log(f"  sweep tile {tile} warps {warps} stages {stages} {pps}/SM {kw.get('split', 'bf16x3')}"
+                f"{' tables per head' if kw.get('table_per_head') else ''}: {ms:.4f} ms, "
                 f"{row['pct_copy']:.0f}% of copy (minimal bytes)")
         except Exception as exc:  # noqa: BLE001 - a launch that does not compile or fit is a row, not the end
             row = {"launch": kw, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
@@ -580,13 +586,14 @@ def markdown(res: dict) -> str:
     if sw and "rows" in sw:
         b, h, s_, d = sw["shape"]
         lines += [f"## Launch sweep of the persistent pre-pass (Q, K, V per head; b={b} h={h} s={s_} d={d})", "",
-                  "| tile | warps | stages | programs/SM | tables read | device ms | % of copy (minimal bytes) |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| tile | warps | stages | programs/SM | tables read | split | device ms | % of copy (minimal bytes) |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in sw["rows"]:
             la = r["launch"]
             cells = (f"{r['ms']:.4f} | {r['pct_copy']:.0f}%" if "ms" in r else f"- | {r['error']}")
             lines.append(f"| {la['tile']} | {la['num_warps']} | {la['stages']} | {la['progs_per_sm']} | "
-                         f"{'per head' if la.get('table_per_head') else 'per row block'} | {cells} |")
+                         f"{'per head' if la.get('table_per_head') else 'per row block'} | {la.get('split', 'bf16x3')} "
+                         f"| {cells} |")
         lines += ["", f"Chosen for ours-fast: {sw['chosen']}", ""]
         for name, r in sw.get("v", {}).items():
             lines.append(f"- V per head alone by `{name}`: {r['ms']:.4f} ms, {r['pct_copy_traffic']:.0f}% of copy "
