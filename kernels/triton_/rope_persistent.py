@@ -89,7 +89,9 @@ if triton is not None:
         conversion instructions. hi: u's top 16 bits (a BF16 value, truncated); r = u - hi is exact
         (same sign and exponent, at most 16 significant bits); mid: r's top 16 bits; lo = r - mid has
         at most 8 significant bits, so its top 16 bits are all of it. Each part's BF16 tensor is
-        those 16 bits, reinterpreted."""
+        those 16 bits, reinterpreted. Exact for normal floats (checked on 2 million values from
+        1e-13 to 1e13 times N(0, 1)); a subnormal u (|u| < 2^-126) has fewer significant bits
+        above its 16th and loses its lowest ones in lo."""
         ub = u.to(tl.int32, bitcast=True)
         hi = (ub >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
         r = u - (ub & -65536).to(tl.float32, bitcast=True)
