@@ -193,6 +193,11 @@ if triton is not None:
         return tl.where(m[:, None], y1, 0.0), tl.where(m[:, None], y2, 0.0)
 
     @triton.jit
+    def _row_absmax(y1, y2):
+        """max |y| of each row over both halves."""
+        return tl.maximum(tl.max(tl.abs(y1), axis=1), tl.max(tl.abs(y2), axis=1))
+
+    @triton.jit
     def _cast(y, d32, MBITS: tl.constexpr, EMIN: tl.constexpr, FMT_MAX: tl.constexpr, OUT: tl.constexpr,
               SOFT_CAST: tl.constexpr, DIV: tl.constexpr, BIAS: tl.constexpr, SUBQ: tl.constexpr, NAN: tl.constexpr):
         if SOFT_CAST:
@@ -283,22 +288,18 @@ if triton is not None:
                 y1, y2 = _tile(X, MU, a1, a2, b1, b2, hm1, hm2, inv_sqrt_d, b, h, rows, m, sxb, sxh, sxs, sxd, smb,
                                smh, TILE, HALF, INTERLEAVED, ROPE, ROT, SMOOTH, DOT_F32, SPLIT)
                 if PASS == 1:
-                    am = tl.maximum(tl.max(tl.max(tl.abs(y1), axis=1), axis=0),
-                                    tl.max(tl.max(tl.abs(y2), axis=1), axis=0))
+                    am = tl.max(_row_absmax(y1, y2), axis=0)
                     if GRAN == 1:
                         tl.atomic_max(AMAX + b * (H // GROUP) + h // GROUP, am.to(tl.int32, bitcast=True))
                     else:
                         tl.atomic_max(AMAX, am.to(tl.int32, bitcast=True))
                 else:
                     if GRAN == 3:
-                        dt = tile_descale(tl.maximum(tl.max(tl.abs(y1), axis=1), tl.max(tl.abs(y2), axis=1)),
-                                          FMT_MAX, POW2, False)
+                        dt = tile_descale(_row_absmax(y1, y2), FMT_MAX, POW2, False)
                         tl.store(DESC + b * sdb + h * sdh + rows * sdn, dt, mask=m)
                         d32 = dt[:, None]
                     elif GRAN == 2:
-                        am = tl.maximum(tl.max(tl.max(tl.abs(y1), axis=1), axis=0),
-                                        tl.max(tl.max(tl.abs(y2), axis=1), axis=0))
-                        d32 = tile_descale(am, FMT_MAX, POW2, False)
+                        d32 = tile_descale(tl.max(_row_absmax(y1, y2), axis=0), FMT_MAX, POW2, False)
                         tl.store(DESC + b * sdb + h * sdh + blk * sdn, d32)
                     elif GRAN == 1:
                         hg = h // GROUP

@@ -52,7 +52,7 @@ from fa3_numerics.errors import UsageError
 from fa3_numerics.numerics.granularity import PerHead
 
 from ._common import f64_to_f32_odd, fp8_params, interpreting, round_fp8, tl, tl_fp8, triton
-from .quant_launch import descale_buffer
+from .quant_launch import descale_buffer, dims, strides
 from .rotate_quant import GRAN_CODES, QuantOut
 
 ROPE_LAYOUTS = {"none": 0, "interleaved": 1, "half": 2}
@@ -299,23 +299,10 @@ if triton is not None:
         tl.store(Y + rows[:, None].to(tl.int64) * D + cols[None, :], r.to(Y.dtype.element_ty), mask=m[:, None])
 
 
-def _strides(x: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
-    s = x.stride()
-    if layout == "bshd":
-        return s[0], s[2], s[1], s[3]
-    if layout == "bhsd":
-        return s[0], s[1], s[2], s[3]
-    raise UsageError(f"unknown layout {layout!r}; one of {', '.join(_LAYOUTS)}")
-
-
 def _dims(x: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
     if x.dim() != 4:
         raise UsageError(f"expected a 4-d tensor ({layout}), got shape {tuple(x.shape)}")
-    if layout == "bshd":
-        b, n, h, d = x.shape
-    else:
-        b, h, n, d = x.shape
-    return b, h, n, d
+    return dims(x, layout)
 
 
 def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor | int, *,
@@ -503,9 +490,9 @@ def rope_quantize(x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.T
     if not interpreting():
         common["num_warps"] = num_warps or (8 if tile * d >= 128 * 128 else 4)
         common["enable_fp_fusion"] = False  # RoPE's products round before the sum (see module doc)
-    ys = _strides(y, out_layout)
+    ys = strides(y, out_layout)
     args = [x, y.view(torch.uint8) if soft else y, cos, sin, pos, signs, hm, scal, mu, amax, desc,
-            *_strides(x, layout), *ys, stb, stn, std, spb, spn, smb, smh,
+            *strides(x, layout), *ys, stb, stn, std, spb, spn, smb, smh,
             desc.stride(0), desc.stride(1), desc.stride(2), h, n, group, per_prog]
     if code <= 1:
         _rope_quant_kernel[grid](*args, PASS=1, **common)
@@ -543,8 +530,6 @@ def _launch_persistent(x, cos, sin, pos, mu, layout, out_layout, f, fmt, code, r
     nblk = -(-n // r)
     total = b * nblk
     hmat, sqrt_d = half_matrices(d, seed, interleaved, dev)  # cached: no host-to-device copy (CUDA graphs)
-    if smooth:
-        mu = mu.to(torch.float32).contiguous()
     out_shape = (b, n, h, d) if out_layout == "bshd" else (b, h, n, d)
     y = torch.empty(out_shape, dtype=f.torch_dtype, device=dev)
     desc = descale_buffer(code, b, h, n, r, group, dev)
@@ -562,8 +547,8 @@ def _launch_persistent(x, cos, sin, pos, mu, layout, out_layout, f, fmt, code, r
         common["enable_fp_fusion"] = False  # RoPE's products round before the sum (see the module doc)
     pps = progs_per_sm or _PERSIST_PPS
     grid = (programs(dev, total, pps),)
-    args = [x, y.view(torch.uint8) if soft else y, cos, sin, pos, hmat, sqrt_d, mu, amax, desc, *_strides(x, layout),
-            *_strides(y, out_layout), *tstrides, desc.stride(0), desc.stride(1), desc.stride(2), h, n, group, r, nblk,
+    args = [x, y.view(torch.uint8) if soft else y, cos, sin, pos, hmat, sqrt_d, mu, amax, desc, *strides(x, layout),
+            *strides(y, out_layout), *tstrides, desc.stride(0), desc.stride(1), desc.stride(2), h, n, group, r, nblk,
             total]
     how = [launch(rp_persistent, grid, args, {**common, "PASS": p}) for p in ((1, 2) if code <= 1 else (0,))]
     return QuantOut(y, desc, out_layout, rows, group, code,
