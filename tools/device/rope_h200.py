@@ -136,6 +136,11 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"error: --shapes: cannot read {exc} (write batch,heads,seqlen;...)", file=sys.stderr)
         return 2
+    try:
+        parse_sweep(args.sweep)
+    except ValueError as exc:
+        print(f"error: --sweep: cannot read {exc}", file=sys.stderr)
+        return 2
     if not args.out:
         print("error: no output folder: pass --out DIR or set $OUT", file=sys.stderr)
         return 2
@@ -309,6 +314,29 @@ def alias_fa3_for_torch() -> None:
     sys.modules["flash_attn_interface"] = shim
 
 
+def parse_sweep(spec: str) -> list[dict]:
+    """``--sweep`` as rope_quantize launch settings; ValueError names the part it cannot read."""
+    out = []
+    for part in (p for p in spec.split(";") if p.strip()):
+        fields = [f.strip() for f in part.split(",")]
+        try:
+            tile, warps, stages, pps = (int(x) for x in fields[:4])
+        except ValueError:
+            raise ValueError(f"{part!r}: tile,warps,stages,programs per SM are integers") from None
+        if len(fields) < 4 or min(tile, warps, stages, pps) <= 0:
+            raise ValueError(f"{part!r}: four positive integers first")
+        kw = dict(tile=tile, num_warps=warps, stages=stages, progs_per_sm=pps)
+        for extra in fields[4:]:
+            if extra == "h":
+                kw["table_per_head"] = True
+            elif extra in ("bf16x3", "bf16x3t"):  # the exact splits only: ours-fast must keep exact products
+                kw["split"] = extra
+            else:
+                raise ValueError(f"{part!r}: unknown field {extra!r} (h, bf16x3 or bf16x3t)")
+        out.append(kw)
+    return out
+
+
 def sweep(ctx: Context, b: int, h: int, s: int, spec: str) -> dict:
     """Device time (CUDA-graph replays) of the persistent pre-pass of Q, K (RoPE + Hadamard) and V
     (cast) with per-head descales, for each launch in ``spec``; sets ``ctx.launch`` to the fastest."""
@@ -322,17 +350,8 @@ def sweep(ctx: Context, b: int, h: int, s: int, spec: str) -> dict:
     cos, sin = rq.rope_tables(inv.float(), s, device=dev)
     minimal = 3 * q.numel() * 3 + 3 * b * h * 4
     rows = []
-    for part in spec.split(";"):
-        fields = part.split(",")
-        tile, warps, stages, pps = (int(x) for x in fields[:4])
-        kw = dict(tile=tile, num_warps=warps, stages=stages, progs_per_sm=pps)
-        for extra in fields[4:]:
-            if extra == "h":
-                kw["table_per_head"] = True
-            elif extra in ("bf16x3", "bf16x3t"):  # the exact splits only: ours-fast must keep exact products
-                kw["split"] = extra
-            else:
-                raise ValueError(f"--sweep: unknown field {extra!r} in {part!r} (h, bf16x3 or bf16x3t)")
+    for kw in parse_sweep(spec):
+        tile, warps, stages, pps = kw["tile"], kw["num_warps"], kw["stages"], kw["progs_per_sm"]
 
         def prep(kw=kw):
             common = dict(gran=PerHead(), seed=args.seed, exact=False, out_layout="bshd", impl="persistent", **kw)
