@@ -45,9 +45,10 @@ from pathlib import Path
 
 # The figure this bench printed last (docs/measurements.md, issue 29's CPU target): printed beside
 # this run's so that a change is read against it.
-PREVIOUS = {"ratio": 3.11, "wall": 22.1, "floor": 7.1, "peak_gb": 1.63,
-            "when": "2026-12-03 15:41 UTC, quiet 2-core CPU container whose floor read 7.1 s (11.8 s and 2.38x "
-                    "on 2026-11-30)"}
+PREVIOUS = {"ratio": 2.06, "wall": 21.6, "floor": 10.5, "peak_gb": 1.76,
+            "when": "2026-12-04 19:50 UTC, quiet 2-core CPU container whose floor read 10.7 / 10.3 s (3.11x against "
+                    "7.1 s on 2026-12-03, 2.38x against 11.8 s on 2026-11-30)"}
+
 
 TABLE3 = ("baseline-fp16", "fa2-fp16", "fa3-fp16", "baseline-fp8", "fa3-fp8", "fa3-fp8-no-block-quant",
           "fa3-fp8-no-incoherent")

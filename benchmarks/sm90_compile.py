@@ -165,6 +165,31 @@ def compile_vsmem_kernel(*, rows=224, pow2=True, head_fast=True):
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
 
 
+def compile_attn_kernel(*, d=128, block_m=64, block_n=128, warps=4, stages=3, fold=False, causal=False,
+                        two_level=False, maxnreg=0, nq=8192, heads=16, extra=None):
+    """The Triton FP8 attention forward (``attention._fwd_kernel``) as ``attention_fp8`` launches it
+    for (b, h, s, d) FP8 Q and K and (b, h, d, s) V: the paper's ``fa3-fp8`` recipe (per-block
+    descales of 128 rows, ``fold`` off) or per-head descales (``fold``). ``extra``: more constexprs
+    (a kernel variant's switches)."""
+    import triton
+
+    from fa3_numerics.kernels.triton_ import attention as at
+
+    n1, n2, n3 = at.kv_chunks(block_n)
+    fp8 = triton.language.float8e4nv
+    consts = dict(D=d, BLOCK_M=block_m, N1=n1, N2=n2, N3=n3, CAUSAL=causal, FOLD=fold,
+                  Q_ROWS=nq if fold else 128, K_ROWS=nq if fold else 128, K_TILE=not fold and 128 % block_n == 0,
+                  V_TILE=not fold, V_ROWS=nq if fold else 128, TWO_LEVEL=two_level, REVERSE=True, P_OFFSET=8.0,
+                  P_DT=fp8, P_MBITS=3, P_EMIN=-6, P_MAX=448.0, OUT_DT=triton.language.bfloat16, SOFT_CAST=False,
+                  **(extra or {}))
+    ptr = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "Vt": "*fp8e4nv", "O": "*bf16", "QD": "*fp32", "KD": "*fp32",
+           "VD": "*fp32", "base_ptr": "*fp32"}
+    # V^T's sequence stride, the descales' block strides (per block) and GROUP (MHA) are 1.
+    ones = {"s_vs", "GROUP"} | (set() if fold else {"s_qdn", "s_kdn", "s_vdt"})
+    return _compile(at._fwd_kernel, ptr, consts, ones, lambda n: n.startswith("s_") or n.startswith("N_"),
+                    {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}, maxnreg)
+
+
 def sass_mix(cubin: bytes) -> dict:
     nvdisasm = Path(__import__("triton").__file__).parent / "backends/nvidia/bin/nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -173,7 +198,7 @@ def sass_mix(cubin: bytes) -> dict:
         text = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
     ops = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", text, re.M)
     mix = {}
-    for key in ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "SYNCS", "LDGSTS", "STG", "LDG", "STL", "LDL", "BAR", "SHFL",
+    for key in ("HGMMA", "WARPGROUP", "MUFU.EX2", "F2FP", "FMUL", "FADD", "FFMA", "FMNMX", "HMMA", "UTMALDG", "UTMASTG", "SYNCS", "LDGSTS", "STG", "LDG", "STL", "LDL", "BAR", "SHFL",
                 "WARPSYNC", "LDS", "STS"):
         mix[key] = sum(1 for o in ops if o.startswith(key))
     mix["total"] = len(ops)
@@ -194,11 +219,17 @@ def main(argv=None) -> int:
                     help="register cap (default: the library's: 168 for the tl kernel's 224-row tile, none for smem)")
     ap.add_argument("--passes", type=int, default=0)
     ap.add_argument("--out-layout", default="bhsd")
-    ap.add_argument("--kernel", default="tl", choices=("tl", "smem", "vsmem", "rope", "rope-tiled"),
+    ap.add_argument("--kernel", default="tl", choices=("tl", "smem", "vsmem", "rope", "rope-tiled", "attn"),
                     help="tl: quant_persistent.rq_persistent; smem: rotate_quant_smem._rq_block_smem (Gluon); "
                          "vsmem: vquant_smem._vq_block_smem (Gluon, V written (b, h, d, s)); rope: "
                          "rope_persistent.rp_persistent (--gran, --passes, --tile, --stages, --warps, --interleaved); "
-                         "rope-tiled: rope_quant._rope_quant_kernel's float32 path")
+                         "rope-tiled: rope_quant._rope_quant_kernel's float32 path; attn: attention._fwd_kernel "
+                         "(--block-m, --block-n, --warps, --stages, --fold, --causal)")
+    ap.add_argument("--block-m", type=int, default=64, help="attn: query rows a program")
+    ap.add_argument("--block-n", type=int, default=128, help="attn: KV tile")
+    ap.add_argument("--fold", action="store_true", help="attn: per-head descales (folded into the softmax scale)")
+    ap.add_argument("--causal", action="store_true", help="attn: causal")
+    ap.add_argument("--two-level", action="store_true", help="attn: the two-level P.V accumulation")
     ap.add_argument("--interleaved", action="store_true", help="rope: the interleaved RoPE layout")
     ap.add_argument("--table-per-head", action="store_true", help="rope: cos/sin rows read per head")
     ap.add_argument("--split", type=int, default=3, help="rope: SPLIT (3, 2, 1 BF16 parts; 4 two TF32 parts)")
@@ -215,10 +246,15 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.maxnreg is None:
         a.maxnreg = 168 if a.kernel == "tl" else 0
+    if a.kernel == "attn" and "--stages" not in " ".join(argv or sys.argv):
+        a.stages = 3  # plan_tiles' default
     if a.kernel.startswith("rope") and a.gran == 2 and a.passes == 0 and "--gran" not in " ".join(argv or sys.argv):
         a.gran, a.passes = 1, 2  # the rope kernels' default probe: per-head scales, the quantizing pass
     try:
-        if a.kernel in ("rope", "rope-tiled"):
+        if a.kernel == "attn":
+            k = compile_attn_kernel(d=a.d, block_m=a.block_m, block_n=a.block_n, warps=a.warps, stages=a.stages,
+                                    fold=a.fold, causal=a.causal, two_level=a.two_level, maxnreg=a.maxnreg)
+        elif a.kernel in ("rope", "rope-tiled"):
             k = compile_rope_kernel(tiled=a.kernel == "rope-tiled", d=a.d, tile=a.tile, gran=a.gran,
                                     passes=a.passes, stages=a.stages, warps=a.warps, maxnreg=a.maxnreg,
                                     interleaved=a.interleaved, rot=a.rot != 0, soft_cast=a.soft_cast,

@@ -317,3 +317,21 @@ def test_explain_cudnn_dkdv_finds_the_code_it_was_given(tmp_path, capsys):
         sys.path.remove(str(REPO / "tools"))
         sys.modules.pop("explain_cudnn_dkdv", None)
         sys.modules.pop("fit_cudnn_bwd", None)
+
+
+def test_triton_attn_table_names_the_fastest_plan_and_every_failure():
+    mod = _load("triton_attn_h200")
+    env = {"device": "H200", "when": "now", "torch": "t", "shape": [4, 16, 8192, 128], "reps": 30}
+    rows = [{"variant": "triton fa3-fp8", "causal": False, "plan": p, "ms": ms, "ms_p10": ms, "ms_p90": ms,
+             "tflops": 1.0, "x_fa3": x, "same_bytes_as_default": same}
+            for p, ms, x, same in (((64, 128, 4, 3, 0), 3.4, 0.73, None), ((64, 128, 4, 2, 168), 3.3, 0.76, True),
+                                   ((128, 128, 8, 2, 0), 4.5, 0.56, False))]
+    text = "\n".join(mod._table({"env": env, "rows": rows, "failures": ["plan X: output bytes differ"]}))
+    assert "| no | **0.760x** | (64, 128, 4, 2, 168) | 0.730x |" in text
+    assert "plan X: output bytes differ" in text
+
+
+def test_triton_attn_refuses_bad_arguments_with_exit_2(capsys):
+    mod = _load("triton_attn_h200")
+    assert mod.main(["--seqlen", "100"]) == 2
+    assert "--seqlen" in capsys.readouterr().err
