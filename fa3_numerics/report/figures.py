@@ -99,26 +99,31 @@ def figure_plan(ds: xr.Dataset) -> list[str]:
 
 def make_figures(ds: xr.Dataset, rows: list[dict], metric: str = "rmse") -> list[Figure]:
     """Draw every figure of ``figure_plan``; ``rows`` is ``summary_table(ds, metric)``."""
+    import functools
+
     import matplotlib as mpl
 
+    from ..engine.forking import forked_map
     from . import figures_sweep as sweep
 
     with mpl.rc_context():
         theme()
         ctx = _Ctx(ds, rows, metric)
-        out = []
+        calls = []
         for name in figure_plan(ds):
             if name == "variants":
-                out.append(_variants(ctx))
+                calls.append(functools.partial(_variants, ctx))
             elif name == "seqlen":
-                out.append(sweep.seqlen(ctx))
+                calls.append(functools.partial(sweep.seqlen, ctx))
             elif name == "heatmap_p_sigma":
-                out.append(sweep.heatmaps(ctx))
+                calls.append(functools.partial(sweep.heatmaps, ctx))
             elif name.startswith("vs_"):
-                out.append(sweep.versus(ctx, name[3:]))
+                calls.append(functools.partial(sweep.versus, ctx, name[3:]))
             elif name == "inputs_hist":
-                out.append(_inputs_hist(ctx))
-        return out
+                calls.append(functools.partial(_inputs_hist, ctx))
+        # Each figure in its own process where the command line allows forks (the same bytes:
+        # every figure is drawn from the dataset alone, with the theme set above).
+        return forked_map(calls)
 
 
 # -- helpers -----------------------------------------------------------------------------

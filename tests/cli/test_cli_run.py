@@ -113,6 +113,11 @@ def test_console_run_writes_the_same_dataset_from_its_report_process(tmp_path):
         np.testing.assert_array_equal(a["rmse"].values, b["rmse"].values)
     for name in ("summary.md", "report.html", "figures/variants.png"):
         assert (tmp_path / "a" / name).is_file()
+    # The figures drawn in forked processes (engine.forking.forked_map) are the in-process bytes.
+    figs = sorted(p.name for p in (tmp_path / "a" / "figures").iterdir())
+    assert len(figs) >= 4 and figs == sorted(p.name for p in (tmp_path / "b" / "figures").iterdir())
+    for name in figs:
+        assert (tmp_path / "a" / "figures" / name).read_bytes() == (tmp_path / "b" / "figures" / name).read_bytes(), name
     bad = console(tmp_path / "c", "--p", "0.01", "--sigma", "300", "--variants", "baseline-fp16,sscale=after")
     assert bad.returncode == 3, bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("error: ") and (tmp_path / "c" / "report.html").is_file()
