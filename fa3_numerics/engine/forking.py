@@ -82,17 +82,19 @@ def forked_map(calls: list) -> list:
             kids.append((pid, rfd))
         last = calls[-1]()
         out = []
-        for pid, rfd in kids:
-            data = read_all(rfd)
-            os.close(rfd)
-            os.waitpid(pid, 0)
+        while kids:
+            pid, rfd = kids.pop(0)  # off the list first: its fd is closed here, never twice
+            try:
+                data = read_all(rfd)
+            finally:
+                os.close(rfd)
+                os.waitpid(pid, 0)
             if not data:
-                raise RuntimeError("a forked figure process ended without its result; rerun with FA3N_FORKS=0")
+                raise RuntimeError("a forked helper process ended without its result; rerun with FA3N_FORKS=0")
             ok, value = pickle.loads(data)
             if not ok:
                 raise value
             out.append(value)
-        kids = []
         return out + [last]
     finally:
         for pid, rfd in kids:  # an error or Ctrl-C here: end the children still running

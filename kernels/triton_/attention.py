@@ -280,8 +280,9 @@ if triton is not None:
 class Plan:
     """Launch configuration: tiles, warps and stages. ``block_n`` is the KV tile in keys.
     ``maxnreg`` caps the registers a thread (0: the compiler's choice): the default 64 x 128 tile
-    takes 238-243, two programs an SM; 168 fits three at the price of a few spilled bytes. No
-    field changes a result bit, only the speed."""
+    takes 238-243, two programs an SM; 168 fits three at the price of a few spilled bytes. Of the
+    fields only ``block_n`` changes results (the online softmax's tile); the others change the
+    speed alone (byte for byte on the H200, ``tools/device/triton_attn_h200.py``)."""
 
     block_m: int = 128
     block_n: int = 128

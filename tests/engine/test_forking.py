@@ -51,3 +51,24 @@ def test_forked_map_runs_here_without_forks(monkeypatch):
     finally:
         forking.allow_forks(False)
     assert out == [(os.getpid(), 0), (os.getpid(), 1), (os.getpid(), 4)]
+
+
+def test_forked_map_ends_every_child_when_one_fails(forks, monkeypatch):
+    def bad():
+        raise KeyError("first")
+
+    pids, fork = [], os.fork
+
+    def recording_fork():
+        pid = fork()
+        if pid:
+            pids.append(pid)
+        return pid
+
+    monkeypatch.setattr(os, "fork", recording_fork)
+    with pytest.raises(KeyError):
+        forking.forked_map([bad, _pid_and(1), _pid_and(2)])
+    assert len(pids) == 2
+    for pid in pids:  # every child was waited for: none is left to reap
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
