@@ -7,7 +7,9 @@ process, one first run (cold caches, bytecode), then the median of ``--repeat`` 
 
 Each timed run sets FA3N_TIMINGS=1, so the command prints its phases (start-up, runs, dataset
 file, report, ...; on a GPU each reading synchronizes the device). Printed: every run's wall and
-phases, the median of each, and the previous measurement beside the figure (``PREVIOUS``).
+phases, the median of each, the start-up floor (a bare Python importing torch and, on a GPU,
+opening a CUDA context: what no change to this package removes), and the previous measurement
+beside the figure (``PREVIOUS``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,22 @@ def run_once(args: list[str], out: str) -> tuple[float, dict[str, float], int]:
     return wall, phases, done.returncode
 
 
+# What every process of ours pays before its first line runs: Python, torch's import and, on a GPU,
+# the CUDA context (the first allocation opens it). The command's start-up is read against it.
+FLOOR = {"gpu": "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()", "cpu": "import torch"}
+
+
+def startup_floor(key: str, repeat: int) -> float:
+    """Median wall time of a bare ``python -c FLOOR[key]`` after one warm-up run."""
+    walls = []
+    for i in range(repeat + 1):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", FLOOR[key]], check=True, capture_output=True)
+        if i:
+            walls.append(time.perf_counter() - t0)
+    return statistics.median(walls)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpu", action="store_true", help="the paper-shape Table 3 on CUDA")
@@ -72,6 +90,10 @@ def main() -> None:
     names = list(dict.fromkeys(k for _, p in runs for k in p))
     print(f"median of {a.repeat}: {med:.2f} s wall; phases " + ", ".join(
         f"{n} {statistics.median(p.get(n, 0.0) for _, p in runs):.2f} s" for n in names))
+    floor = startup_floor(key, a.repeat)
+    start = statistics.median(p.get("start-up", 0.0) for _, p in runs)
+    print(f"start-up floor: {floor:.2f} s, median of {a.repeat} (python -c \"{FLOOR[key]}\"); the command's start-up "
+          f"is {start - floor:+.2f} s above it, the rest of the run {med - start:.2f} s")
     print(f"previous: {PREVIOUS[key]}")
     print(f"target: {TARGET[key]}")
     shutil.rmtree(out, ignore_errors=True)

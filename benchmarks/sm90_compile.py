@@ -7,6 +7,7 @@ TMA and asynchronous copies, stores, barriers, spills).
     python benchmarks/sm90_compile.py --sub 2 --reread 0 --stages 3 --maxnreg 0   # the 128-row Q tile
     python benchmarks/sm90_compile.py --kernel smem          # the shared-memory kernel, 224 rows
     python benchmarks/sm90_compile.py --kernel smem --rows 128 --parts 4
+    python benchmarks/sm90_compile.py --kernel attn --warp-specialize   # can Triton warp-specialize it?
 
 Needs triton (``pip install triton==3.6.0``; it brings ptxas and nvdisasm). The launch the
 library would pick is in ``rotate_quantize``'s ``launch``; this probe compiles the same kernel
@@ -180,8 +181,9 @@ def compile_attn_kernel(*, d=128, block_m=64, block_n=128, warps=4, stages=3, fo
     consts = dict(D=d, BLOCK_M=block_m, N1=n1, N2=n2, N3=n3, CAUSAL=causal, FOLD=fold,
                   Q_ROWS=nq if fold else 128, K_ROWS=nq if fold else 128, K_TILE=not fold and 128 % block_n == 0,
                   V_TILE=not fold, V_ROWS=nq if fold else 128, TWO_LEVEL=two_level, REVERSE=True, P_OFFSET=8.0,
-                  P_DT=fp8, P_MBITS=3, P_EMIN=-6, P_MAX=448.0, OUT_DT=triton.language.bfloat16, SOFT_CAST=False,
-                  **(extra or {}))
+                  P_DT=fp8, P_MBITS=3, P_EMIN=-6, P_MAX=448.0, OUT_DT=triton.language.bfloat16, SOFT_CAST=False)
+    # A constexpr with a default must still be named here: _compile makes any other argument an i32.
+    consts = {"WS": False, **consts, **(extra or {})}
     ptr = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "Vt": "*fp8e4nv", "O": "*bf16", "QD": "*fp32", "KD": "*fp32",
            "VD": "*fp32", "base_ptr": "*fp32"}
     # V^T's sequence stride, the descales' block strides (per block) and GROUP (MHA) are 1.
@@ -198,11 +200,47 @@ def sass_mix(cubin: bytes) -> dict:
         text = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
     ops = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", text, re.M)
     mix = {}
-    for key in ("HGMMA", "WARPGROUP", "MUFU.EX2", "F2FP", "FMUL", "FADD", "FFMA", "FMNMX", "HMMA", "UTMALDG", "UTMASTG", "SYNCS", "LDGSTS", "STG", "LDG", "STL", "LDL", "BAR", "SHFL",
+    # HGMMA: BF16/FP16 tensor-core products; QGMMA: the FP8 ones.
+    for key in ("HGMMA", "QGMMA", "WARPGROUP", "MUFU.EX2", "F2FP", "FMUL", "FADD", "FFMA", "FMNMX", "HMMA", "UTMALDG", "UTMASTG", "SYNCS", "LDGSTS", "STG", "LDG", "STL", "LDL", "BAR", "SHFL",
                 "WARPSYNC", "LDS", "STS"):
         mix[key] = sum(1 for o in ops if o.startswith(key))
     mix["total"] = len(ops)
     return mix
+
+
+def _warp_specialized(a, plain) -> str:
+    """The attention kernel compiled again with ``WS`` (``tl.range(..., warp_specialize=True)`` on
+    its unmasked loop): one line saying whether this Triton split the loop into producer and
+    consumer warps on sm_90, i.e. whether a product could overlap the softmax."""
+    import os
+
+    import triton
+
+    # A failing pass prints an assertion and a whole MLIR reproducer on the process's stderr:
+    # keep them out of the output, and quote the assertion.
+    with tempfile.TemporaryFile(mode="w+") as err:
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)
+        try:
+            ws = compile_attn_kernel(d=a.d, block_m=a.block_m, block_n=a.block_n, warps=a.warps, stages=a.stages,
+                                     fold=a.fold, causal=a.causal, two_level=a.two_level, maxnreg=a.maxnreg,
+                                     extra={"WS": True})
+            failed = None
+        except Exception as exc:  # the compiler's own failure is the finding
+            failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        said = [ln.strip() for ln in err if "Assertion" in ln or "error:" in ln]
+    head = f"warp specialization (Triton {triton.__version__}, sm_90, {a.warps} warps):"
+    if failed:
+        where = [re.sub(r".*?([\w]+\.cpp:\d+):.*?(Assertion .*)", r"\1: \2", ln) for ln in said]
+        return f"{head} the compiler failed ({failed}; {where[0][:160] if where else 'no message'})"
+    if ws.asm["cubin"] == plain.asm["cubin"] or sass_mix(ws.asm["cubin"]) == sass_mix(plain.asm["cubin"]):
+        return f"{head} not applied (the same code as without it: {int(ws.metadata.num_warps)} warps, no partitions)"
+    return (f"{head} applied: {int(ws.metadata.num_warps)} warps; SASS "
+            + ", ".join(f"{k} {v}" for k, v in sass_mix(ws.asm["cubin"]).items()))
 
 
 def main(argv=None) -> int:
@@ -230,6 +268,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fold", action="store_true", help="attn: per-head descales (folded into the softmax scale)")
     ap.add_argument("--causal", action="store_true", help="attn: causal")
     ap.add_argument("--two-level", action="store_true", help="attn: the two-level P.V accumulation")
+    ap.add_argument("--warp-specialize", action="store_true",
+                    help="attn: also ask Triton to warp-specialize the unmasked KV loop and say whether it could")
     ap.add_argument("--interleaved", action="store_true", help="rope: the interleaved RoPE layout")
     ap.add_argument("--table-per-head", action="store_true", help="rope: cos/sin rows read per head")
     ap.add_argument("--split", type=int, default=3, help="rope: SPLIT (3, 2, 1 BF16 parts; 4 two TF32 parts)")
@@ -271,6 +311,8 @@ def main(argv=None) -> int:
     except ImportError as exc:
         print(f"error: {exc}; install triton==3.6.0 to compile for sm_90 here", file=sys.stderr)
         return 2
+    if a.kernel == "attn" and a.warp_specialize:
+        print(_warp_specialized(a, k))
     md = k.metadata
     ptx = k.asm["ptx"]
     ptxas = Path(__import__("triton").__file__).parent / "backends/nvidia/bin/ptxas"

@@ -188,7 +188,7 @@ if triton is not None:
                     K_TILE: tl.constexpr, V_TILE: tl.constexpr, V_ROWS: tl.constexpr, TWO_LEVEL: tl.constexpr,
                     REVERSE: tl.constexpr,
                     P_OFFSET: tl.constexpr, P_DT: tl.constexpr, P_MBITS: tl.constexpr, P_EMIN: tl.constexpr,
-                    P_MAX: tl.constexpr, OUT_DT: tl.constexpr, SOFT_CAST: tl.constexpr):
+                    P_MAX: tl.constexpr, OUT_DT: tl.constexpr, SOFT_CAST: tl.constexpr, WS: tl.constexpr = False):
         BN: tl.constexpr = N1 + N2 + N3
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -241,14 +241,16 @@ if triton is not None:
                                                N_K, causal_off, base, sl2, s_ks, s_kdn, s_vs, s_vd, s_vdt,
                                                D, N1, N2, N3, True, CAUSAL, FOLD, K_ROWS, K_TILE, V_TILE, V_ROWS,
                                                TWO_LEVEL, P_OFFSET, P_DT, P_MBITS, P_EMIN, P_MAX, SOFT_CAST)
-            for j in range(0, n_clean):
+            # WS asks Triton to warp-specialize the unmasked loop (a probe: benchmarks/sm90_compile.py
+            # --warp-specialize; Triton 3.6 fails or ignores it on sm_90, so no launch sets it).
+            for j in tl.range(0, n_clean, warp_specialize=WS):
                 t = n_clean - 1 - j
                 acc, l_i, m_i, vd_prev = _tile(acc, l_i, m_i, vd_prev, q, qd, t, Kb, Vb, kd_base, vd_base, offs_m,
                                                N_K, causal_off, base, sl2, s_ks, s_kdn, s_vs, s_vd, s_vdt,
                                                D, N1, N2, N3, False, CAUSAL, FOLD, K_ROWS, K_TILE, V_TILE, V_ROWS,
                                                TWO_LEVEL, P_OFFSET, P_DT, P_MBITS, P_EMIN, P_MAX, SOFT_CAST)
         else:
-            for t in range(0, n_clean):
+            for t in tl.range(0, n_clean, warp_specialize=WS):
                 acc, l_i, m_i, vd_prev = _tile(acc, l_i, m_i, vd_prev, q, qd, t, Kb, Vb, kd_base, vd_base, offs_m,
                                                N_K, causal_off, base, sl2, s_ks, s_kdn, s_vs, s_vd, s_vdt,
                                                D, N1, N2, N3, False, CAUSAL, FOLD, K_ROWS, K_TILE, V_TILE, V_ROWS,
